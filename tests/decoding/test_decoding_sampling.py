@@ -1,0 +1,163 @@
+"""Pure-function tests for train.decoding.sampling."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from train.decoding import SamplingParams, residual, sample, warp
+from train.decoding.sampling import (
+    LENIENCES,
+    accept_draft,
+    acceptance_probability,
+    apply_lenience,
+    expected_acceptance_per_position,
+    first_rejection,
+)
+
+
+def test_params_defaults_and_frozen():
+    p = SamplingParams()
+    assert (p.temperature, p.top_k, p.top_p) == (0.0, 0, 1.0)
+    assert p.greedy
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.temperature = 1.0  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_k": -1}, "top_k"),
+        ({"top_k": 1.5}, "top_k"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.1}, "top_p"),
+        ({"top_p": -0.5}, "top_p"),
+    ],
+)
+def test_params_validation_names_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_warp_greedy_is_one_hot():
+    logits = torch.tensor([[0.1, 2.0, -1.0, 2.0], [5.0, 0.0, 0.0, 0.0]])
+    probs = warp(logits, SamplingParams(temperature=0.0))
+    assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]]))
+
+
+def test_warp_temperature():
+    logits = torch.randn(3, 7)
+    probs = warp(logits, SamplingParams(temperature=0.5))
+    torch.testing.assert_close(probs, torch.softmax(logits / 0.5, -1))
+    torch.testing.assert_close(warp(logits, SamplingParams(temperature=1.0)), torch.softmax(logits, -1))
+
+
+def test_warp_top_k():
+    logits = torch.tensor([1.0, 4.0, 3.0, 2.0, 0.0])
+    probs = warp(logits, SamplingParams(temperature=1.0, top_k=2))
+    expected = torch.zeros(5)
+    expected[[1, 2]] = torch.softmax(torch.tensor([4.0, 3.0]), -1)
+    torch.testing.assert_close(probs, expected)
+    # top_k >= V is a no-op
+    torch.testing.assert_close(warp(logits, SamplingParams(1.0, top_k=5)), torch.softmax(logits, -1))
+
+
+def test_warp_top_p():
+    probs_in = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs_in.log()
+    # mass before each token: 0, .5, .8, .95 -> top_p=0.8 keeps the first two (reaches 0.8)
+    out = warp(logits, SamplingParams(1.0, top_p=0.8))
+    torch.testing.assert_close(out, torch.tensor([0.625, 0.375, 0.0, 0.0]))
+    out = warp(logits, SamplingParams(1.0, top_p=0.81))
+    torch.testing.assert_close(out, torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95)
+    # the top token is always kept
+    out = warp(logits, SamplingParams(1.0, top_p=0.01))
+    torch.testing.assert_close(out, torch.tensor([1.0, 0.0, 0.0, 0.0]))
+
+
+def test_warp_combined_rows_sum_to_one():
+    logits = torch.randn(4, 3, 50)
+    out = warp(logits, SamplingParams(0.7, top_k=10, top_p=0.9))
+    assert out.shape == logits.shape
+    torch.testing.assert_close(out.sum(-1), torch.ones(4, 3))
+    assert ((out > 0).sum(-1) <= 10).all()
+
+
+def test_sample_shapes_and_distribution():
+    g = torch.Generator().manual_seed(0)
+    probs = torch.tensor([0.1, 0.6, 0.0, 0.3])
+    draws = torch.stack([sample(probs, g) for _ in range(4000)])
+    assert draws.shape == (4000,)
+    freq = torch.bincount(draws, minlength=4).float() / 4000
+    assert freq[2] == 0
+    torch.testing.assert_close(freq, probs, atol=0.03, rtol=0)
+    batch = sample(torch.softmax(torch.randn(2, 3, 5), -1), g)
+    assert batch.shape == (2, 3) and batch.dtype == torch.long
+
+
+def test_sample_reproducible_with_generator():
+    probs = torch.softmax(torch.randn(10), -1)
+    a = [int(sample(probs, torch.Generator().manual_seed(3))) for _ in range(3)]
+    assert len(set(a)) == 1
+
+
+def test_residual():
+    p = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    q = torch.tensor([0.2, 0.5, 0.2, 0.1])
+    torch.testing.assert_close(residual(p, q), torch.tensor([1.0, 0.0, 0.0, 0.0]))
+    # falls back to p when the residual is zero (p == q, or p <= q everywhere)
+    torch.testing.assert_close(residual(p, p), p)
+    pq = torch.stack([p, p]), torch.stack([q, p])
+    torch.testing.assert_close(residual(*pq), torch.stack([torch.tensor([1.0, 0, 0, 0]), p]))
+
+
+def test_residual_recovers_p():
+    """q(x) min(1, p/q) + P(reject) * residual = p for any p, q (the losslessness identity)."""
+    g = torch.Generator().manual_seed(1)
+    p = torch.softmax(torch.randn(5, 6, generator=g), -1)
+    q = torch.softmax(torch.randn(5, 6, generator=g), -1)
+    accept_mass = torch.minimum(p, q)
+    reject = 1 - accept_mass.sum(-1, keepdim=True)
+    torch.testing.assert_close(accept_mass + reject * residual(p, q), p)
+
+
+@pytest.mark.parametrize("name", sorted(LENIENCES))
+def test_lenience_eps_one_is_identity(name):
+    p = torch.rand(10)
+    assert torch.equal(apply_lenience(p, name, 1.0), p)
+    assert torch.equal(LENIENCES[name](p, 1.0), p)
+
+
+def test_lenience_values():
+    p = torch.tensor([0.25, 0.5])
+    torch.testing.assert_close(apply_lenience(p, "linear", 0.5), p / 0.5)
+    torch.testing.assert_close(apply_lenience(p, "squared", 0.5), p / 0.25)
+    torch.testing.assert_close(apply_lenience(p, "exponential", 0.5), p.sqrt())
+    assert torch.equal(apply_lenience(p, None, 0.5), p)
+    with pytest.raises(ValueError, match="lenience"):
+        apply_lenience(p, "cubic", 0.5)
+
+
+def test_acceptance_helpers():
+    p_x = torch.tensor([0.2, 0.5, 0.1])
+    q_x = torch.tensor([0.4, 0.5, 0.05])
+    torch.testing.assert_close(acceptance_probability(p_x, q_x), torch.tensor([0.5, 1.0, 1.0]))
+    torch.testing.assert_close(acceptance_probability(p_x, q_x, "linear", 0.5), torch.tensor([1.0, 1.0, 1.0]))
+    u = torch.tensor([0.49, 0.99, 0.0])
+    assert accept_draft(p_x, q_x, u).tolist() == [True, True, True]
+    assert accept_draft(p_x, q_x, torch.tensor([0.51, 0.2, 0.3])).tolist() == [False, True, True]
+    assert first_rejection(torch.tensor([True, True, False, True])) == 2
+    assert first_rejection(torch.tensor([True, True])) == 2
+    assert first_rejection(torch.tensor([False])) == 0
+    assert first_rejection(torch.zeros(0, dtype=torch.bool)) == 0
+
+
+def test_expected_acceptance_per_position():
+    p = torch.tensor([[0.5, 0.5, 0.0], [1.0, 0.0, 0.0]])
+    q = torch.tensor([[0.25, 0.25, 0.5], [0.0, 1.0, 0.0]])
+    torch.testing.assert_close(expected_acceptance_per_position(p, q), torch.tensor([0.5, 0.0]))
+    torch.testing.assert_close(expected_acceptance_per_position(p, p), torch.ones(2))

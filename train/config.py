@@ -1,0 +1,175 @@
+"""Typed, validated run configuration.
+
+Every Hydra group that is not a Lightning object points its ``_target_`` at one of these dataclasses,
+so ``hydra.utils.instantiate`` builds it and ``__post_init__`` rejects a bad value before any model
+loads. Errors name the config key (``trainer.devices``) and the allowed range.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range; the message names the key."""
+
+
+def require(condition: bool, key: str, allowed: str, value: Any) -> None:
+    """Raise :class:`ConfigError` naming ``key`` unless ``condition`` holds."""
+    if not condition:
+        raise ConfigError(f"{key} must be {allowed}, got {value!r}")
+
+
+def looks_local(path: str) -> bool:
+    """True when ``path`` is meant as a filesystem path rather than a Hub id."""
+    return path.startswith(("/", "./", "../", "~")) or path.count("/") > 1 or os.path.exists(path)
+
+
+def check_model_source(key: str, source: str, may_be_built: bool = False) -> None:
+    """Fail early on a local model path that does not exist (unless it will be built)."""
+    require(isinstance(source, str) and bool(source), key, "a Hub id or a local path", source)
+    if looks_local(source):
+        if not may_be_built and not os.path.isdir(os.path.expanduser(source)):
+            raise ConfigError(f"{key}: no model folder at {source!r} (not a Hub id either)")
+    else:
+        require(bool(_HUB_ID.match(source)), key, "a Hub id like 'org/name' or a local path", source)
+
+
+STRATEGIES = ("auto", "ddp", "ddp_spawn", "ddp_find_unused_parameters_true", "fsdp", "deepspeed", "single_device")
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps", "tpu")
+PRECISIONS = ("32-true", "32", "16-mixed", "bf16-mixed", "bf16-true", "16-true", "64-true")
+DTYPES = ("float32", "bfloat16", "float16", "auto")
+
+
+@dataclass
+class TrainerConfig:
+    """Arguments for ``lightning.Trainer``; see conf/trainer/*.yaml."""
+
+    accelerator: str = "cpu"
+    strategy: str = "auto"
+    devices: Any = 1
+    num_nodes: int = 1
+    precision: str = "32-true"
+    max_steps: int = 100
+    val_check_interval: Any = 50
+    limit_val_batches: Any = 1.0
+    log_every_n_steps: int = 10
+    gradient_clip_val: float | None = 1.0
+    accumulate_grad_batches: int = 1
+    deterministic: bool = False
+    enable_progress_bar: bool = True
+
+    def __post_init__(self) -> None:
+        require(self.accelerator in ACCELERATORS, "trainer.accelerator", f"one of {ACCELERATORS}", self.accelerator)
+        require(self.strategy in STRATEGIES, "trainer.strategy", f"one of {STRATEGIES}", self.strategy)
+        require(
+            self.devices == "auto" or (isinstance(self.devices, int) and self.devices >= 1),
+            "trainer.devices",
+            "an integer >= 1 or 'auto'",
+            self.devices,
+        )
+        require(isinstance(self.num_nodes, int) and self.num_nodes >= 1, "trainer.num_nodes", ">= 1", self.num_nodes)
+        require(str(self.precision) in PRECISIONS, "trainer.precision", f"one of {PRECISIONS}", self.precision)
+        require(self.max_steps >= 1, "trainer.max_steps", ">= 1", self.max_steps)
+        require(self.log_every_n_steps >= 1, "trainer.log_every_n_steps", ">= 1", self.log_every_n_steps)
+        require(self.accumulate_grad_batches >= 1, "trainer.accumulate_grad_batches", ">= 1", self.accumulate_grad_batches)
+        require(
+            self.gradient_clip_val is None or self.gradient_clip_val > 0,
+            "trainer.gradient_clip_val",
+            "> 0 or null",
+            self.gradient_clip_val,
+        )
+
+    def trainer_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``lightning.Trainer``."""
+        return {
+            "accelerator": self.accelerator,
+            "strategy": self.strategy,
+            "devices": self.devices,
+            "num_nodes": self.num_nodes,
+            "precision": self.precision,
+            "max_steps": self.max_steps,
+            "val_check_interval": self.val_check_interval,
+            "check_val_every_n_epoch": None,
+            "limit_val_batches": self.limit_val_batches,
+            "log_every_n_steps": self.log_every_n_steps,
+            "gradient_clip_val": self.gradient_clip_val,
+            "accumulate_grad_batches": self.accumulate_grad_batches,
+            "deterministic": self.deterministic,
+            "enable_progress_bar": self.enable_progress_bar,
+        }
+
+
+@dataclass
+class LoggerConfig:
+    """Which loggers write: W&B (offline unless credentials exist) and a local CSV logger."""
+
+    wandb: bool = True
+    csv: bool = True
+    offline: Any = "auto"
+    project: str = "draftsmith"
+    entity: str | None = None
+    tags: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        require(self.offline in ("auto", True, False), "logger.offline", "'auto', true or false", self.offline)
+        require(bool(self.project), "logger.project", "a non-empty string", self.project)
+
+    def wandb_offline(self) -> bool:
+        """Offline unless forced online or an API key is configured in the environment."""
+        if self.offline == "auto":
+            return not os.environ.get("WANDB_API_KEY")
+        return bool(self.offline)
+
+
+@dataclass
+class ModelConfig:
+    """The verifier/drafter pair. ``tiny`` is set for the embedded pair built on first use."""
+
+    name: str
+    verifier: str
+    drafter: str
+    tokenizer: str | None = None
+    dtype: str = "float32"
+    verifier_dtype: str | None = None
+    trust_remote_code: bool = False
+    attn_implementation: str | None = "sdpa"
+    tiny: Any = None
+
+    def __post_init__(self) -> None:
+        require(self.dtype in DTYPES, "model.dtype", f"one of {DTYPES}", self.dtype)
+        require(
+            self.verifier_dtype is None or self.verifier_dtype in DTYPES,
+            "model.verifier_dtype",
+            f"null or one of {DTYPES}",
+            self.verifier_dtype,
+        )
+        built = self.tiny is not None
+        check_model_source("model.verifier", self.verifier, may_be_built=built)
+        check_model_source("model.drafter", self.drafter, may_be_built=built)
+        if self.tokenizer is not None:
+            check_model_source("model.tokenizer", self.tokenizer, may_be_built=built)
+
+    @property
+    def tokenizer_source(self) -> str:
+        return self.tokenizer or self.verifier
+
+
+@dataclass
+class PathsConfig:
+    """Where data, caches and run directories live (conf/paths/default.yaml)."""
+
+    root_dir: str
+    data_dir: str
+    checkpoints_dir: str
+    tiny_dir: str
+    run_dir: str
+
+    def __post_init__(self) -> None:
+        for key in ("root_dir", "data_dir", "checkpoints_dir", "tiny_dir", "run_dir"):
+            require(bool(getattr(self, key)), f"paths.{key}", "a non-empty path", getattr(self, key))

@@ -1,0 +1,202 @@
+"""Lightning data modules for packed LM sequences and for prompts. Independent of any model.
+
+Both take the splits either prepared (a ``DatasetDict`` / mapping of split -> ``Dataset``) or as
+a zero-argument callable returning them (called once, in ``setup``), and a tokenizer object or
+a path to a saved one.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from functools import partial
+from typing import Any
+
+import lightning as L
+import torch
+from datasets import Dataset
+from torch.utils.data import DataLoader
+
+from train.data.lm import collate_left_pad, make_prompts, pack_sequences
+
+__all__ = ["LMDataModule", "PromptDataModule"]
+
+Splits = Mapping[str, Dataset]
+SplitsArg = Splits | Callable[[], Splits]
+
+
+def _resolve_tokenizer(tokenizer: Any) -> Any:
+    if isinstance(tokenizer, str | os.PathLike):
+        from train.data.tokenizer import load_tokenizer
+
+        return load_tokenizer(tokenizer)
+    return tokenizer
+
+
+def _resolve_splits(splits: SplitsArg) -> Splits:
+    resolved = splits() if callable(splits) else splits
+    if "train" not in resolved:
+        raise ValueError(f"splits need a 'train' split, got {sorted(resolved)}")
+    return resolved
+
+
+def _val_split(splits: Splits) -> Dataset | None:
+    for name in ("validation", "valid", "val"):
+        if name in splits:
+            return splits[name]
+    return None
+
+
+class LMDataModule(L.LightningDataModule):
+    """Packed ``seq_len`` blocks: batches are ``{"input_ids": LongTensor [B, seq_len]}``."""
+
+    def __init__(
+        self,
+        splits: SplitsArg,
+        tokenizer: Any,
+        seq_len: int = 256,
+        batch_size: int = 16,
+        num_workers: int = 0,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        text_column: str = "text",
+    ) -> None:
+        super().__init__()
+        self._splits_arg = splits
+        self.tokenizer = _resolve_tokenizer(tokenizer)
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.text_column = text_column
+        self.train_dataset: Dataset | None = None
+        self.val_dataset: Dataset | None = None
+        self.test_dataset: Dataset | None = None
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_dataset is not None:
+            return
+        splits = _resolve_splits(self._splits_arg)
+        pack = partial(pack_sequences, tokenizer=self.tokenizer, seq_len=self.seq_len, text_column=self.text_column)
+        self.train_dataset = pack(splits["train"])
+        val = _val_split(splits)
+        self.val_dataset = pack(val) if val is not None else None
+        self.test_dataset = pack(splits["test"]) if "test" in splits else None
+
+    def _loader(self, ds: Dataset | None, train: bool) -> DataLoader[Any]:
+        if ds is None:
+            raise RuntimeError("this split is not available")
+        generator = torch.Generator().manual_seed(self.seed) if train and self.shuffle else None
+        return DataLoader(
+            ds,  # type: ignore[arg-type]
+            batch_size=self.batch_size,
+            shuffle=train and self.shuffle,
+            num_workers=self.num_workers,
+            drop_last=train and self.drop_last,
+            generator=generator,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        self.setup()
+        return self._loader(self.train_dataset, train=True)
+
+    def val_dataloader(self) -> DataLoader[Any]:
+        self.setup()
+        return self._loader(self.val_dataset, train=False)
+
+    def test_dataloader(self) -> DataLoader[Any]:
+        self.setup()
+        return self._loader(self.test_dataset, train=False)
+
+
+class PromptDataModule(L.LightningDataModule):
+    """Prompts for rollouts/evaluation: batches from :func:`train.data.lm.collate_left_pad`
+    (``input_ids``/``attention_mask`` left-padded ``[B, T]``, ``continuation_ids``/``continuation_mask``
+    right-padded ``[B, C]``)."""
+
+    def __init__(
+        self,
+        splits: SplitsArg,
+        tokenizer: Any,
+        prompt_len: int = 64,
+        batch_size: int = 8,
+        num_workers: int = 0,
+        *,
+        continuation_len: int | None = 64,
+        max_prompts: int | None = None,
+        max_val_prompts: int | None = None,
+        mode: str = "random",
+        prompts_per_doc: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+        text_column: str = "text",
+    ) -> None:
+        super().__init__()
+        self._splits_arg = splits
+        self.tokenizer = _resolve_tokenizer(tokenizer)
+        self.prompt_len = prompt_len
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.continuation_len = continuation_len
+        self.max_prompts = max_prompts
+        self.max_val_prompts = max_val_prompts
+        self.mode = mode
+        self.prompts_per_doc = prompts_per_doc
+        self.seed = seed
+        self.shuffle = shuffle
+        self.text_column = text_column
+        self.train_dataset: Dataset | None = None
+        self.val_dataset: Dataset | None = None
+
+    @property
+    def pad_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        return int(pad if pad is not None else self.tokenizer.eos_token_id)
+
+    def _prompts(self, ds: Dataset, max_prompts: int | None) -> Dataset:
+        return make_prompts(
+            ds,
+            self.tokenizer,
+            self.prompt_len,
+            max_prompts,
+            self.seed,
+            continuation_len=self.continuation_len,
+            mode=self.mode,
+            prompts_per_doc=self.prompts_per_doc,
+            text_column=self.text_column,
+        )
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_dataset is not None:
+            return
+        splits = _resolve_splits(self._splits_arg)
+        self.train_dataset = self._prompts(splits["train"], self.max_prompts)
+        val = _val_split(splits)
+        self.val_dataset = self._prompts(val, self.max_val_prompts) if val is not None else None
+
+    def _loader(self, ds: Dataset | None, train: bool) -> DataLoader[Any]:
+        if ds is None:
+            raise RuntimeError("this split is not available")
+        generator = torch.Generator().manual_seed(self.seed) if train and self.shuffle else None
+        return DataLoader(
+            ds,  # type: ignore[arg-type]
+            batch_size=self.batch_size,
+            shuffle=train and self.shuffle,
+            num_workers=self.num_workers,
+            collate_fn=partial(collate_left_pad, pad_id=self.pad_id),
+            generator=generator,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        self.setup()
+        return self._loader(self.train_dataset, train=True)
+
+    def val_dataloader(self) -> DataLoader[Any]:
+        self.setup()
+        return self._loader(self.val_dataset, train=False)

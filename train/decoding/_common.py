@@ -1,0 +1,97 @@
+"""Helpers shared by the decoders: input validation and a thin, timed model call."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from .sampling import SamplingParams
+
+
+def max_positions(model: torch.nn.Module) -> int | None:
+    """The model's maximum sequence length from its config (None when it does not declare one)."""
+    cfg = getattr(model, "config", None)
+    for name in ("max_position_embeddings", "n_positions"):
+        value = getattr(cfg, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def output_vocab_size(model: torch.nn.Module) -> int:
+    """Size of the model's logits' last dimension (output embedding rows, else config.vocab_size)."""
+    get = getattr(model, "get_output_embeddings", None)
+    if callable(get):
+        emb = get()
+        weight = getattr(emb, "weight", None)
+        if isinstance(weight, torch.Tensor):
+            return int(weight.shape[0])
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if not isinstance(vocab, int):
+        raise ValueError("cannot determine the model's output vocabulary size (no output embeddings, no config.vocab_size)")
+    return vocab
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    try:
+        return next(model.parameters()).device
+    except StopIteration:
+        return torch.device("cpu")
+
+
+def supports_logits_to_keep(model: torch.nn.Module) -> bool:
+    try:
+        return "logits_to_keep" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def eos_set(eos_token_id: int | Iterable[int] | None) -> frozenset[int]:
+    if eos_token_id is None:
+        return frozenset()
+    if isinstance(eos_token_id, int):
+        return frozenset((eos_token_id,))
+    if isinstance(eos_token_id, torch.Tensor):
+        return frozenset(int(x) for x in eos_token_id.reshape(-1).tolist())
+    return frozenset(int(x) for x in eos_token_id)
+
+
+def validate_request(
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    params: Any,
+    models: Iterable[torch.nn.Module],
+) -> list[int]:
+    """Check a ``generate`` request; return the prompt as a list of ints.
+
+    input_ids: (1, T) or (T,) integer tensor with T >= 1.
+    """
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+    if not isinstance(input_ids, torch.Tensor):
+        raise TypeError(f"input_ids must be a torch.Tensor of shape (1, T), got {type(input_ids).__name__}")
+    if input_ids.dim() == 2:
+        if input_ids.shape[0] != 1:
+            raise ValueError(f"input_ids must have batch size 1, shape (1, T); got shape {tuple(input_ids.shape)}")
+        input_ids = input_ids[0]
+    elif input_ids.dim() != 1:
+        raise ValueError(f"input_ids must have shape (1, T); got shape {tuple(input_ids.shape)}")
+    if input_ids.numel() == 0:
+        raise ValueError("empty prompt: input_ids must contain at least one token (shape (1, T) with T >= 1)")
+    if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+        raise TypeError(f"input_ids must be an integer tensor, got dtype {input_ids.dtype}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    prompt = [int(x) for x in input_ids.tolist()]
+    total = len(prompt) + max_new_tokens
+    for model in models:
+        limit = max_positions(model)
+        if limit is not None and total > limit:
+            raise ValueError(
+                f"prompt length {len(prompt)} + max_new_tokens {max_new_tokens} = {total} exceeds "
+                f"{type(model).__name__}'s max_position_embeddings = {limit}"
+            )
+    return prompt

@@ -1,0 +1,171 @@
+"""Pure sampling and verification math for speculative decoding.
+
+Every function works on plain tensors; shapes are given in the docstrings with ``V`` the vocabulary
+size and ``*`` any leading batch dimensions. The same functions are used for training rollouts and for
+evaluation, so a drafter is trained under the regime it is evaluated under (ARCHITECTURE.md).
+
+Temperature 0 means greedy decoding: :func:`warp` returns the one-hot distribution on the argmax, so
+every formula below stays well defined (expected acceptance becomes 1 if the argmaxes agree, else 0).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "LENIENCES",
+    "SamplingParams",
+    "accept_draft",
+    "acceptance_probability",
+    "apply_lenience",
+    "expected_acceptance_per_position",
+    "first_rejection",
+    "residual",
+    "sample",
+    "warp",
+]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Decoding regime applied identically to the verifier (p) and the drafter (q).
+
+    temperature: >= 0; 0 means greedy (argmax). top_k: >= 0; 0 disables top-k.
+    top_p: in (0, 1]; 1.0 disables nucleus filtering.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.temperature, int | float) and math.isfinite(self.temperature)) or (
+            self.temperature < 0
+        ):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = disabled), got {self.top_k!r}")
+        if not isinstance(self.top_p, int | float) or not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in the range (0, 1] (1.0 = disabled), got {self.top_p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Turn logits into the warped sampling distribution.
+
+    logits: (*, V) float. Returns probs: (*, V) float32, rows summing to 1.
+    Order: temperature, then top-k, then top-p (nucleus, keeping the smallest set of most likely tokens
+    whose mass reaches top_p; the most likely token is always kept). Temperature 0 returns the one-hot
+    distribution on the argmax (first index on ties, like ``torch.argmax``).
+    """
+    logits = logits.float()
+    if params.temperature == 0.0:
+        idx = logits.argmax(dim=-1, keepdim=True)
+        return torch.zeros_like(logits).scatter_(-1, idx, 1.0)
+    if params.temperature != 1.0:
+        logits = logits / params.temperature
+    vocab = logits.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        # mass strictly before each token; drop tokens once the mass before them already reaches top_p
+        before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop_sorted = before >= params.top_p
+        drop_sorted[..., 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(dim=-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Draw one token per row. probs: (*, V) non-negative, rows summing to 1. Returns (*,) long."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    out = torch.multinomial(flat, 1, generator=generator)
+    return out.reshape(probs.shape[:-1])
+
+
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Rejection residual norm(max(0, p - q)).
+
+    p, q: (*, V) probabilities. Returns (*, V). Rows whose residual sums to 0 in floating point (p <= q
+    everywhere, e.g. p == q) fall back to p, as ALGORITHMS.md section 1 prescribes.
+    """
+    r = (p - q).clamp_min_(0.0)
+    total = r.sum(dim=-1, keepdim=True)
+    ok = total > 0
+    return torch.where(ok, r / torch.where(ok, total, torch.ones_like(total)), p)
+
+
+def _linear(p: torch.Tensor, eps: float) -> torch.Tensor:
+    return p / eps
+
+
+def _squared(p: torch.Tensor, eps: float) -> torch.Tensor:
+    return p / (eps * eps)
+
+
+def _exponential(p: torch.Tensor, eps: float) -> torch.Tensor:
+    return p.pow(eps)
+
+
+#: DistillSpec lenience functions f(p, eps); eps = 1 is the identity (lossless) for all of them.
+LENIENCES: dict[str, Callable[[torch.Tensor, float], torch.Tensor]] = {
+    "linear": _linear,
+    "squared": _squared,
+    "exponential": _exponential,
+}
+
+
+def apply_lenience(p: torch.Tensor, lenience: str | None, eps: float) -> torch.Tensor:
+    """f(p, eps) for the lossy acceptance test. p: any shape. lenience None or eps == 1 returns p itself."""
+    if lenience is None or eps == 1.0:
+        return p
+    try:
+        fn = LENIENCES[lenience]
+    except KeyError:
+        raise ValueError(f"lenience must be one of {sorted(LENIENCES)} or None, got {lenience!r}") from None
+    return fn(p, eps)
+
+
+def acceptance_probability(
+    p_x: torch.Tensor, q_x: torch.Tensor, lenience: str | None = None, eps: float = 1.0
+) -> torch.Tensor:
+    """min(1, f(p(x), eps) / q(x)) for drafted tokens x. p_x, q_x: (*,), q_x > 0. Returns (*,)."""
+    return (apply_lenience(p_x, lenience, eps) / q_x).clamp(max=1.0)
+
+
+def accept_draft(
+    p_x: torch.Tensor,
+    q_x: torch.Tensor,
+    u: torch.Tensor,
+    lenience: str | None = None,
+    eps: float = 1.0,
+) -> torch.Tensor:
+    """Stochastic acceptance test U < min(1, f(p(x), eps) / q(x)), written division-free as U q < f(p).
+
+    p_x, q_x, u: (g,) with u ~ Uniform[0, 1). Returns (g,) bool.
+    """
+    return u * q_x < apply_lenience(p_x, lenience, eps)
+
+
+def first_rejection(accepted: torch.Tensor) -> int:
+    """Number of leading True values in a 1-D bool tensor (g,) = index of the first rejection (g if none)."""
+    if accepted.numel() == 0:
+        return 0
+    rejected = (~accepted).nonzero()
+    return int(rejected[0, 0]) if rejected.numel() else int(accepted.numel())
+
+
+def expected_acceptance_per_position(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """sum_v min(p(v), q(v)) = 1 - TVD(p, q) per row. p, q: (*, V) probabilities. Returns (*,)."""
+    return torch.minimum(p, q).sum(dim=-1)

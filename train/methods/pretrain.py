@@ -1,0 +1,110 @@
+"""Plain causal language-model pretraining; builds the embedded tiny verifier/drafter pair."""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import lightning as L
+import torch
+from transformers import PreTrainedModel
+
+from train.config import require
+
+
+def partial_kwarg(partial: Any, name: str) -> Any:
+    """Read a keyword argument of a Hydra ``_partial_`` (a ``functools.partial``)."""
+    return partial.keywords.get(name) if isinstance(partial, functools.partial) else None
+
+
+def check_optimizer(prefix: str, optimizer: Any, scheduler: Any) -> None:
+    """Validate the optimizer/scheduler partials shared by every method config."""
+    require(callable(optimizer), f"{prefix}.optimizer", "a Hydra partial (_partial_: true)", optimizer)
+    require(scheduler is None or callable(scheduler), f"{prefix}.scheduler", "a Hydra partial or null", scheduler)
+    lr = partial_kwarg(optimizer, "lr")
+    require(lr is None or (isinstance(lr, (int, float)) and lr > 0), f"{prefix}.optimizer.lr", "> 0", lr)
+    wd = partial_kwarg(optimizer, "weight_decay")
+    require(wd is None or wd >= 0, f"{prefix}.optimizer.weight_decay", ">= 0", wd)
+
+
+def configure_optimizers(module: L.LightningModule, params: Any, optimizer: Any, scheduler: Any) -> Any:
+    """Lightning's optimizer dict from Hydra partials; the scheduler steps every optimizer step."""
+    opt = optimizer(params)
+    if scheduler is None:
+        return opt
+    return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler(opt), "interval": "step"}}
+
+
+@dataclass
+class PretrainConfig:
+    """Hyperparameters of plain LM pretraining (``method=pretrain``)."""
+
+    optimizer: Any
+    scheduler: Any = None
+    seq_len: int = 256
+    batch_size: int = 16
+
+    def __post_init__(self) -> None:
+        check_optimizer("method", self.optimizer, self.scheduler)
+        require(self.seq_len >= 8, "method.seq_len", ">= 8", self.seq_len)
+        require(self.batch_size >= 1, "method.batch_size", ">= 1", self.batch_size)
+
+    def build(self, pair: Any, spec: Any) -> tuple[PretrainModule, L.LightningDataModule]:
+        """Continued pretraining of the pair's drafter on ``spec.data`` (packed blocks)."""
+        from train.data.datamodule import LMDataModule
+        from train.data.sources import load_text_dataset
+
+        data = LMDataModule(lambda: load_text_dataset(spec.data, pair.tokenizer), pair.tokenizer,
+                            seq_len=self.seq_len, batch_size=self.batch_size, seed=spec.seed, drop_last=True)
+        return PretrainModule(pair.drafter, self), data
+
+
+class PretrainModule(L.LightningModule):
+    """Next-token cross-entropy on packed sequences of ``input_ids``."""
+
+    def __init__(self, model: PreTrainedModel, cfg: PretrainConfig) -> None:
+        super().__init__()
+        self.model = model
+        self.cfg = cfg
+        self._val_nll = 0.0
+        self._val_tokens = 0
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids).logits
+
+    def _loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        ids = batch["input_ids"]
+        return self.model(input_ids=ids, labels=ids).loss
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def on_validation_epoch_start(self) -> None:
+        self._val_nll, self._val_tokens = 0.0, 0
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        ids = batch["input_ids"]
+        n = ids.numel() - ids.shape[0]
+        self._val_nll += float(self._loss(batch)) * n
+        self._val_tokens += n
+
+    def on_validation_epoch_end(self) -> None:
+        nll = self._val_nll / max(self._val_tokens, 1)
+        self.log("val/loss", nll, prog_bar=True, sync_dist=True)
+        self.log("val/perplexity", math.exp(min(nll, 50.0)), sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        return configure_optimizers(self, self.model.parameters(), self.cfg.optimizer, self.cfg.scheduler)
+
+    def finish(self, trainer: L.Trainer, spec: Any) -> str | None:
+        """Save the trained model (rank 0 only) as a Hugging Face folder in the run directory."""
+        if not trainer.is_global_zero:
+            return None
+        out = os.path.join(spec.run_dir, "model")
+        self.model.save_pretrained(out)
+        return out

@@ -1,0 +1,150 @@
+"""Loading the verifier/drafter pair from a Hub id or a local folder.
+
+The verifier is always frozen: eval mode, gradients off, optional dtype. When the two models'
+embedding sizes differ but their tokenizer is shared (Qwen3 pads its embeddings to different sizes),
+logits are compared over the common vocabulary: the first ``common_vocab_size`` entries.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from train.config import ModelConfig, looks_local
+
+
+class TokenizerMismatchError(ValueError):
+    """The verifier's and drafter's tokenizers do not encode text the same way."""
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """A model path or Hub id could not be loaded."""
+
+
+def torch_dtype(name: str | None) -> Any:
+    """Map a config dtype name to a ``torch.dtype`` (``auto`` and None pass through)."""
+    if name is None or name == "auto":
+        return name
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def freeze(model: torch.nn.Module) -> torch.nn.Module:
+    """Eval mode and no gradients: how the verifier is always held."""
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def load_model(source: str, dtype: str | None = "float32", attn_implementation: str | None = "sdpa",
+               trust_remote_code: bool = False) -> PreTrainedModel:
+    """Load a causal LM, with a precise error when the source does not exist."""
+    path = os.path.expanduser(source)
+    if looks_local(source) and not os.path.isdir(path):
+        raise ModelNotFoundError(f"no model folder at {source!r}")
+    kwargs: dict[str, Any] = {"dtype": torch_dtype(dtype), "trust_remote_code": trust_remote_code}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except OSError as err:
+        raise ModelNotFoundError(f"could not load a model from {source!r}: {err}") from err
+
+
+def load_tokenizer(source: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    path = os.path.expanduser(source)
+    if looks_local(source) and not os.path.isdir(path):
+        raise ModelNotFoundError(f"no tokenizer folder at {source!r}")
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except OSError as err:
+        raise ModelNotFoundError(f"could not load a tokenizer from {source!r}: {err}") from err
+
+
+_PROBE = "def f(x):\n    return x ** 2  # héllo, 世界!\n<|eos|> The quick brown fox."
+
+
+def check_same_tokenizer(verifier_tok: PreTrainedTokenizerBase, drafter_tok: PreTrainedTokenizerBase) -> None:
+    """Raise :class:`TokenizerMismatchError` unless both tokenizers have the same content.
+
+    Compares the vocabulary (token -> id over the shared range) and the special tokens, then the
+    encoding of a probe string. Differing *embedding* sizes are fine; differing tokens are not.
+    """
+    v_vocab, d_vocab = verifier_tok.get_vocab(), drafter_tok.get_vocab()
+    common = min(len(v_vocab), len(d_vocab))
+    v_by_id = {i: t for t, i in v_vocab.items() if i < common}
+    d_by_id = {i: t for t, i in d_vocab.items() if i < common}
+    differing = [i for i in sorted(v_by_id) if d_by_id.get(i) != v_by_id[i]]
+    if differing:
+        i = differing[0]
+        raise TokenizerMismatchError(
+            f"verifier and drafter tokenizers differ: {len(differing)} of {common} shared ids map to other "
+            f"tokens (id {i}: verifier {v_by_id[i]!r}, drafter {d_by_id.get(i)!r})"
+        )
+    for attr in ("bos_token_id", "eos_token_id"):
+        a, b = getattr(verifier_tok, attr), getattr(drafter_tok, attr)
+        if a != b:
+            raise TokenizerMismatchError(f"verifier and drafter tokenizers differ in {attr}: {a} vs {b}")
+    a_ids, b_ids = verifier_tok.encode(_PROBE), drafter_tok.encode(_PROBE)
+    if a_ids != b_ids:
+        raise TokenizerMismatchError("verifier and drafter tokenizers encode the same text differently")
+
+
+def output_vocab_size(model: PreTrainedModel) -> int:
+    """Rows of the model's output embedding (may exceed the tokenizer's length when padded)."""
+    return int(model.get_output_embeddings().weight.shape[0])
+
+
+@dataclass
+class ModelPair:
+    verifier: PreTrainedModel
+    drafter: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+
+    @property
+    def common_vocab_size(self) -> int:
+        """Logit entries both models share (the tokenizer is common; embeddings may be padded)."""
+        return min(output_vocab_size(self.verifier), output_vocab_size(self.drafter))
+
+    @property
+    def param_ratio(self) -> float:
+        """Drafter parameters / verifier parameters (c_param in the metric contract)."""
+        count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+        return count(self.drafter) / count(self.verifier)
+
+
+def drafter_tokenizer_source(drafter: str) -> str | None:
+    """The drafter folder's own tokenizer, if it ships one."""
+    path = os.path.expanduser(drafter)
+    if os.path.isdir(path):
+        return path if os.path.exists(os.path.join(path, "tokenizer_config.json")) else None
+    return drafter
+
+
+def load_pair(cfg: ModelConfig, freeze_drafter: bool = False) -> ModelPair:
+    """Verifier (frozen), drafter (trainable unless ``freeze_drafter``) and the shared tokenizer."""
+    tokenizer = load_tokenizer(cfg.tokenizer_source, cfg.trust_remote_code)
+    drafter_tok_source = drafter_tokenizer_source(cfg.drafter)
+    if drafter_tok_source is not None and drafter_tok_source != cfg.tokenizer_source:
+        check_same_tokenizer(tokenizer, load_tokenizer(drafter_tok_source, cfg.trust_remote_code))
+    verifier = freeze(
+        load_model(cfg.verifier, cfg.verifier_dtype or cfg.dtype, cfg.attn_implementation, cfg.trust_remote_code)
+    )
+    drafter = load_model(cfg.drafter, cfg.dtype, cfg.attn_implementation, cfg.trust_remote_code)
+    if freeze_drafter:
+        freeze(drafter)
+    if len(tokenizer) > max(output_vocab_size(verifier), output_vocab_size(drafter)):
+        raise TokenizerMismatchError(
+            f"tokenizer has {len(tokenizer)} tokens but the models' output sizes are "
+            f"{output_vocab_size(verifier)} (verifier) and {output_vocab_size(drafter)} (drafter)"
+        )
+    return ModelPair(verifier=verifier, drafter=drafter, tokenizer=tokenizer)
+
+
+def read_json(path: str) -> dict[str, Any]:
+    with open(path) as f:
+        return json.load(f)

@@ -1,0 +1,144 @@
+"""One training run: validate the config, build the pieces, fit, then the method's own finish.
+
+``main(cfg)`` is what ``python train.py`` calls. Every config group is instantiated into its typed
+dataclass first (:func:`load_spec`), so a bad value fails before any model or data loads.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from train.config import ConfigError, LoggerConfig, ModelConfig, PathsConfig, TrainerConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunSpec:
+    """The validated configuration of one run."""
+
+    name: str
+    seed: int
+    paths: PathsConfig
+    model: ModelConfig
+    data: Any
+    method: Any
+    trainer: TrainerConfig
+    logger: LoggerConfig
+    callbacks: Any
+    ckpt_path: str | None
+    cfg: DictConfig
+
+    @property
+    def run_dir(self) -> str:
+        return self.paths.run_dir
+
+    @property
+    def experiment_dir(self) -> str:
+        return os.path.join(self.paths.checkpoints_dir, self.name)
+
+
+def instantiate_group(cfg: DictConfig, key: str) -> Any:
+    """Build one config group's dataclass, prefixing any validation error with the group's key."""
+    node = cfg.get(key)
+    if node is None:
+        return None
+    try:
+        return instantiate(node, _convert_="all")
+    except InstantiationException as err:
+        cause = err.__cause__ or err
+        message = str(cause)
+        if isinstance(cause, ConfigError) or message.startswith(f"{key}."):
+            raise ConfigError(message) from None
+        raise ConfigError(f"{key}: {message}") from None
+    except Exception as err:  # interpolation or missing-value errors from OmegaConf
+        raise ConfigError(f"{key}: {err}") from None
+
+
+def load_spec(cfg: DictConfig) -> RunSpec:
+    """Validate every group; the only place a config becomes typed objects."""
+    OmegaConf.resolve(cfg)
+    for key in ("name", "seed"):
+        if cfg.get(key) is None:
+            raise ConfigError(f"{key} must be set")
+    return RunSpec(
+        name=str(cfg.name),
+        seed=int(cfg.seed),
+        paths=instantiate_group(cfg, "paths"),
+        model=instantiate_group(cfg, "model"),
+        data=instantiate_group(cfg, "data"),
+        method=instantiate_group(cfg, "method"),
+        trainer=instantiate_group(cfg, "trainer"),
+        logger=instantiate_group(cfg, "logger"),
+        callbacks=cfg.get("callbacks"),
+        ckpt_path=cfg.get("ckpt_path"),
+        cfg=cfg,
+    )
+
+
+def write_json(path: str, payload: Any) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2, default=str)
+        f.write("\n")
+
+
+def build_tiny_pair_run(spec: RunSpec) -> dict[str, Any]:
+    """``experiment=tiny_pair``: (re)build the embedded pair, report and log its figures."""
+    from train.models.tiny import build_tiny_pair, format_report
+    from train.trainer import build_loggers
+
+    if spec.model.tiny is None:
+        raise ConfigError("build_tiny_pair=true needs model=tiny (model.tiny holds the pair's recipe)")
+    manifest = build_tiny_pair(spec.model.tiny, spec.trainer, log_dir=os.path.join(spec.run_dir, "logs"))
+    metrics = {f"val/{k}": v for k, v in manifest["metrics"].items()}
+    metrics.update({f"val/{role}_parameters": n for role, n in manifest["parameters"].items()})
+    for logger in build_loggers(spec.logger, spec.run_dir, spec.name):
+        logger.log_metrics(metrics, step=0)
+        logger.finalize("success")
+    write_json(os.path.join(spec.run_dir, "tiny_pair.json"), manifest)
+    print(format_report(manifest))
+    return manifest
+
+
+def main(cfg: DictConfig) -> Any:
+    """Run one experiment end to end; returns what the method's finish returns."""
+    spec = load_spec(cfg)
+    os.makedirs(spec.run_dir, exist_ok=True)
+    OmegaConf.save(spec.cfg, os.path.join(spec.run_dir, "config.yaml"))
+    import lightning as L
+
+    L.seed_everything(spec.seed, workers=True)
+    if cfg.get("build_tiny_pair"):
+        return build_tiny_pair_run(spec)
+    if spec.model.tiny is not None:
+        from train.models.tiny import ensure_tiny_pair
+
+        ensure_tiny_pair(spec.model.tiny, spec.trainer)
+    return fit(spec)
+
+
+def fit(spec: RunSpec) -> Any:
+    """Build the method's module and data, fit (resuming if asked), then the method's finish."""
+    from train.models.loading import load_pair
+    from train.trainer import build_callbacks, build_loggers, build_trainer, resolve_ckpt_path
+
+    ckpt = resolve_ckpt_path(spec.ckpt_path, spec.experiment_dir, spec.run_dir)
+    if ckpt:
+        log.info("Resuming from %s", ckpt)
+    pair = load_pair(spec.model)
+    module, datamodule = spec.method.build(pair, spec)
+    config = OmegaConf.to_container(spec.cfg, resolve=True)
+    loggers = build_loggers(spec.logger, spec.run_dir, spec.name, config=config)  # type: ignore[arg-type]
+    trainer = build_trainer(spec.trainer, build_callbacks(spec.callbacks), loggers, spec.run_dir)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt)
+    finish = getattr(module, "finish", None)
+    return finish(trainer, spec) if finish is not None else None

@@ -1,0 +1,81 @@
+"""Building the Lightning trainer, its loggers and callbacks from the validated config."""
+
+from __future__ import annotations
+
+import glob
+import os
+from typing import Any
+
+import lightning as L
+from hydra.utils import instantiate
+from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
+from omegaconf import DictConfig
+
+from train.config import LoggerConfig, TrainerConfig
+
+
+def build_loggers(cfg: LoggerConfig, run_dir: str, name: str, config: dict[str, Any] | None = None) -> list[Logger]:
+    """CSV logs under ``run_dir/csv``; W&B (offline by default) under ``run_dir/wandb``."""
+    loggers: list[Logger] = []
+    if cfg.csv:
+        loggers.append(CSVLogger(save_dir=run_dir, name="csv", version=""))
+    if cfg.wandb:
+        os.makedirs(run_dir, exist_ok=True)
+        wandb_logger = WandbLogger(
+            project=cfg.project,
+            entity=cfg.entity,
+            name=f"{name}-{os.path.basename(os.path.normpath(run_dir))}",
+            save_dir=run_dir,
+            offline=cfg.wandb_offline(),
+            tags=list(cfg.tags),
+        )
+        if config is not None:
+            wandb_logger.log_hyperparams(config)
+        loggers.append(wandb_logger)
+    return loggers
+
+
+def build_callbacks(cfg: DictConfig | dict | None) -> list[L.Callback]:
+    """Instantiate every ``_target_`` under the ``callbacks`` group."""
+    if not cfg:
+        return []
+    return [instantiate(node) for node in cfg.values() if node is not None and "_target_" in node]
+
+
+def build_trainer(cfg: TrainerConfig, callbacks: list[L.Callback], loggers: list[Logger], run_dir: str,
+                  **overrides: Any) -> L.Trainer:
+    kwargs = cfg.trainer_kwargs() | overrides
+    return L.Trainer(
+        default_root_dir=run_dir,
+        callbacks=callbacks,
+        logger=loggers if loggers else False,
+        **kwargs,
+    )
+
+
+def resolve_ckpt_path(ckpt_path: str | None, experiment_dir: str, run_dir: str) -> str | None:
+    """Turn ``ckpt_path`` into a checkpoint file.
+
+    ``last`` is the newest ``checkpoints/last.ckpt`` among this experiment's earlier run directories;
+    a run directory means its ``checkpoints/last.ckpt``; a file is used as it is.
+    """
+    if ckpt_path is None:
+        return None
+    if ckpt_path == "last":
+        here = os.path.abspath(run_dir)
+        found = [
+            p
+            for p in glob.glob(os.path.join(experiment_dir, "**", "checkpoints", "last*.ckpt"), recursive=True)
+            if not os.path.abspath(p).startswith(here + os.sep)
+        ]
+        if not found:
+            raise FileNotFoundError(f"ckpt_path=last: no checkpoints/last.ckpt under {experiment_dir}")
+        return max(found, key=os.path.getmtime)
+    if os.path.isdir(ckpt_path):
+        candidate = os.path.join(ckpt_path, "checkpoints", "last.ckpt")
+        if not os.path.isfile(candidate):
+            raise FileNotFoundError(f"ckpt_path={ckpt_path}: no checkpoints/last.ckpt in that run directory")
+        return candidate
+    if not os.path.isfile(ckpt_path):
+        raise FileNotFoundError(f"ckpt_path={ckpt_path}: no such checkpoint file")
+    return ckpt_path
