@@ -22,6 +22,15 @@ from train.losses import (
 NAMES = list(DIVERGENCES)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    """The tensors here are tiny; intra-op threads only add overhead (a lot on a busy machine)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def _logits(*shape: int, seed: int, scale: float = 2.0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return (scale * torch.randn(*shape, generator=g, dtype=torch.float64)).to(dtype)
@@ -101,8 +110,10 @@ def test_kl_against_torch_distributions():
     torch.testing.assert_close(reverse_kl(s.float(), t.float()).double(), rkl_ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("beta", [0.0, 0.1, 0.5, 0.9, 1.0])
+NAME_BETA = [("fkl", 0.5), ("rkl", 0.5), ("tvd", 0.5)] + [("jsd", b) for b in (0.0, 0.1, 0.5, 0.9, 1.0)]
+
+
+@pytest.mark.parametrize(("name", "beta"), NAME_BETA)
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 2.0])
 def test_values_match_reference(name, beta, temperature):
     s = _logits(2, 4, 17, seed=5)
@@ -277,8 +288,33 @@ def test_upstream_gradient_scaling_and_retain_graph():
     loss = -2.5 * reverse_kl(x, t, chunk_size=5)
     loss.backward(retain_graph=True)
     torch.testing.assert_close(x.grad, -2.5 * ref.grad)
-    loss.backward()  # a second pass through the same graph accumulates the same gradient again
+    loss.backward(retain_graph=True)  # a second pass through the same graph accumulates the same gradient
     torch.testing.assert_close(x.grad, -5.0 * ref.grad)
+    d = reverse_kl(x, t, chunk_size=5)
+    for go in [3.0, 1.0, 0.5, 0.5, -2.0]:  # the in-place scaling of the saved buffer is undone correctly
+        (g,) = torch.autograd.grad(d, x, torch.tensor(go, dtype=torch.float64), retain_graph=True)
+        torch.testing.assert_close(g, go * ref.grad)
+
+
+def test_gradient_through_shared_logits_and_upstream_graph():
+    # logits produced by a layer and used by two losses: gradients add up like the float64 reference
+    g = torch.Generator().manual_seed(44)
+    h = torch.randn(2, 5, 6, generator=g, dtype=torch.float64)
+    w0 = torch.randn(6, 19, generator=g, dtype=torch.float64)
+    t = _logits(2, 5, 19, seed=45, dtype=torch.float64)
+    mask = torch.rand(2, 5, generator=g) > 0.4
+
+    def run(fn):
+        w = w0.clone().requires_grad_(True)
+        logits = h @ w
+        loss = 0.7 * fn("fkl", logits, t, mask) + fn("tvd", logits, t, None) + logits.square().mean()
+        loss.backward()
+        return loss.detach(), w.grad
+
+    got = run(lambda n, s_, t_, m: divergence(n, s_, t_, m, chunk_size=3))
+    want = run(lambda n, s_, t_, m: _ref(n, s_, t_, m))
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -338,6 +374,25 @@ def test_empty_mask(name):
     d.backward()
     assert s.grad is not None and (s.grad == 0).all()
     assert expected_acceptance(s, t, torch.zeros(2, 3)).item() == 0.0
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("use_mask", [False, True])
+def test_non_contiguous_inputs(name, use_mask):
+    # logits[:, :-1] (the usual next-token shift) and a transposed teacher are read in place
+    s = _logits(2, 6, 13, seed=46)
+    t = _logits(6, 2, 13, seed=47).transpose(0, 1)
+    mask = torch.tensor([[1, 0, 1, 1, 0], [0, 1, 1, 1, 1]]) if use_mask else None
+    x = s.clone().requires_grad_(True)
+    d = divergence(name, x[:, :-1], t[:, 1:], mask, chunk_size=3)
+    d.backward()
+    ref = s.clone().requires_grad_(True)
+    _ref(name, ref[:, :-1], t[:, 1:], mask).backward()
+    torch.testing.assert_close(d.double(), _ref(name, s[:, :-1], t[:, 1:], mask), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(x.grad, ref.grad, atol=1e-6, rtol=1e-5)
+    assert (x.grad[:, -1] == 0).all()
+    acc = expected_acceptance(s[:, :-1], t[:, 1:], mask, chunk_size=4)
+    torch.testing.assert_close(acc.double(), 1 - _ref("tvd", s[:, :-1], t[:, 1:], mask), atol=1e-6, rtol=0)
 
 
 # ---- vocabulary mismatch -----------------------------------------------------------------------------------

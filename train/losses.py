@@ -45,11 +45,12 @@ Conventions shared by every function here
   ``inf`` -- replace ``-inf`` teacher logits by a large finite negative such as ``-1e4`` if that matters.
   Tiny negative values (~1e-7) can appear for ``D(p, p)`` from rounding; they are not clamped, so the
   gradient stays exact.
-* **Memory.**  Nothing is gathered up front: the selected rows are processed in chunks of
-  ``chunk_size`` rows (``index_select`` per chunk), each chunk upcast and reduced on its own.  When a
+* **Memory.**  Nothing is gathered or flattened up front (non-contiguous inputs such as ``logits[:, :-1]``
+  are not copied): the selected positions are processed in chunks of ``chunk_size`` rows (gathered per
+  chunk), each chunk upcast and reduced on its own.  When a
   gradient is needed, the closed-form gradient w.r.t. the student logits (see :func:`_rowwise_grad`) is
   written chunk by chunk into a single buffer shaped like ``student_logits`` during the forward pass, and
-  ``backward`` just returns it (scaled by the incoming gradient).  Peak extra memory is therefore one
+  ``backward`` just returns it (scaled in place by the incoming gradient).  Peak extra memory is therefore one
   student-logit-sized gradient -- which autograd needs anyway -- plus ``O(chunk_size * V)`` float32
   intermediates, regardless of ``B * T``; there is no recomputation.  (This plays the role of per-chunk
   ``torch.utils.checkpoint`` but avoids its gathered copies and concatenated chunk gradients; the price is
@@ -82,7 +83,8 @@ __all__ = [
 #: Names accepted by :func:`divergence`.
 DIVERGENCES: tuple[str, ...] = ("fkl", "rkl", "jsd", "tvd")
 
-#: Rows (token positions) per chunk.  At V = 152k and float32 one chunk's intermediates are ~0.6 GB each.
+#: Positions per chunk.  At V = 152k a float32 (1024, V) intermediate is 0.62 GB and a chunk keeps several
+#: alive at once (~5-6 GB for JSD); lower it on small accelerators -- the loop overhead is negligible.
 DEFAULT_CHUNK_SIZE = 1024
 
 
@@ -203,50 +205,57 @@ def _rowwise_grad(
     return g / temperature if temperature != 1.0 else g
 
 
-def _chunks(n: int, idx: Tensor | None, step: int) -> Iterator[tuple[int, int, Tensor | None]]:
-    """Yield (start, length, row indices or None) covering the n selected rows in pieces of ``step``."""
+def _chunks(n: int, coords: Tensor | None, step: int) -> Iterator[tuple[int, int, tuple[Tensor, ...] | None]]:
+    """Yield (start, length, index tuple or None) covering the n selected positions in pieces of ``step``.
+
+    ``coords`` is ``(n, ndim - 1)`` (``mask.nonzero()``) or None for "every position, in flat order".
+    """
     for start in range(0, n, step):
         length = min(step, n - start)
-        yield start, length, None if idx is None else idx[start : start + length]
+        yield start, length, None if coords is None else tuple(coords[start : start + length].unbind(1))
 
 
-def _take(flat: Tensor, start: int, length: int, rows: Tensor | None) -> Tensor:
-    return flat.narrow(0, start, length) if rows is None else flat.index_select(0, rows.to(flat.device))
+def _take(logits: Tensor, start: int, length: int, index: tuple[Tensor, ...] | None) -> Tensor:
+    """(length, V) rows of ``logits`` (..., V): a view when ``index`` is None, else a gather of those rows."""
+    if index is None:
+        return logits.view(-1, logits.shape[-1]).narrow(0, start, length)
+    return logits[tuple(i.to(logits.device) for i in index)]
 
 
 def _chunked(
     name: str,
     student: Tensor,
     teacher: Tensor,
-    idx: Tensor | None,
+    coords: Tensor | None,
     n: int,
     temperature: float,
     beta: float,
     chunk_size: int | None,
     want_grad: bool,
 ) -> tuple[Tensor, Tensor | None]:
-    """Mean divergence over the selected rows of flat (M, V_s), (M, V_t) logits, and optionally its gradient.
+    """Mean divergence over the selected positions of (..., V_s), (..., V_t) logits, optionally with its gradient.
 
     The gradient (w.r.t. ``student``, already divided by ``n``) is written chunk by chunk into one
-    zero-initialised (M, V_s) buffer of the student's dtype, so peak memory is that buffer plus one
-    chunk's (chunk_size, V) float32 intermediates.
+    zero-initialised buffer shaped like ``student`` (its dtype), so peak memory is that buffer plus one
+    chunk's (chunk_size, V) float32 intermediates.  Inputs are never copied as a whole, even when they
+    are non-contiguous slices such as ``logits[:, :-1]``.
     """
     dtype = _compute_dtype(student, teacher)
     vocab = min(student.shape[-1], teacher.shape[-1])
-    grad = torch.zeros_like(student) if want_grad else None
+    grad = torch.zeros_like(student, memory_format=torch.contiguous_format) if want_grad else None
     total = torch.zeros((), dtype=dtype, device=student.device)
     step = n if chunk_size is None else int(chunk_size)
-    for start, length, rows in _chunks(n, idx, step):
-        log_q = _log_probs(_take(student, start, length, rows), temperature, vocab, dtype)
-        log_p = _log_probs(_take(teacher, start, length, rows), temperature, vocab, dtype)
+    for start, length, index in _chunks(n, coords, step):
+        log_q = _log_probs(_take(student, start, length, index), temperature, vocab, dtype)
+        log_p = _log_probs(_take(teacher, start, length, index), temperature, vocab, dtype)
         per_row = _rowwise(name, log_q, log_p, beta)
         total += per_row.sum()
         if grad is not None:
             g = (_rowwise_grad(name, log_q, log_p, beta, per_row, temperature) / n).to(grad.dtype)
-            if rows is None:
-                grad.narrow(0, start, length)[:, :vocab].copy_(g)
+            if index is None:
+                grad.view(-1, grad.shape[-1]).narrow(0, start, length)[:, :vocab] = g
             else:
-                grad[:, :vocab].index_copy_(0, rows.to(grad.device), g)
+                grad[..., :vocab][tuple(i.to(grad.device) for i in index)] = g
     return total / n, grad
 
 
@@ -258,36 +267,64 @@ class _FusedDivergence(torch.autograd.Function):
         ctx: Any,
         student: Tensor,
         teacher: Tensor,
-        idx: Tensor | None,
+        coords: Tensor | None,
         n: int,
         name: str,
         temperature: float,
         beta: float,
         chunk_size: int | None,
     ) -> Tensor:
-        value, grad = _chunked(name, student, teacher, idx, n, temperature, beta, chunk_size, want_grad=True)
-        ctx.save_for_backward(grad)
+        value, grad = _chunked(
+            name, student, teacher, coords, n, temperature, beta, chunk_size, want_grad=True
+        )
+        # Kept as attributes, not save_for_backward, because backward scales the buffer in place.
+        ctx.grad = grad
+        ctx.applied = None  # upstream factor already multiplied into ctx.grad (None = 1)
         return value
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:
-        (grad,) = ctx.saved_tensors
-        if not torch.equal(grad_output, torch.ones_like(grad_output)):
-            grad = grad * grad_output.to(grad.dtype)
+        # Scale in place: an out-of-place ``grad * grad_output`` would hold a second student-logit-sized
+        # tensor at the start of the backward pass, which is usually a training step's memory peak.
+        # ``ctx.applied`` keeps backward through a retained graph correct.  The returned buffer is safe
+        # from autograd's in-place accumulation because ctx keeps a reference to it.
+        grad: Tensor = ctx.grad
+        go = grad_output.detach()
+        applied: Tensor | None = ctx.applied
+        if applied is None:
+            if not torch.equal(go, torch.ones_like(go)):
+                grad.mul_(go)
+                ctx.applied = go.clone()
+        elif not torch.equal(go, applied):
+            if torch.equal(applied, torch.zeros_like(applied)):
+                raise RuntimeError(
+                    "divergence: cannot backward again through a graph first run with a zero gradient"
+                )
+            grad.mul_(go / applied)
+            ctx.applied = go.clone()
         return grad, None, None, None, None, None, None, None
 
 
-def _flat_and_index(
+def _viewable(x: Tensor) -> bool:
+    try:
+        x.view(-1, x.shape[-1])
+    except RuntimeError:
+        return False
+    return True
+
+
+def _selection(
     student_logits: Tensor, teacher_logits: Tensor, mask: Tensor | None
-) -> tuple[Tensor, Tensor, Tensor | None, int]:
-    """Flat (M, V_s), (M, V_t) views, selected row indices (None = all rows) and their count."""
-    s = student_logits.reshape(-1, student_logits.shape[-1])
-    t = teacher_logits.reshape(-1, teacher_logits.shape[-1])
+) -> tuple[Tensor | None, int]:
+    """Selected positions as ``(n, ndim - 1)`` coordinates (None = all, both flat-viewable) and their count n."""
+    lead = student_logits.shape[:-1]
     if mask is None:
-        return s, t, None, s.shape[0]
-    idx = mask.reshape(-1).to(device=s.device).nonzero().squeeze(-1)
-    return s, t, idx, int(idx.numel())
+        if _viewable(student_logits) and _viewable(teacher_logits):
+            return None, math.prod(lead)
+        mask = torch.ones(lead, dtype=torch.bool, device=student_logits.device)
+    coords = mask.to(device=student_logits.device).nonzero()
+    return coords, int(coords.shape[0])
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -330,13 +367,15 @@ def divergence(
     _check_shapes(student_logits, teacher_logits, mask)
     teacher_logits = teacher_logits.detach()
     dtype = _compute_dtype(student_logits, teacher_logits)
-    s, t, idx, n = _flat_and_index(student_logits, teacher_logits, mask)
+    coords, n = _selection(student_logits, teacher_logits, mask)
     if n == 0:
         # Exact 0, still attached to the student's graph: backward() gives an all-zero gradient.
         return student_logits.narrow(-1, 0, 0).sum().to(dtype)
     if torch.is_grad_enabled() and student_logits.requires_grad:
-        return _FusedDivergence.apply(s, t, idx, n, name, temperature, beta, chunk_size)
-    return _chunked(name, s, t, idx, n, temperature, beta, chunk_size, want_grad=False)[0]
+        return _FusedDivergence.apply(
+            student_logits, teacher_logits, coords, n, name, temperature, beta, chunk_size
+        )
+    return _chunked(name, student_logits, teacher_logits, coords, n, temperature, beta, chunk_size, False)[0]
 
 
 def forward_kl(
@@ -420,14 +459,14 @@ def expected_acceptance(
     _check_shapes(student_logits, teacher_logits, mask)
     dtype = _compute_dtype(student_logits, teacher_logits)
     vocab = min(student_logits.shape[-1], teacher_logits.shape[-1])
-    s, t, idx, n = _flat_and_index(student_logits, teacher_logits, mask)
+    coords, n = _selection(student_logits, teacher_logits, mask)
     total = torch.zeros((), dtype=dtype, device=student_logits.device)
     if n == 0:
         return total
     step = n if chunk_size is None else int(chunk_size)
-    for start, length, rows in _chunks(n, idx, step):
-        q = _log_probs(_take(s, start, length, rows), temperature, vocab, dtype).exp()
-        p = _log_probs(_take(t, start, length, rows), temperature, vocab, dtype).exp()
+    for start, length, index in _chunks(n, coords, step):
+        q = _log_probs(_take(student_logits, start, length, index), temperature, vocab, dtype).exp()
+        p = _log_probs(_take(teacher_logits, start, length, index), temperature, vocab, dtype).exp()
         total += torch.minimum(p, q).sum()
     return total / n
 

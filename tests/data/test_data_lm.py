@@ -10,7 +10,12 @@ from train.data.lm import collate_left_pad, make_prompts, pack_sequences
 
 @pytest.fixture(scope="module")
 def small(corpus) -> DatasetDict:
-    return DatasetDict({name: corpus[name].select(range(min(12, len(corpus[name])))) for name in corpus})
+    """Up to 12 modest-sized real stdlib files per split (keeps tokenisation in the tests cheap)."""
+    out = {}
+    for name in corpus:
+        keep = [i for i, text in enumerate(corpus[name]["text"]) if 500 < len(text) < 8000][:12]
+        out[name] = corpus[name].select(keep)
+    return DatasetDict(out)
 
 
 def test_pack_sequences(small, tokenizer) -> None:
@@ -37,7 +42,9 @@ def test_pack_sequences_bos_and_errors(small, tokenizer) -> None:
 
 
 def test_make_prompts_text(small, tokenizer) -> None:
-    prompts = make_prompts(small["train"], tokenizer, prompt_len=16, max_prompts=10, seed=3, continuation_len=8)
+    prompts = make_prompts(
+        small["train"], tokenizer, prompt_len=16, max_prompts=10, seed=3, continuation_len=8
+    )
     assert len(prompts) == 10
     assert prompts.column_names == ["input_ids", "continuation_ids", "doc_index"]
     for row in prompts:
@@ -95,7 +102,9 @@ def test_make_prompts_prompt_response(tokenizer) -> None:
 
 def test_make_prompts_chat_text_keeps_single_bos(tokenizer) -> None:
     text = tokenizer.apply_chat_template([{"role": "user", "content": "hello there " * 10}], tokenize=False)
-    prompts = make_prompts(Dataset.from_dict({"text": [text]}), tokenizer, prompt_len=6, mode="start", continuation_len=2)
+    prompts = make_prompts(
+        Dataset.from_dict({"text": [text]}), tokenizer, prompt_len=6, mode="start", continuation_len=2
+    )
     assert prompts[0]["input_ids"].count(tokenizer.bos_token_id) == 1
 
 
@@ -129,7 +138,9 @@ def test_lm_datamodule(small, tokenizer) -> None:
 
 
 def test_prompt_datamodule(small, tokenizer_dir) -> None:
-    dm = PromptDataModule(small, str(tokenizer_dir), prompt_len=12, batch_size=3, continuation_len=5, max_prompts=9)
+    dm = PromptDataModule(
+        small, str(tokenizer_dir), prompt_len=12, batch_size=3, continuation_len=5, max_prompts=9
+    )
     batch = next(iter(dm.train_dataloader()))
     assert batch["input_ids"].shape == (3, 12) and batch["attention_mask"].shape == (3, 12)
     assert batch["continuation_ids"].shape == (3, 5)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from decoding_helpers import build, tiny_config
+from .decoding_helpers import build, tiny_config
 
 
 @pytest.fixture(autouse=True)

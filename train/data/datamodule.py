@@ -81,7 +81,9 @@ class LMDataModule(L.LightningDataModule):
         if self.train_dataset is not None:
             return
         splits = _resolve_splits(self._splits_arg)
-        pack = partial(pack_sequences, tokenizer=self.tokenizer, seq_len=self.seq_len, text_column=self.text_column)
+        pack = partial(
+            pack_sequences, tokenizer=self.tokenizer, seq_len=self.seq_len, text_column=self.text_column
+        )
         self.train_dataset = pack(splits["train"])
         val = _val_split(splits)
         self.val_dataset = pack(val) if val is not None else None

@@ -15,14 +15,15 @@ from typing import Any
 
 import numpy as np
 import torch
-from datasets import Dataset, Features, Sequence, Value
+from datasets import Dataset, Features, Value
+from datasets import Sequence as HFSequence
 
 __all__ = ["collate_left_pad", "make_prompts", "pack_sequences"]
 
 _PROMPT_FEATURES = Features(
     {
-        "input_ids": Sequence(Value("int64")),
-        "continuation_ids": Sequence(Value("int64")),
+        "input_ids": HFSequence(Value("int64")),
+        "continuation_ids": HFSequence(Value("int64")),
         "doc_index": Value("int64"),
     }
 )
@@ -143,7 +144,9 @@ def make_prompts(
         idx = order[start : start + chunk]
         rows = dataset_split.select(idx)
         if has_pairs:
-            for i, p_ids, r_ids in zip(idx, encode(list(rows["prompt"])), encode(list(rows["response"])), strict=True):
+            for i, p_ids, r_ids in zip(
+                idx, encode(list(rows["prompt"])), encode(list(rows["response"])), strict=True
+            ):
                 if len(prompts) >= limit:
                     break
                 prompts.append([bos] + p_ids[max(0, len(p_ids) - body) :])

@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from datasets import Dataset, DatasetDict, load_dataset
 
 from train.data.corpus import DEFAULT_CORPUS_DIR, build_corpus
@@ -147,7 +148,9 @@ class DataSourceConfig:
                 f"{self.validation_fraction} + {self.test_fraction}"
             )
         if self.max_samples is not None and (
-            isinstance(self.max_samples, bool) or not isinstance(self.max_samples, int) or self.max_samples < 1
+            isinstance(self.max_samples, bool)
+            or not isinstance(self.max_samples, int)
+            or self.max_samples < 1
         ):
             raise ValueError(f"max_samples must be None or a positive integer, got {self.max_samples!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
@@ -223,13 +226,13 @@ def _carve(splits: dict[str, Dataset], source: DataSourceConfig) -> dict[str, Da
     if total <= 0 or sum(sizes.values()) == 0:
         empty = train.select([])
         return {**splits, **{s: empty for s in missing}}
-    order = train.shuffle(seed=source.seed).flatten_indices() if n else train
+    order = np.random.default_rng(source.seed).permutation(n).tolist()
     out = dict(splits)
     start = 0
     for s in missing:
-        out[s] = order.select(range(start, start + sizes[s]))
+        out[s] = train.select(sorted(order[start : start + sizes[s]]))
         start += sizes[s]
-    out["train"] = order.select(range(start, n))
+    out["train"] = train.select(sorted(order[start:]))
     return out
 
 
@@ -267,7 +270,9 @@ def _normalise(ds: Dataset, source: DataSourceConfig, tokenizer: Any, split: str
     assert source.messages_field is not None
     need(source.messages_field, "messages_field")
     if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError("messages_field needs a tokenizer with a chat template: load_text_dataset(source, tokenizer)")
+        raise ValueError(
+            "messages_field needs a tokenizer with a chat template: load_text_dataset(source, tokenizer)"
+        )
     mf = source.messages_field
 
     def render(batch: dict[str, list[Any]]) -> dict[str, list[str]]:

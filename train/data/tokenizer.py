@@ -63,14 +63,14 @@ def _iter_texts(dataset: Any, text_column: str, batch_size: int) -> Iterator[lis
         for batch in dataset.select_columns([text_column]).iter(batch_size=batch_size):
             yield list(batch[text_column])
         return
-    batch: list[str] = []
+    pending: list[str] = []
     for item in dataset:
-        batch.append(item[text_column] if isinstance(item, dict) else item)
-        if len(batch) >= batch_size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
+        pending.append(item[text_column] if isinstance(item, dict) else item)
+        if len(pending) >= batch_size:
+            yield pending
+            pending = []
+    if pending:
+        yield pending
 
 
 def train_tokenizer(
@@ -131,7 +131,9 @@ def train_tokenizer(
 def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerFast:
     """Load a saved tokenizer (plain ``AutoTokenizer.from_pretrained`` on a local folder)."""
     tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    return tok  # type: ignore[no-any-return]
+    if not isinstance(tok, PreTrainedTokenizerFast):
+        raise TypeError(f"{path} does not hold a fast (tokenizers-backed) tokenizer: {type(tok).__name__}")
+    return tok
 
 
 def load_or_train_tokenizer(
@@ -153,7 +155,4 @@ def load_or_train_tokenizer(
             meta = {}
         if meta.get("vocab_size") == vocab_size and meta.get("fingerprint") == fingerprint:
             return load_tokenizer(out_dir)
-    return train_tokenizer(
-        dataset, vocab_size, out_dir, text_column=text_column, fingerprint=fingerprint
-    )
-
+    return train_tokenizer(dataset, vocab_size, out_dir, text_column=text_column, fingerprint=fingerprint)

@@ -1,0 +1,35 @@
+"""Benchmarks: ``python scripts/bench.py <subcommand> [options]``.
+
+A thin argparse dispatcher; each subcommand's logic lives in ``train/benchmarks/<name>.py`` as
+``add_arguments(parser)`` and ``main(args)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from train.benchmarks import decoding, distill
+
+    parser = argparse.ArgumentParser(prog="bench.py", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("decoding", help="our decoders vs Hugging Face generate / assisted generation")
+    decoding.add_arguments(p)
+    p.set_defaults(func=decoding.main)
+
+    p = sub.add_parser("distill", help="on-policy distillation throughput: ours vs TRL's GKDTrainer")
+    distill.add_arguments(p)
+    p.set_defaults(func=distill.main)
+
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

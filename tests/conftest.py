@@ -1,0 +1,52 @@
+"""Shared fixtures: tiny random-weight models saved locally (nothing downloads)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CONF_DIR = REPO_ROOT / "conf"
+
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+
+
+def make_tokenizer(extra: str = "") -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer with 256 byte tokens plus BOS/EOS/PAD (259 ids); ``extra`` adds one token."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {tok: i for i, tok in enumerate(sorted(alphabet))}
+    for special in ("<|bos|>", "<|eos|>", "<|pad|>"):
+        vocab[special] = len(vocab)
+    if extra:
+        vocab[extra] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>",
+                                   pad_token="<|pad|>")
+
+
+def tiny_llama(vocab_size: int = 260, hidden: int = 32, layers: int = 2, seed: int = 0):
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, bos_token_id=256, eos_token_id=257, pad_token_id=258)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_pair_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``verifier/`` and ``drafter/`` random Llama folders with a shared tokenizer."""
+    root = tmp_path_factory.mktemp("pair")
+    tok = make_tokenizer()
+    for name, hidden, seed in (("verifier", 64, 0), ("drafter", 32, 1)):
+        model = tiny_llama(hidden=hidden, seed=seed)
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+    return root

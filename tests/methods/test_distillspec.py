@@ -1,0 +1,292 @@
+"""DistillSpec: config validation, the training step per data source, checkpoints without the teacher,
+NaN guard, resume, LoRA, and the exported drafter as a Hugging Face ``assistant_model``."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from datasets import Dataset
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import open_dict
+
+from tests.conftest import CONF_DIR, REPO_ROOT, make_tokenizer, tiny_llama
+from train.callbacks import NonFiniteLossError, NonFiniteLossGuard
+from train.config import ConfigError
+from train.data.datamodule import PromptDataModule
+from train.methods.distillspec import DATA_SOURCES, DistillSpecConfig, DistillSpecModule
+from train.run import load_spec
+
+ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
+TEXT = "def add(a, b):\n    return a + b  # sum of two numbers\n"
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _cfg(**kw) -> DistillSpecConfig:
+    base = dict(optimizer=ADAMW, max_new_tokens=6, prompt_len=8, batch_size=4, num_prompts=8, num_val_prompts=4)
+    base.update(kw)
+    return DistillSpecConfig(**base)
+
+
+def _splits() -> dict[str, Dataset]:
+    docs = [f"{TEXT * 2} # doc {i} " + "x" * (i % 7) for i in range(24)]
+    return {"train": Dataset.from_dict({"text": docs[:16]}), "validation": Dataset.from_dict({"text": docs[16:]})}
+
+
+def _module(cfg: DistillSpecConfig) -> tuple[DistillSpecModule, PromptDataModule]:
+    tok = make_tokenizer()
+    student, teacher = tiny_llama(hidden=32, seed=1), tiny_llama(hidden=64, seed=0)
+    student.train()
+    data = PromptDataModule(_splits(), tok, prompt_len=cfg.prompt_len, batch_size=cfg.batch_size,
+                            continuation_len=cfg.max_new_tokens, max_prompts=cfg.num_prompts,
+                            max_val_prompts=cfg.num_val_prompts)
+    return DistillSpecModule(student, teacher, tok, cfg, seed=0), data
+
+
+# ------------------------------------------------------------------------------------------ config
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"divergence": "kl"}, "method.divergence must be one of ('fkl', 'rkl', 'jsd', 'tvd'), got 'kl'"),
+        ({"lmbda": 1.5}, "method.lmbda must be in [0, 1], got 1.5"),
+        ({"lmbda": -0.1}, "method.lmbda"),
+        ({"beta": 2.0}, "method.beta must be in [0, 1]"),
+        ({"temperature": 0.0}, "method.temperature must be > 0"),
+        ({"temperature": -1.0}, "method.temperature"),
+        ({"data_source": "web"}, "method.data_source must be one of"),
+        ({"max_new_tokens": 0}, "method.max_new_tokens"),
+        ({"lora": {"enabled": True, "r": 0}}, "method.lora.r"),
+        ({"lora": {"rank": 4}}, "method.lora"),
+        ({"eval": {"gamma": 0}}, "method.eval.gamma"),
+        ({"optimizer": functools.partial(torch.optim.AdamW, lr=-1.0)}, "method.optimizer.lr"),
+    ],
+)
+def test_bad_config_fails_naming_the_key(kw, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        _cfg(**kw)
+
+
+def _compose(overrides: list[str], tmp_path: Path):
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=overrides + [f"paths.root_dir={tmp_path}"],
+                      return_hydra_config=True)
+    with open_dict(cfg):
+        cfg.paths.run_dir = str(tmp_path / "run")
+        del cfg["hydra"]
+    return cfg
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("method.divergence=kl", "method.divergence"),
+        ("method.lmbda=2", "method.lmbda"),
+        ("method.beta=-1", "method.beta"),
+        ("method.temperature=0", "method.temperature"),
+    ],
+)
+def test_experiment_rejects_bad_values_at_start_up(override, key, tmp_path):
+    with pytest.raises(ConfigError, match=re.escape(key)):
+        load_spec(_compose(["experiment=distillspec", override], tmp_path))
+
+
+def test_experiment_composes_and_sources_enumerate(tmp_path):
+    spec = load_spec(_compose(["experiment=distillspec"], tmp_path))
+    assert spec.name == "distillspec" and isinstance(spec.method, DistillSpecConfig)
+    assert spec.method.eval.temperatures == [0.0, 1.0] and spec.method.eval.gamma == 4
+    assert len(spec.method.eval.seeds) >= 2
+    assert [_cfg(data_source=s, lmbda=0.3).on_policy_probability for s in DATA_SOURCES] == [0.0, 0.0, 1.0, 0.3, 0.3]
+    assert _cfg(data_source="mixed_fixed").off_policy_source == "fixed"
+    assert _cfg(data_source="mixed_teacher").off_policy_source == "teacher"
+
+
+def test_tokenizer_mismatch_fails_when_loading(tiny_pair_dir, tmp_path):
+    from train.config import ModelConfig
+    from train.models.loading import TokenizerMismatchError, load_pair
+
+    other = tmp_path / "drafter"
+    tiny_llama(hidden=32, seed=1).save_pretrained(other)
+    tok = make_tokenizer()
+    vocab = tok.get_vocab()
+    swapped = {t: (vocab["b"] if t == "a" else vocab["a"] if t == "b" else i) for t, i in vocab.items()}
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.BPE(vocab=swapped, merges=[]))
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<|bos|>", eos_token="<|eos|>",
+                            pad_token="<|pad|>").save_pretrained(other)
+    cfg = ModelConfig(name="t", verifier=str(tiny_pair_dir / "verifier"), drafter=str(other))
+    with pytest.raises(TokenizerMismatchError):
+        load_pair(cfg)
+
+
+# ------------------------------------------------------------------------------------------ module
+
+
+@pytest.mark.parametrize("source", ["fixed", "teacher", "student"])
+@pytest.mark.parametrize("div", ["fkl", "rkl", "jsd", "tvd"])
+def test_training_step_runs_for_every_source_and_divergence(source, div):
+    module, data = _module(_cfg(data_source=source, divergence=div))
+    data.setup()
+    batch = next(iter(data.train_dataloader()))
+    ro = module.make_batch(batch, source, module._generator(0, 0))
+    assert ro.num_tokens > 0
+    assert not ro.continuation_mask[:, : ro.prompt_width].any()  # the loss never sees prompt tokens
+    loss, s_logits, _, mask = module.distill_loss(ro)
+    assert s_logits.shape[:2] == mask.shape and torch.isfinite(loss)
+    loss.backward()
+    grads = [p.grad for p in module.student.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+    assert all(p.grad is None for p in module.teacher.parameters())
+
+
+def test_teacher_rollouts_are_cached_per_prompt():
+    module, data = _module(_cfg(data_source="teacher"))
+    data.setup()
+    batch = next(iter(data.train_dataloader()))
+    a = module.make_batch(batch, "teacher", module._generator(0, 0))
+    assert len(module._teacher_cache) == batch["input_ids"].shape[0]
+    b = module.make_batch(batch, "teacher", module._generator(5, 0))  # another seed: still the cached samples
+    assert torch.equal(a.sequences[a.continuation_mask], b.sequences[b.continuation_mask])
+
+
+def test_mixture_draws_on_policy_batches_with_probability_lambda():
+    module, _ = _module(_cfg(data_source="mixed_fixed", lmbda=0.25))
+    picks = [module.pick_source(s) for s in range(2000)]
+    assert set(picks) == {"student", "fixed"}
+    assert abs(picks.count("student") / 2000 - 0.25) < 0.04
+    assert picks == [module.pick_source(s) for s in range(2000)]  # reproducible on resume
+
+
+def _trainer(tmp_path: Path, max_steps: int, **kw) -> L.Trainer:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "checkpoints", save_last=True, save_top_k=-1, every_n_train_steps=1)
+    return L.Trainer(accelerator="cpu", max_steps=max_steps, val_check_interval=2, check_val_every_n_epoch=None,
+                     logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                     callbacks=[ckpt, NonFiniteLossGuard()], default_root_dir=tmp_path, **kw)
+
+
+def test_fit_logs_validation_and_checkpoint_has_no_teacher(tmp_path):
+    module, data = _module(_cfg(data_source="mixed_teacher", lmbda=0.5))
+    trainer = _trainer(tmp_path, 4)
+    trainer.fit(module, datamodule=data)
+    metrics = trainer.callback_metrics
+    for key in ("val/expected_acceptance", "val/simulated_block_efficiency", "val/loss", "train/loss",
+                "train/expected_acceptance", "train/on_policy_fraction"):
+        assert key in metrics, key
+    assert 0.0 <= float(metrics["val/expected_acceptance"]) <= 1.0
+    assert 1.0 <= float(metrics["val/simulated_block_efficiency"]) <= 5.0
+    assert len(module._val_cache) == 1  # held-out teacher continuations generated once, reused
+    state = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+    assert state and all(k.startswith("student.") for k in state)
+    assert sum(v.numel() for v in state.values()) == sum(p.numel() for p in module.student.state_dict().values())
+
+
+def test_resume_continues_global_step(tmp_path):
+    module, data = _module(_cfg(data_source="student"))
+    _trainer(tmp_path, 3).fit(module, datamodule=data)
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    saved = torch.load(last, weights_only=False)
+    assert saved["global_step"] == 3
+    module2, data2 = _module(_cfg(data_source="student"))
+    trainer = _trainer(tmp_path / "resumed", 5)
+    trainer.fit(module2, datamodule=data2, ckpt_path=str(last))
+    assert trainer.global_step == 5
+    w = "student.model.embed_tokens.weight"
+    assert not torch.equal(module2.student.state_dict()[w[len("student."):]], saved["state_dict"][w])
+
+
+def test_non_finite_loss_stops_naming_the_step_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
+    module, data = _module(_cfg(data_source="fixed"))
+    original = module.distill_loss
+
+    def poisoned(ro):
+        loss, s, t, m = original(ro)
+        return (loss * float("nan") if module.global_step == 3 else loss), s, t, m
+
+    monkeypatch.setattr(module, "distill_loss", poisoned)
+    trainer = _trainer(tmp_path, 10)
+    with pytest.raises(NonFiniteLossError, match=r"global step 3.*last good checkpoint: .*ckpt"):
+        trainer.fit(module, datamodule=data)
+    last = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
+    assert last["global_step"] == 3
+    assert all(torch.isfinite(v).all() for v in last["state_dict"].values())
+
+
+def test_lora_trains_adapters_only_and_merges_into_a_plain_model():
+    module, data = _module(_cfg(data_source="fixed", lora={"enabled": True, "r": 4, "alpha": 8}))
+    trainable = [n for n, p in module.student.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    opt = module.configure_optimizers()
+    opt = opt["optimizer"] if isinstance(opt, dict) else opt
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(trainable)
+    merged = module.distilled_drafter()
+    assert type(merged).__name__ == "LlamaForCausalLM"
+    assert not any("lora_" in k for k in merged.state_dict())
+
+
+def test_exported_drafter_works_as_hf_assistant_model(tmp_path):
+    module, data = _module(_cfg(data_source="fixed"))
+    _trainer(tmp_path, 2).fit(module, datamodule=data)
+    from train.methods.distillspec import _export
+
+    spec = type("Spec", (), {"cfg": _compose(["experiment=distillspec"], tmp_path), "name": "t"})()
+    out = tmp_path / "drafter"
+    _export(module.distilled_drafter(), module.tokenizer, str(out), {}, spec)
+    assert (out / "README.md").exists() and (out / "config.json").exists()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    drafter = AutoModelForCausalLM.from_pretrained(out)
+    tok = AutoTokenizer.from_pretrained(out)
+    verifier = module.teacher
+    ids = torch.tensor([tok.encode(TEXT)[:10]])
+    plain = verifier.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)
+    assisted = verifier.generate(ids, max_new_tokens=8, do_sample=False, assistant_model=drafter,
+                                 pad_token_id=tok.pad_token_id)
+    assert torch.equal(plain, assisted)
+
+
+# ------------------------------------------------------------------------------------------ end to end
+
+
+@pytest.mark.slow
+def test_main_job_end_to_end_on_the_cached_tiny_pair(tmp_path):
+    """``experiment=distillspec`` with fewer steps on checkpoints/tiny/ (skipped until the pair is built)."""
+    tiny = REPO_ROOT / "checkpoints" / "tiny"
+    if not (tiny / "verifier" / "config.json").exists():
+        pytest.skip("the embedded tiny pair is not cached (python train.py experiment=tiny_pair)")
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "train.py", "experiment=distillspec", "trainer.max_steps=6", "trainer.val_check_interval=3",
+           "method.num_prompts=64", "method.eval.num_prompts=2", "method.eval.max_new_tokens=16",
+           f"hydra.run.dir={run_dir}", "trainer.enable_progress_bar=false"]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "DRAFTSMITH_ROOT": str(REPO_ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((run_dir / "report.json").read_text())
+    for side in ("before", "after"):
+        assert set(report[side]) == {"0", "1"}
+        assert report[side]["0"]["block_efficiency"]["mean"] >= 1.0
+    assert (run_dir / "report.md").exists() and (run_dir / "drafter" / "config.json").exists()
+    assert str(run_dir) in proc.stdout

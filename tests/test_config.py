@@ -1,0 +1,118 @@
+"""Every YAML under conf/ composes, and bad values fail at start-up naming the key."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import OmegaConf, open_dict
+
+from train.config import ConfigError, LoggerConfig, TrainerConfig, check_model_source
+from train.run import load_spec
+
+from tests.conftest import CONF_DIR
+
+GROUP_DIRS = sorted(p for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "hydra")
+ENTRY_FILES = sorted(p.stem for p in CONF_DIR.glob("*.yaml"))
+
+
+def _compose(config_name: str, overrides: list[str]) -> object:
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name=config_name, overrides=overrides, return_hydra_config=True)
+
+
+def _options(group_dir: Path) -> list[str]:
+    return sorted(p.stem for p in group_dir.glob("*.yaml"))
+
+
+def _group_case(group_dir: Path, option: str) -> tuple[str, list[str]]:
+    """Which entry config a group belongs to and the override selecting ``option``."""
+    if group_dir.name == "decoding":
+        return "eval", [f"decoding={option}"]
+    return "train", [f"{group_dir.name}={option}"]
+
+
+CASES = [
+    (g.name, option) for g in GROUP_DIRS for option in _options(g)
+]
+
+
+@pytest.mark.parametrize(("group", "option"), CASES)
+def test_every_group_option_composes(group: str, option: str) -> None:
+    config_name, overrides = _group_case(CONF_DIR / group, option)
+    cfg = _compose(config_name, overrides)
+    assert cfg is not None
+
+
+@pytest.mark.parametrize("config_name", ENTRY_FILES)
+def test_every_entry_config_composes(config_name: str) -> None:
+    assert _compose(config_name, []) is not None
+
+
+def _spec_cfg(overrides: list[str], tmp_path: Path):
+    cfg = _compose("train", overrides + [f"paths.root_dir={tmp_path}"])
+    with open_dict(cfg):
+        cfg.paths.run_dir = str(tmp_path / "run")
+        del cfg["hydra"]
+    return cfg
+
+
+def test_default_config_validates(tmp_path: Path) -> None:
+    spec = load_spec(_spec_cfg([], tmp_path))
+    assert spec.trainer.accelerator == "cpu"
+    assert spec.model.tiny is not None
+    assert spec.logger.wandb and spec.logger.csv
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("method.optimizer.lr=-1e-3", "method.optimizer.lr"),
+        ("trainer.strategy=magic", "trainer.strategy"),
+        ("trainer.devices=0", "trainer.devices"),
+        ("trainer.max_steps=0", "trainer.max_steps"),
+        ("model.tiny=null", "model.verifier"),
+        ("model.tiny.verifier.lr=0", "model.tiny.*.lr"),
+        ("model=qwen3,model.drafter=/no/such/folder", "model.drafter"),
+        ("logger.offline=maybe", "logger.offline"),
+        ("model.dtype=float8", "model.dtype"),
+    ],
+)
+def test_bad_values_fail_naming_the_key(override: str, key: str, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=re.escape(key)):
+        load_spec(_spec_cfg(override.split(","), tmp_path))
+
+
+def test_trainer_config_ranges() -> None:
+    with pytest.raises(ConfigError, match=r"trainer\.accumulate_grad_batches"):
+        TrainerConfig(accumulate_grad_batches=0)
+    assert TrainerConfig(devices="auto").trainer_kwargs()["devices"] == "auto"
+
+
+def test_model_source_rules(tmp_path: Path) -> None:
+    check_model_source("model.verifier", "Qwen/Qwen3-8B")  # a Hub id is fine offline
+    check_model_source("model.verifier", str(tmp_path))  # an existing folder
+    with pytest.raises(ConfigError, match="no model folder"):
+        check_model_source("model.verifier", str(tmp_path / "missing"))
+    with pytest.raises(ConfigError, match="Hub id"):
+        check_model_source("model.verifier", "not a valid id!")
+
+
+def test_wandb_offline_unless_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    assert LoggerConfig().wandb_offline()
+    monkeypatch.setenv("WANDB_API_KEY", "x")
+    assert not LoggerConfig().wandb_offline()
+    assert LoggerConfig(offline=True).wandb_offline()
+
+
+def test_experiments_carry_their_run_command() -> None:
+    for path in (CONF_DIR / "experiment").glob("*.yaml"):
+        text = path.read_text()
+        assert text.startswith("# @package _global_"), path
+        assert "python train.py experiment=" in text, path
+        assert OmegaConf.load(path).get("name"), path

@@ -1,0 +1,1 @@
+"""Benchmarks run by ``python scripts/bench.py <name>``; one module per benchmark."""
