@@ -124,8 +124,10 @@ class EvalConfig:
     strict_greedy: bool = True
     #: One short untimed generation per model first, so lazy initialisation is not timed.
     warmup: bool = True
-    #: torch intra-op threads during the evaluation (null: leave as it is).
-    num_threads: int | None = None
+    #: torch intra-op threads during the evaluation, restored afterwards (null: leave torch's setting).
+    #: 1 suits small latency-bound models on CPU: with more, OpenMP spin-waiting on a busy machine
+    #: slowed the tiny pair's evaluation more than tenfold (docs/evaluation.md). Set null for large models.
+    num_threads: int | None = 1
     #: Progress bar over prompts; plots written next to results.json.
     progress: bool = True
     plots: bool = True
@@ -588,29 +590,38 @@ def write_outputs(results: dict[str, Any], out_dir: str | os.PathLike[str], plot
 
 def plot_results(results: Mapping[str, Any], out_dir: str | os.PathLike[str]) -> list[str]:
     """Two PNGs: block efficiency vs gamma (per drafter and temperature, with the gamma + 1 ceiling)
-    and per-position acceptance (per drafter, temperature and gamma). Returns their paths."""
+    and per-position acceptance (one panel per temperature, a line per drafter and gamma). Colour
+    names the drafter (and decoder) in both. Returns their paths."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
     runs = list(results["runs"])
+    labels = sorted({(r["drafter"], r["decoder"]) for r in runs})
+    colour = {lab: f"C{i % 10}" for i, lab in enumerate(labels)}
+    temps = sorted({float(r["temperature"]) for r in runs})
+    styles = ["-", "--", ":", "-."]
+    markers = ["o", "s", "^", "D", "v", "P"]
+    gammas = sorted({int(r["gamma"]) for r in runs})
     paths = []
-    series: dict[tuple[str, str, float], list[tuple[int, float, float]]] = {}
-    for r in runs:
-        m = r["metrics"]["block_efficiency"]
-        series.setdefault((r["drafter"], r["decoder"], r["temperature"]), []).append(
-            (r["gamma"], _nan(m["mean"]), _nan(m["std"])))
-    fig, ax = plt.subplots(figsize=(6, 4))
-    gammas = sorted({r["gamma"] for r in runs})
-    ax.plot(gammas, [g + 1 for g in gammas], "k--", lw=1, label="ceiling gamma + 1")
-    for (drafter, dec, t), pts in sorted(series.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
-        pts.sort()
-        ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], marker="o", capsize=3,
-                    label=f"{drafter} ({dec}) T={temperature_key(t)}")
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    ax.plot(gammas, [g + 1 for g in gammas], color="0.5", ls="--", marker="_", ms=18, lw=1,
+            label="ceiling gamma + 1")
+    for lab in labels:
+        for ti, t in enumerate(temps):
+            pts = sorted((r["gamma"], _nan(r["metrics"]["block_efficiency"]["mean"]),
+                          _nan(r["metrics"]["block_efficiency"]["std"]))
+                         for r in runs if (r["drafter"], r["decoder"]) == lab and float(r["temperature"]) == t)
+            if pts:
+                ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], color=colour[lab],
+                            ls=styles[ti % len(styles)], marker=markers[ti % len(markers)], capsize=3,
+                            label=f"{lab[0]} ({lab[1]}) T={temperature_key(t)}")
     ax.set_xlabel("gamma (draft tokens per block)")
     ax.set_ylabel("block efficiency tau")
     ax.set_xticks(gammas)
+    ax.set_ylim(bottom=0.9)
     ax.set_title("Block efficiency vs gamma (mean ± std over seeds)")
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -618,19 +629,25 @@ def plot_results(results: Mapping[str, Any], out_dir: str | os.PathLike[str]) ->
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for r in runs:
-        pp = r["metrics"].get("per_position_acceptance")
-        if not pp:
-            continue
-        ys = [_nan(v) for v in pp["mean"]]
-        ax.errorbar(range(1, len(ys) + 1), ys, yerr=[_nan(v) for v in pp["std"]], marker="o", capsize=3,
-                    label=f"{r['drafter']} ({r['decoder']}) T={temperature_key(r['temperature'])} gamma={r['gamma']}")
-    ax.set_xlabel("draft position i")
-    ax.set_ylabel("P(accepted | earlier accepted)")
-    ax.set_ylim(-0.02, 1.02)
-    ax.set_title("Per-position acceptance (mean ± std over seeds)")
-    ax.legend(fontsize=7)
+    fig, axes = plt.subplots(1, len(temps), figsize=(4.2 * len(temps) + 0.8, 4.0), sharey=True, squeeze=False)
+    for ax, t in zip(axes[0], temps, strict=True):
+        for r in runs:
+            pp = r["metrics"].get("per_position_acceptance")
+            if float(r["temperature"]) != t or not pp:
+                continue
+            lab = (r["drafter"], r["decoder"])
+            gi = gammas.index(int(r["gamma"]))
+            ys = [_nan(v) for v in pp["mean"]]
+            ax.errorbar(range(1, len(ys) + 1), ys, yerr=[_nan(v) for v in pp["std"]], color=colour[lab],
+                        ls=styles[gi % len(styles)], marker=markers[gi % len(markers)], capsize=3,
+                        label=f"{lab[0]} ({lab[1]}) gamma={r['gamma']}")
+        ax.set_title(f"T = {temperature_key(t)}")
+        ax.set_xlabel("draft position i")
+        ax.set_xticks(range(1, max(gammas) + 1))
+        ax.set_ylim(-0.02, 1.02)
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("P(position i accepted | earlier accepted)")
+    fig.suptitle("Per-position acceptance (mean ± std over seeds)")
     fig.tight_layout()
     paths.append(os.path.join(out_dir, "per_position_acceptance.png"))
     fig.savefig(paths[-1], dpi=110)

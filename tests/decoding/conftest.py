@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from .decoding_helpers import build, tiny_config
 
 

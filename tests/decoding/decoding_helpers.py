@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen3Con
 VOCAB = 128
 BOS, EOS = 0, 1
 
+
 def tiny_config(arch: str, hidden: int = 64, vocab: int = VOCAB, layers: int = 2, max_pos: int = 256):
     common = {"vocab_size": vocab, "bos_token_id": BOS, "eos_token_id": EOS, "pad_token_id": BOS}
     if arch == "llama":
@@ -91,6 +92,6 @@ class TableLM(torch.nn.Module):
 
 def random_table_lm(vocab: int, seed: int, scale: float = 1.5, positions: int = 3) -> TableLM:
     g = torch.Generator().manual_seed(seed)
-    return TableLM(torch.randn(vocab, vocab, generator=g) * scale, torch.randn(positions, vocab, generator=g) * scale)
-
-
+    return TableLM(
+        torch.randn(vocab, vocab, generator=g) * scale, torch.randn(positions, vocab, generator=g) * scale
+    )

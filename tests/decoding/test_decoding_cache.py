@@ -29,7 +29,12 @@ class CheckedLM(torch.nn.Module):
         held = 0 if past_key_values is None else past_key_values.get_seq_length()
         assert held <= len(self.mirror)
         self.mirror = self.mirror[:held] + input_ids[0].tolist()
-        out = self.model(input_ids=input_ids, past_key_values=past_key_values, use_cache=True, logits_to_keep=logits_to_keep)
+        out = self.model(
+            input_ids=input_ids,
+            past_key_values=past_key_values,
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+        )
         assert out.past_key_values.get_seq_length() == len(self.mirror)
         fresh = self.model(input_ids=torch.tensor([self.mirror]), use_cache=False).logits
         k = out.logits.shape[1]
@@ -41,12 +46,16 @@ class CheckedLM(torch.nn.Module):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt2"])
-@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.3)], ids=["greedy", "T=0.3"])
+@pytest.mark.parametrize(
+    "params", [SamplingParams(), SamplingParams(temperature=0.3)], ids=["greedy", "T=0.3"]
+)
 def test_cached_logits_equal_fresh_forward(tiny_pairs, arch, params):
     verifier, drafter = tiny_pairs[arch]
     cv, cd = CheckedLM(verifier), CheckedLM(drafter)
     ids = torch.randint(2, 128, (1, 7), generator=torch.Generator().manual_seed(0))
-    res = SpeculativeDecoder(cv, cd, gamma=3).generate(ids, 20, params, generator=torch.Generator().manual_seed(0))
+    res = SpeculativeDecoder(cv, cd, gamma=3).generate(
+        ids, 20, params, generator=torch.Generator().manual_seed(0)
+    )
     s = res.stats
     assert s.new_tokens == 20
     assert s.accepted < s.drafted  # rejections (and hence crops) happened

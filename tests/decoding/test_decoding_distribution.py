@@ -12,9 +12,10 @@ import math
 
 import pytest
 import torch
-from .decoding_helpers import TableLM, random_table_lm
 
 from train.decoding import SamplingParams, SpeculativeDecoder, acceptance_rate, expected_acceptance, warp
+
+from .decoding_helpers import TableLM, random_table_lm
 
 V = 4
 N_SAMPLES = 1000
@@ -38,7 +39,9 @@ def chi2_critical(df: int, z: float = 3.719) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
-def chi_square(counts: dict[tuple[int, ...], int], probs: dict[tuple[int, ...], float], n: int) -> tuple[float, int]:
+def chi_square(
+    counts: dict[tuple[int, ...], int], probs: dict[tuple[int, ...], float], n: int
+) -> tuple[float, int]:
     """Chi-square statistic and degrees of freedom; cells with expected count < 5 are pooled."""
     assert all(probs.get(k, 0.0) > 0 for k in counts), "a zero-probability sequence was emitted"
     stat, df, pooled_o, pooled_e = 0.0, -1, 0, 0.0
@@ -130,7 +133,9 @@ def test_q_equals_p_gives_tau_gamma_plus_one(gamma):
     model = random_table_lm(V, seed=3)
     dec = SpeculativeDecoder(model, model, gamma=gamma)
     gen = torch.Generator().manual_seed(0)
-    res = dec.generate(torch.tensor([PROMPT]), 4 * (gamma + 1), SamplingParams(temperature=0.8, top_k=3), generator=gen)
+    res = dec.generate(
+        torch.tensor([PROMPT]), 4 * (gamma + 1), SamplingParams(temperature=0.8, top_k=3), generator=gen
+    )
     s = res.stats
     assert s.new_tokens / s.verifier_calls == gamma + 1
     assert s.accepted == s.drafted == 4 * gamma

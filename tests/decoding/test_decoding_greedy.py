@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from .decoding_helpers import EOS, TableLM, build, tiny_config
 
 from train.decoding import AutoregressiveDecoder, SamplingParams, SpeculativeDecoder
+
+from .decoding_helpers import EOS, TableLM, build, tiny_config
 
 
 def prompt(n: int = 8, seed: int = 0, vocab: int = 128) -> torch.Tensor:
@@ -15,7 +16,12 @@ def prompt(n: int = 8, seed: int = 0, vocab: int = 128) -> torch.Tensor:
 
 def hf_greedy(model, ids: torch.Tensor, n: int, eos: int | None = EOS) -> torch.Tensor:
     out = model.generate(
-        ids, max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=0, attention_mask=torch.ones_like(ids)
+        ids,
+        max_new_tokens=n,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=0,
+        attention_mask=torch.ones_like(ids),
     )
     return out[0, ids.shape[1] :]
 
@@ -99,7 +105,11 @@ def test_eos_inside_draft_ends_without_bonus():
     assert d.calls == 3
     # sampling regime, same behaviour (the chain is near-deterministic)
     res = SpeculativeDecoder(v, d, gamma=6).generate(
-        torch.tensor([[5]]), 20, SamplingParams(temperature=0.01), eos_token_id=EOS, generator=torch.Generator()
+        torch.tensor([[5]]),
+        20,
+        SamplingParams(temperature=0.01),
+        eos_token_id=EOS,
+        generator=torch.Generator(),
     )
     assert res.tokens.tolist() == [2, 3, EOS]
     assert res.stats.verifier_calls == 1

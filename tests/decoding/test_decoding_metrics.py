@@ -9,8 +9,8 @@ import torch
 
 from train.decoding import (
     DecodeStats,
-    accepted_per_block,
     acceptance_rate,
+    accepted_per_block,
     aggregate,
     block_efficiency,
     cost_ratio,

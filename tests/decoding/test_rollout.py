@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from .decoding_helpers import BOS, VOCAB, build, tiny_config
 
 from train.data.lm import collate_left_pad
 from train.decoding.rollout import position_ids_from_mask, rollout
 from train.decoding.sampling import SamplingParams
+
+from .decoding_helpers import BOS, VOCAB, build, tiny_config
 
 GREEDY = SamplingParams(temperature=0.0)
 

@@ -48,19 +48,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3, help="timed repetitions (interleaved)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    parser.add_argument("--noise", type=float, default=0.15, help="verifier unembedding noise (sets acceptance)")
+    parser.add_argument(
+        "--noise", type=float, default=0.15, help="verifier unembedding noise (sets acceptance)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=str, default=None, help="write the results as JSON here")
 
 
-def build_pair(vocab: int = 8192, noise: float = 0.15, seed: int = 0) -> tuple[torch.nn.Module, torch.nn.Module]:
+def build_pair(
+    vocab: int = 8192, noise: float = 0.15, seed: int = 0
+) -> tuple[torch.nn.Module, torch.nn.Module]:
     """Random-weight Llama verifier (hidden 512, 8 layers) and drafter (hidden 128, 2 layers)."""
-    common = {"vocab_size": vocab, "max_position_embeddings": 1024, "bos_token_id": None, "eos_token_id": None}
+    common = {
+        "vocab_size": vocab,
+        "max_position_embeddings": 1024,
+        "bos_token_id": None,
+        "eos_token_id": None,
+    }
     vcfg = LlamaConfig(
-        hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8, **common
+        hidden_size=512,
+        intermediate_size=1376,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        **common,
     )
     dcfg = LlamaConfig(
-        hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, **common
+        hidden_size=128,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        **common,
     )
     torch.manual_seed(seed)
     verifier = AutoModelForCausalLM.from_config(vcfg).eval()
@@ -150,7 +169,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     tps = {m: tokens[m] / sum(wall[m]) for m in METHODS}
     result: dict[str, Any] = {
-        "config": vars(args),
+        "config": {k: v for k, v in vars(args).items() if not callable(v)},
         "verifier_params": param_count(verifier),
         "drafter_params": param_count(drafter),
         "tokens_per_second": tps,

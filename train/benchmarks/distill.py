@@ -44,7 +44,9 @@ SIDES = ("ours", "trl")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verifier", default="checkpoints/tiny/verifier")
     parser.add_argument("--drafter", default="checkpoints/tiny/drafter")
-    parser.add_argument("--random", action="store_true", help="random-weight tiny-shaped pair, random prompts")
+    parser.add_argument(
+        "--random", action="store_true", help="random-weight tiny-shaped pair, random prompts"
+    )
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=64)
@@ -73,26 +75,46 @@ def _peak_rss_mb() -> float:
 
 
 def load(args: argparse.Namespace) -> tuple[Any, Any, Any, list[list[int]]]:
-    """(verifier frozen, drafter, tokenizer, prompts as id lists of length ``prompt_len``)."""
+    """(verifier frozen, drafter, tokenizer, prompt + ground-truth continuation id lists).
+
+    Each row is ``prompt_len`` prompt tokens then ``max_new_tokens`` continuation tokens; only TRL's
+    collator uses the continuation (its ``Trainer`` counts the loss's tokens from the batch's labels).
+    """
     from train.models.loading import freeze
 
     n_prompts = args.batch_size * (args.steps + args.warmup)
     if args.random or not os.path.isdir(args.verifier):
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        from tests.conftest import make_tokenizer
-
-        tok = make_tokenizer()
-        common = dict(vocab_size=4096, max_position_embeddings=512, bos_token_id=tok.bos_token_id,
-                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        tok = _byte_tokenizer()
+        common = dict(
+            vocab_size=4096,
+            max_position_embeddings=512,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
         torch.manual_seed(args.seed)
-        verifier = LlamaForCausalLM(LlamaConfig(hidden_size=192, num_hidden_layers=4, num_attention_heads=3,
-                                                intermediate_size=512, **common))
-        drafter = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                                               intermediate_size=176, tie_word_embeddings=True, **common))
+        verifier = LlamaForCausalLM(
+            LlamaConfig(
+                hidden_size=192, num_hidden_layers=4, num_attention_heads=3, intermediate_size=512, **common
+            )
+        )
+        drafter = LlamaForCausalLM(
+            LlamaConfig(
+                hidden_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                intermediate_size=176,
+                tie_word_embeddings=True,
+                **common,
+            )
+        )
         g = torch.Generator().manual_seed(args.seed)
-        prompts = [[tok.bos_token_id] + torch.randint(0, 256, (args.prompt_len - 1,), generator=g).tolist()
-                   for _ in range(n_prompts)]
+        prompts = [
+            [tok.bos_token_id] + torch.randint(0, 256, (args.prompt_len - 1,), generator=g).tolist()
+            for _ in range(n_prompts)
+        ]
         return freeze(verifier), drafter, tok, prompts
     from train.data.lm import make_prompts
     from train.data.sources import DataSourceConfig, load_text_dataset
@@ -101,9 +123,23 @@ def load(args: argparse.Namespace) -> tuple[Any, Any, Any, list[list[int]]]:
     tok = load_tokenizer(args.verifier)
     verifier, drafter = freeze(load_model(args.verifier)), load_model(args.drafter)
     splits = load_text_dataset(DataSourceConfig(corpus_dir="data/stdlib_corpus"), tok)
-    ds = make_prompts(splits["train"], tok, args.prompt_len, max_prompts=n_prompts, seed=args.seed,
-                      continuation_len=0)
+    ds = make_prompts(
+        splits["train"], tok, args.prompt_len, max_prompts=n_prompts, seed=args.seed, continuation_len=0
+    )
     return verifier, drafter, tok, [list(p) for p in ds["input_ids"]]
+
+
+def _byte_tokenizer() -> Any:
+    """256 byte tokens plus BOS/EOS/PAD: enough for random prompts, nothing to download."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    for special in ("<|bos|>", "<|eos|>", "<|pad|>"):
+        vocab[special] = len(vocab)
+    raw = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    return PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>")
 
 
 class _Clock:
@@ -132,13 +168,25 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any]:
     from train.methods.distillspec import DistillSpecConfig, DistillSpecModule
 
     verifier, drafter, tok, prompts = load(args)
-    cfg = DistillSpecConfig(optimizer=functools.partial(torch.optim.AdamW, lr=args.lr), divergence="jsd", beta=0.5,
-                            data_source="student", temperature=args.temperature, max_new_tokens=args.max_new_tokens,
-                            prompt_len=args.prompt_len, batch_size=args.batch_size, num_prompts=len(prompts))
+    cfg = DistillSpecConfig(
+        optimizer=functools.partial(torch.optim.AdamW, lr=args.lr),
+        divergence="jsd",
+        beta=0.5,
+        data_source="student",
+        temperature=args.temperature,
+        max_new_tokens=args.max_new_tokens,
+        prompt_len=args.prompt_len,
+        batch_size=args.batch_size,
+        num_prompts=len(prompts),
+    )
     module = DistillSpecModule(drafter, verifier, tok, cfg, seed=args.seed)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    loader = torch.utils.data.DataLoader(prompts, batch_size=args.batch_size, shuffle=False,
-                                         collate_fn=functools.partial(collate_left_pad, pad_id=pad))
+    loader = torch.utils.data.DataLoader(
+        prompts,
+        batch_size=args.batch_size,
+        shuffle=False,
+        collate_fn=functools.partial(collate_left_pad, pad_id=pad),
+    )
     clock = _Clock(args.warmup)
 
     class Timer(L.Callback):
@@ -148,9 +196,17 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any]:
         def on_train_batch_end(self, *a: Any) -> None:
             clock.end(module.last_num_tokens)
 
-    trainer = L.Trainer(accelerator="cpu", max_steps=args.steps + args.warmup, logger=False, callbacks=[Timer()],
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        limit_val_batches=0, num_sanity_val_steps=0)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=args.steps + args.warmup,
+        logger=False,
+        callbacks=[Timer()],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(module, train_dataloaders=loader)
     return _result("ours", clock)
 
@@ -174,18 +230,50 @@ def run_trl(args: argparse.Namespace) -> dict[str, Any]:
     def collate(rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         batch = collate_left_pad([r["input_ids"] for r in rows], pad_id=pad)
         labels = torch.full_like(batch["input_ids"], -100)
-        return {"prompts": batch["input_ids"], "prompt_attention_mask": batch["attention_mask"],
-                "input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "labels": labels}
+        return {
+            "prompts": batch["input_ids"],
+            "prompt_attention_mask": batch["attention_mask"],
+            "input_ids": batch["input_ids"],
+            "attention_mask": batch["attention_mask"],
+            "labels": labels,
+        }
 
     out_dir = tempfile.mkdtemp(prefix="bench_gkd_")
-    gkd_args = GKDConfig(output_dir=out_dir, per_device_train_batch_size=args.batch_size,
-                         max_steps=args.steps + args.warmup, learning_rate=args.lr, lr_scheduler_type="constant",
-                         warmup_steps=0, lmbda=1.0, beta=0.5, temperature=args.temperature,
-                         max_new_tokens=args.max_new_tokens, seq_kd=False, use_cpu=True, report_to=[],
-                         save_strategy="no", logging_steps=10_000, dataloader_num_workers=0, seed=args.seed,
-                         disable_tqdm=True, remove_unused_columns=False, max_length=None, bf16=False, fp16=False)
-    trainer = GKDTrainer(model=drafter, teacher_model=verifier, args=gkd_args, data_collator=collate,
-                         train_dataset=Dataset.from_dict({"input_ids": prompts}), processing_class=tok)
+    gkd_args = GKDConfig(
+        output_dir=out_dir,
+        per_device_train_batch_size=args.batch_size,
+        max_steps=args.steps + args.warmup,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        lmbda=1.0,
+        beta=0.5,
+        temperature=args.temperature,
+        max_new_tokens=args.max_new_tokens,
+        seq_kd=False,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=10_000,
+        dataloader_num_workers=0,
+        seed=args.seed,
+        disable_tqdm=True,
+        remove_unused_columns=False,
+        max_length=None,
+        bf16=False,
+        fp16=False,
+    )
+    trainer = GKDTrainer(
+        model=drafter,
+        teacher_model=verifier,
+        args=gkd_args,
+        data_collator=collate,
+        train_dataset=Dataset.from_dict({"input_ids": prompts}),
+        processing_class=tok,
+    )
+    # With on-policy batches the Trainer's token count (taken from the collated labels before the rollout
+    # replaces them) can be 0 and the loss inf; without it GKD divides by the rollout's own mask count.
+    trainer.model_accepts_loss_kwargs = False
     clock = _Clock(args.warmup)
     seen = {"tokens": 0}
     generate = trainer.generate_on_policy_outputs
@@ -230,19 +318,34 @@ def run_side(args: argparse.Namespace) -> dict[str, Any]:
 
 def _argv(args: argparse.Namespace, side: str) -> list[str]:
     argv = [sys.executable, "scripts/bench.py", "distill", "--side", side]
-    for name in ("verifier", "drafter", "batch_size", "max_new_tokens", "prompt_len", "temperature", "steps",
-                 "warmup", "lr", "threads", "seed"):
+    for name in (
+        "verifier",
+        "drafter",
+        "batch_size",
+        "max_new_tokens",
+        "prompt_len",
+        "temperature",
+        "steps",
+        "warmup",
+        "lr",
+        "threads",
+        "seed",
+    ):
         argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     return argv + (["--random"] if args.random else [])
 
 
 def markdown(res: dict[str, Any]) -> str:
-    lines = ["| side | continuation tokens/s | timed steps | tokens | seconds | peak RSS MiB | peak RSS delta MiB |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| side | continuation tokens/s | timed steps | tokens | seconds | peak RSS MiB | peak RSS delta MiB |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for side in SIDES:
         r = res[side]
-        lines.append(f"| {side} | {r['tokens_per_second']:.1f} | {r['timed_steps']} | {r['continuation_tokens']} | "
-                     f"{r['seconds']:.1f} | {r['peak_rss_mb']:.0f} | {r['peak_rss_delta_mb']:.0f} |")
+        lines.append(
+            f"| {side} | {r['tokens_per_second']:.1f} | {r['timed_steps']} | {r['continuation_tokens']} | "
+            f"{r['seconds']:.1f} | {r['peak_rss_mb']:.0f} | {r['peak_rss_delta_mb']:.0f} |"
+        )
     lines.append(f"\nthroughput ours / trl = **{res['ratio']:.2f}x**")
     return "\n".join(lines)
 
@@ -253,14 +356,21 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         print("RESULT " + json.dumps(result))
         return result
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    res: dict[str, Any] = {"config": {k: v for k, v in vars(args).items() if k not in ("func", "side", "out")}}
+    res: dict[str, Any] = {
+        "config": {k: v for k, v in vars(args).items() if k not in ("func", "side", "out")}
+    }
     for side in SIDES:
-        proc = subprocess.run(_argv(args, side), cwd=root, capture_output=True, text=True,
-                              env={**os.environ, "PYTHONPATH": root})
+        proc = subprocess.run(
+            _argv(args, side),
+            cwd=root,
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": root},
+        )
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if proc.returncode != 0 or not lines:
             raise RuntimeError(f"{side} benchmark failed:\n{proc.stderr[-4000:]}")
-        res[side] = json.loads(lines[-1][len("RESULT "):])
+        res[side] = json.loads(lines[-1][len("RESULT ") :])
     res["ratio"] = res["ours"]["tokens_per_second"] / res["trl"]["tokens_per_second"]
     print(markdown(res))
     if args.out:

@@ -4,8 +4,8 @@ from .autoregressive import AutoregressiveDecoder
 from .metrics import (
     DecodeResult,
     DecodeStats,
-    accepted_per_block,
     acceptance_rate,
+    accepted_per_block,
     aggregate,
     block_efficiency,
     cost_ratio,

@@ -31,7 +31,9 @@ def output_vocab_size(model: torch.nn.Module) -> int:
             return int(weight.shape[0])
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     if not isinstance(vocab, int):
-        raise ValueError("cannot determine the model's output vocabulary size (no output embeddings, no config.vocab_size)")
+        raise ValueError(
+            "cannot determine the model's output vocabulary size (no output embeddings, no config.vocab_size)"
+        )
     return vocab
 
 
@@ -75,7 +77,9 @@ def validate_request(
         raise TypeError(f"input_ids must be a torch.Tensor of shape (1, T), got {type(input_ids).__name__}")
     if input_ids.dim() == 2:
         if input_ids.shape[0] != 1:
-            raise ValueError(f"input_ids must have batch size 1, shape (1, T); got shape {tuple(input_ids.shape)}")
+            raise ValueError(
+                f"input_ids must have batch size 1, shape (1, T); got shape {tuple(input_ids.shape)}"
+            )
         input_ids = input_ids[0]
     elif input_ids.dim() != 1:
         raise ValueError(f"input_ids must have shape (1, T); got shape {tuple(input_ids.shape)}")

@@ -154,7 +154,9 @@ def mbsu(tau: float, c_param: float, gamma: int) -> float:
 
 def cost_ratio(stats: DecodeStats) -> float:
     """Mean seconds per drafter forward / mean seconds per verifier forward, measured on this hardware."""
-    return _div(_div(stats.drafter_time, stats.drafter_calls), _div(stats.verifier_time, stats.verifier_calls))
+    return _div(
+        _div(stats.drafter_time, stats.drafter_calls), _div(stats.verifier_time, stats.verifier_calls)
+    )
 
 
 def tokens_per_second(stats: DecodeStats) -> float:

@@ -99,8 +99,14 @@ def rollout(
         next_pos = positions[:, -1:] + 1
         feed, feed_pos, cache = input_ids, positions, None
         for _ in range(max_new_tokens):
-            out = model(input_ids=feed, attention_mask=mask, position_ids=feed_pos, past_key_values=cache,
-                        use_cache=True, **keep)
+            out = model(
+                input_ids=feed,
+                attention_mask=mask,
+                position_ids=feed_pos,
+                past_key_values=cache,
+                use_cache=True,
+                **keep,
+            )
             cache = out.past_key_values
             logits = out.logits[:, -1, :vocab]
             if params.temperature == 0.0:

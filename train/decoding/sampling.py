@@ -46,7 +46,9 @@ class SamplingParams:
         if not (isinstance(self.temperature, int | float) and math.isfinite(self.temperature)) or (
             self.temperature < 0
         ):
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+            raise ValueError(
+                f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}"
+            )
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = disabled), got {self.top_k!r}")
         if not isinstance(self.top_p, int | float) or not (0.0 < self.top_p <= 1.0):

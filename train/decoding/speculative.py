@@ -110,7 +110,11 @@ class SpeculativeDecoder:
         limit = len(prompt) + max_new_tokens
         v_len = d_len = 0  # positions held by each cache
         v_cache = d_cache = None
-        pos_drafted, pos_tested, pos_accepted = stats.position_drafted, stats.position_tested, stats.position_accepted
+        pos_drafted, pos_tested, pos_accepted = (
+            stats.position_drafted,
+            stats.position_tested,
+            stats.position_accepted,
+        )
         drafted = accepted = tested = v_calls = d_calls = 0
         sum_ea = 0.0
         d_time = v_time = 0.0

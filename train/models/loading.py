@@ -7,10 +7,9 @@ logits are compared over the common vocabulary: the first ``common_vocab_size`` 
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -33,7 +32,10 @@ def torch_dtype(name: str | None) -> Any:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def freeze(model: torch.nn.Module) -> torch.nn.Module:
+ModelT = TypeVar("ModelT", bound=torch.nn.Module)
+
+
+def freeze(model: ModelT) -> ModelT:
     """Eval mode and no gradients: how the verifier is always held."""
     model.eval()
     model.requires_grad_(False)
@@ -143,8 +145,3 @@ def load_pair(cfg: ModelConfig, freeze_drafter: bool = False) -> ModelPair:
             f"{output_vocab_size(verifier)} (verifier) and {output_vocab_size(drafter)} (drafter)"
         )
     return ModelPair(verifier=verifier, drafter=drafter, tokenizer=tokenizer)
-
-
-def read_json(path: str) -> dict[str, Any]:
-    with open(path) as f:
-        return json.load(f)

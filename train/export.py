@@ -1,0 +1,287 @@
+"""Export a trained drafter as a Hugging Face folder, with a model card, and push it to the Hub.
+
+:func:`export_drafter` writes ``save_pretrained`` weights (safetensors), the tokenizer and a
+``README.md`` model card: YAML front matter for the Hub, the evaluation table, the training config
+and how to use the drafter as ``assistant_model`` in ``generate``. :func:`push_to_hub` uploads such
+a folder with ``huggingface_hub``; the token comes from the ``HF_TOKEN`` environment variable only
+and is never written anywhere. ``main(cfg)`` is the body of ``scripts/export.py`` (conf/export.yaml).
+
+Drafters that are not ``PreTrainedModel``s (Medusa heads, steering projections) are exported by
+their own modules through ``huggingface_hub.PyTorchModelHubMixin`` (``save_pretrained`` /
+``push_to_hub`` on an ``nn.Module`` that mixes it in); :func:`push_to_hub` uploads those folders too.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from train.config import ConfigError, require
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CARD_TAGS", "HubConfig", "drafter_folder", "export_drafter", "main", "model_card", "push_to_hub"]
+
+CARD_TAGS: tuple[str, ...] = ("speculative-decoding", "draftsmith", "drafter")
+HF_TOKEN_ENV = "HF_TOKEN"
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
+_SECRET_KEY = re.compile(r"token|secret|password|api_?key|credential", re.IGNORECASE)
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+
+
+def _is_hub_id(source: str | None) -> bool:
+    return bool(source) and bool(_REPO_ID.match(str(source))) and not os.path.exists(str(source))
+
+
+def _scrub(value: Any) -> Any:
+    """Drop every key that looks like a credential, at any depth (cards and logs never carry secrets)."""
+    if isinstance(value, Mapping):
+        return {str(k): _scrub(v) for k, v in value.items() if not _SECRET_KEY.search(str(k))}
+    if isinstance(value, list | tuple):
+        return [_scrub(v) for v in value]
+    return value
+
+
+def _yaml(value: Any) -> str:
+    import yaml
+
+    return yaml.safe_dump(value, sort_keys=False, default_flow_style=False, allow_unicode=True)
+
+
+def _per_temperature_table(evaluation: Mapping[str, Any]) -> str:
+    """Markdown for ``{label: {temperature: {metric: {"mean", "std", "n"}}}}`` (e.g. before / after)."""
+    from train.evaluation import _pm
+
+    columns = (("acceptance", "acceptance_rate", 3), ("E[accept]", "expected_acceptance", 3),
+               ("tau", "block_efficiency", 2), ("MBSU", "mbsu", 2), ("tok/s", "tokens_per_second", 0),
+               ("speedup", "speedup", 2))
+    lines = ["| drafter | T | " + " | ".join(c[0] for c in columns) + " |",
+             "|---|---|" + "|".join("---:" for _ in columns) + "|"]
+    for label, per_t in evaluation.items():
+        for t, metrics in per_t.items():
+            cells = [_pm(metrics.get(key), digits) for _, key, digits in columns]
+            lines.append(f"| {label} | {t} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _results_markdown(results: Mapping[str, Any] | str | None) -> str | None:
+    if not results:
+        return None
+    if isinstance(results, str):
+        return results.strip() + "\n"
+    if "runs" in results:
+        from train.evaluation import results_table
+
+        return results_table(results)
+    if all(isinstance(v, Mapping) for v in results.values()):
+        return _per_temperature_table(results)
+    raise TypeError("results must be evaluate_drafters' dictionary, {label: {temperature: metrics}} or Markdown text")
+
+
+def model_card(name: str, config: Mapping[str, Any] | None = None, results: Mapping[str, Any] | str | None = None,
+               base_model: str | None = None, verifier: str | None = None) -> str:
+    """The README.md of an exported drafter (see :func:`export_drafter` for the arguments)."""
+    front: dict[str, Any] = {"library_name": "transformers", "pipeline_tag": "text-generation",
+                             "tags": list(CARD_TAGS)}
+    # The Hub validates base_model as a repo id; local paths are named in the text instead.
+    if _is_hub_id(base_model):
+        front["base_model"] = base_model
+    verifier_ref = verifier or "VERIFIER"
+    lines = [
+        "---",
+        _yaml(front).rstrip(),
+        "---",
+        "",
+        f"# {name}",
+        "",
+        "A drafter for speculative decoding trained with draftsmith: a small model that "
+        f"proposes tokens for the verifier `{verifier_ref}` to check in one forward pass. Lossless speculative "
+        "decoding returns exactly the verifier's output distribution; the drafter only changes the speed.",
+        "",
+        f"- verifier (target): `{verifier or 'unknown'}`",
+        f"- initialised from: `{base_model or 'unknown'}`",
+        "",
+        "## Use it as an assistant model",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        "",
+        f'tokenizer = AutoTokenizer.from_pretrained("{verifier_ref}")',
+        f'verifier = AutoModelForCausalLM.from_pretrained("{verifier_ref}")',
+        'drafter = AutoModelForCausalLM.from_pretrained("PATH_OR_REPO_OF_THIS_DRAFTER")',
+        'inputs = tokenizer("def fibonacci(n):", return_tensors="pt")',
+        "out = verifier.generate(**inputs, assistant_model=drafter, max_new_tokens=64, do_sample=False)",
+        "print(tokenizer.decode(out[0]))",
+        "```",
+        "",
+        "Or measure it with draftsmith's evaluator (speedup against autoregressive decoding on your machine):",
+        "",
+        "```bash",
+        "python scripts/evaluate.py drafter=PATH_OR_REPO_OF_THIS_DRAFTER decoding=sd gamma=4",
+        "```",
+        "",
+        "## Evaluation",
+        "",
+    ]
+    table = _results_markdown(results)
+    if table is None:
+        lines += ["No evaluation was attached to this export.", ""]
+    else:
+        lines += [
+            "Metrics as defined by draftsmith's metric contract: acceptance = accepted / drafted draft tokens; "
+            "tau (block efficiency) = generated tokens / verifier calls; MBSU = tau / (c_param * gamma + 1); "
+            "speedup = tokens/s against autoregressive decoding of the verifier, same prompts, machine and run.",
+            "",
+            table.rstrip(),
+            "",
+        ]
+    lines += ["## Training configuration", ""]
+    if config:
+        lines += ["```yaml", _yaml(_scrub(config)).rstrip(), "```", ""]
+    else:
+        lines += ["Not recorded.", ""]
+    return "\n".join(lines)
+
+
+def export_drafter(
+    model: Any,
+    tokenizer: Any,
+    out_dir: str | os.PathLike[str],
+    config: Mapping[str, Any] | None = None,
+    results: Mapping[str, Any] | str | None = None,
+    base_model: str | None = None,
+    verifier: str | None = None,
+    name: str | None = None,
+) -> Path:
+    """Write ``model`` as a Hugging Face folder at ``out_dir``; return the folder.
+
+    model: a ``transformers.PreTrainedModel`` (a peft/LoRA model is merged into a copy first; the
+    trained module is left as it is). tokenizer: saved next to it (None: not saved).
+    config: the run's resolved config, rendered as YAML in the card (credential-like keys dropped).
+    results: what :func:`train.evaluation.evaluate_drafters` returned (rendered as its table, and
+    written as ``eval_results.json``) or ready Markdown text. base_model: where the drafter started
+    (a Hub id goes into the card's front matter). verifier: the verifier's Hub id or path (named in
+    the card's usage snippet). Files: ``config.json``, ``model.safetensors``, ``generation_config.json``,
+    the tokenizer files, ``README.md`` and, with results, ``eval_results.json``.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if hasattr(model, "merge_and_unload"):
+        model = copy.deepcopy(model).merge_and_unload()
+    if not hasattr(model, "save_pretrained"):
+        raise TypeError(f"export_drafter needs a transformers PreTrainedModel, got {type(model).__name__}")
+    model.save_pretrained(str(out), safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
+    if isinstance(results, Mapping):
+        from train.evaluation import _jsonable
+
+        (out / "eval_results.json").write_text(json.dumps(_jsonable(dict(results)), indent=2) + "\n")
+    card = model_card(name or out.name, config=config, results=results, base_model=base_model, verifier=verifier)
+    (out / "README.md").write_text(card, encoding="utf-8")
+    log.info("Exported the drafter to %s", out)
+    return out
+
+
+# ----------------------------------------------------------------------------- the Hub
+
+
+@dataclass
+class HubConfig:
+    """Where ``scripts/export.py`` pushes (``hub.*`` in conf/export.yaml). The token is ``$HF_TOKEN``."""
+
+    repo_id: str
+    private: bool = True
+    dry_run: bool = False
+    commit_message: str = "Upload drafter exported by draftsmith"
+    revision: str | None = None
+
+    def __post_init__(self) -> None:
+        require(isinstance(self.repo_id, str) and bool(_REPO_ID.match(self.repo_id)), "hub.repo_id",
+                "a Hub repository id like 'me/my-drafter'", self.repo_id)
+        require(isinstance(self.private, bool), "hub.private", "true or false", self.private)
+        require(isinstance(self.dry_run, bool), "hub.dry_run", "true or false", self.dry_run)
+        require(bool(self.commit_message), "hub.commit_message", "a non-empty string", self.commit_message)
+
+
+def _check_folder(folder: Path) -> list[str]:
+    if not folder.is_dir():
+        raise FileNotFoundError(f"no export folder at {folder}")
+    files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+    has_hf_weights = "config.json" in files and any(f in files for f in _WEIGHT_FILES)
+    has_mixin_weights = "model.safetensors" in files  # PyTorchModelHubMixin folders (heads, steering)
+    if not (has_hf_weights or has_mixin_weights):
+        raise FileNotFoundError(f"{folder} holds no safetensors weights (config.json + model.safetensors); "
+                                "export the drafter first")
+    if "README.md" not in files:
+        raise FileNotFoundError(f"{folder} has no model card (README.md); export it with train.export.export_drafter")
+    return files
+
+
+def push_to_hub(folder: str | os.PathLike[str], repo_id: str, private: bool = True, dry_run: bool = False,
+                commit_message: str = "Upload drafter exported by draftsmith", revision: str | None = None) -> dict[str, Any]:
+    """Upload an exported folder to the Hub repository ``repo_id`` (created if missing).
+
+    The token is read from ``$HF_TOKEN`` only (never from a config, never written). ``dry_run``
+    validates the folder and the repo id and lists the files without any network access.
+    Returns ``{"repo_id", "files", "dry_run", "url"}``.
+    """
+    HubConfig(repo_id=repo_id, private=private, dry_run=dry_run, commit_message=commit_message, revision=revision)
+    path = Path(folder)
+    files = _check_folder(path)
+    report: dict[str, Any] = {"repo_id": repo_id, "folder": str(path), "files": files, "dry_run": dry_run, "url": None}
+    if dry_run:
+        return report
+    token = os.environ.get(HF_TOKEN_ENV)
+    if not token:
+        raise ConfigError(f"set the {HF_TOKEN_ENV} environment variable to a Hub write token to push "
+                          "(tokens are read from the environment only)")
+    from huggingface_hub import HfApi
+
+    api = HfApi(token=token)
+    api.create_repo(repo_id=repo_id, private=private, exist_ok=True, repo_type="model")
+    commit = api.upload_folder(folder_path=str(path), repo_id=repo_id, repo_type="model",
+                               commit_message=commit_message, revision=revision)
+    report["url"] = str(getattr(commit, "commit_url", None) or f"https://huggingface.co/{repo_id}")
+    return report
+
+
+def drafter_folder(run: str | os.PathLike[str]) -> Path:
+    """The exported drafter of a run directory (``run/drafter``), or ``run`` itself when it is an export."""
+    path = Path(os.path.expanduser(str(run)))
+    if not path.is_dir():
+        raise ConfigError(f"run: no directory at {str(run)!r}")
+    if (path / "drafter").is_dir():
+        return path / "drafter"
+    if (path / "config.json").is_file() or (path / "model.safetensors").is_file():
+        return path
+    raise ConfigError(f"run: {str(run)!r} has no drafter/ folder (was the run finished and exported?) "
+                      "and is not an exported drafter folder itself")
+
+
+def main(cfg: Any) -> dict[str, Any]:
+    """``scripts/export.py``: push a run's exported ``drafter/`` (or any export folder) to the Hub."""
+    from omegaconf import OmegaConf
+
+    from train.run import instantiate_group
+
+    run = OmegaConf.select(cfg, "run", throw_on_missing=False)
+    require(isinstance(run, str) and bool(run), "run", "a run directory (with drafter/) or an export folder", run)
+    hub: HubConfig = instantiate_group(cfg, "hub")
+    folder = drafter_folder(run)
+    report = push_to_hub(folder, hub.repo_id, private=hub.private, dry_run=hub.dry_run,
+                         commit_message=hub.commit_message, revision=hub.revision)
+    verb = "Would upload" if hub.dry_run else "Uploaded"
+    print(f"{verb} {len(report['files'])} files from {folder} to {hub.repo_id}:")
+    for f in report["files"]:
+        print(f"  {f}")
+    if report["url"]:
+        print(report["url"])
+    return report
