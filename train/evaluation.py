@@ -56,11 +56,15 @@ __all__ = [
     "by_temperature",
     "evaluate_drafters",
     "find_run",
+    "format_metric",
     "log_results",
     "main",
     "plot_results",
     "results_table",
+    "scalar_metrics",
     "temperature_key",
+    "to_jsonable",
+    "write_outputs",
 ]
 
 RESULTS_SCHEMA = "draftsmith.eval/1"
@@ -83,8 +87,14 @@ CONTRACT_METRICS: tuple[str, ...] = (
     "speedup",
 )
 
-_BASELINE_METRICS = ("tokens_per_second", "new_tokens", "verifier_calls", "wall_time", "verifier_time",
-                     "loop_overhead")
+_BASELINE_METRICS = (
+    "tokens_per_second",
+    "new_tokens",
+    "verifier_calls",
+    "wall_time",
+    "verifier_time",
+    "loop_overhead",
+)
 _PROMPT_SPREAD_METRICS = ("acceptance_rate", "block_efficiency", "tokens_per_second")
 
 
@@ -138,10 +148,18 @@ class EvalConfig:
         self.seeds = list(_as_list(self.seeds, "eval.seeds"))
         self.decoders = [str(d) for d in _as_list(self.decoders, "eval.decoders")]
         for t in self.temperatures:
-            require(math.isfinite(t) and t >= 0, "eval.temperatures", "finite numbers >= 0 (0 = greedy)",
-                    self.temperatures)
-        require(len(set(self.temperatures)) == len(self.temperatures), "eval.temperatures", "distinct",
-                self.temperatures)
+            require(
+                math.isfinite(t) and t >= 0,
+                "eval.temperatures",
+                "finite numbers >= 0 (0 = greedy)",
+                self.temperatures,
+            )
+        require(
+            len(set(self.temperatures)) == len(self.temperatures),
+            "eval.temperatures",
+            "distinct",
+            self.temperatures,
+        )
         for g in self.gammas:
             require(_is_int(g) and g >= 1, "eval.gammas", "integers >= 1", self.gammas)
         require(len(set(self.gammas)) == len(self.gammas), "eval.gammas", "distinct", self.gammas)
@@ -150,21 +168,51 @@ class EvalConfig:
         require(len(set(self.seeds)) == len(self.seeds), "eval.seeds", "distinct", self.seeds)
         for d in self.decoders:
             require(d in DECODERS, "eval.decoders", f"a list of names from {list(DECODERS)}", self.decoders)
-        require(_is_int(self.num_prompts) and self.num_prompts >= 1, "eval.num_prompts", "an integer >= 1",
-                self.num_prompts)
-        require(_is_int(self.prompt_len) and self.prompt_len >= 2, "eval.prompt_len",
-                "an integer >= 2 (BOS + one token)", self.prompt_len)
-        require(_is_int(self.max_new_tokens) and self.max_new_tokens >= 1, "eval.max_new_tokens",
-                "an integer >= 1", self.max_new_tokens)
-        require(_is_int(self.top_k) and self.top_k >= 0, "eval.top_k", "an integer >= 0 (0 = off)", self.top_k)
-        require(isinstance(self.top_p, int | float) and 0 < self.top_p <= 1, "eval.top_p",
-                "in (0, 1] (1 = off)", self.top_p)
-        require(self.lenience is None or self.lenience in LENIENCES, "eval.lenience",
-                f"null or one of {sorted(LENIENCES)}", self.lenience)
-        require(isinstance(self.eps, int | float) and 0 < self.eps <= 1, "eval.eps", "in (0, 1] (1 = lossless)",
-                self.eps)
-        require(self.num_threads is None or (_is_int(self.num_threads) and self.num_threads >= 1),
-                "eval.num_threads", "null or an integer >= 1", self.num_threads)
+        require(
+            _is_int(self.num_prompts) and self.num_prompts >= 1,
+            "eval.num_prompts",
+            "an integer >= 1",
+            self.num_prompts,
+        )
+        require(
+            _is_int(self.prompt_len) and self.prompt_len >= 2,
+            "eval.prompt_len",
+            "an integer >= 2 (BOS + one token)",
+            self.prompt_len,
+        )
+        require(
+            _is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
+            "eval.max_new_tokens",
+            "an integer >= 1",
+            self.max_new_tokens,
+        )
+        require(
+            _is_int(self.top_k) and self.top_k >= 0, "eval.top_k", "an integer >= 0 (0 = off)", self.top_k
+        )
+        require(
+            isinstance(self.top_p, int | float) and 0 < self.top_p <= 1,
+            "eval.top_p",
+            "in (0, 1] (1 = off)",
+            self.top_p,
+        )
+        require(
+            self.lenience is None or self.lenience in LENIENCES,
+            "eval.lenience",
+            f"null or one of {sorted(LENIENCES)}",
+            self.lenience,
+        )
+        require(
+            isinstance(self.eps, int | float) and 0 < self.eps <= 1,
+            "eval.eps",
+            "in (0, 1] (1 = lossless)",
+            self.eps,
+        )
+        require(
+            self.num_threads is None or (_is_int(self.num_threads) and self.num_threads >= 1),
+            "eval.num_threads",
+            "null or an integer >= 1",
+            self.num_threads,
+        )
 
     def sampling_params(self, temperature: float) -> SamplingParams:
         return SamplingParams(temperature=temperature, top_k=self.top_k, top_p=float(self.top_p))
@@ -177,8 +225,12 @@ def _is_int(x: Any) -> bool:
 def _as_list(value: Any, key: str) -> list[Any]:
     if isinstance(value, int | float) and not isinstance(value, bool):
         return [value]
-    require(isinstance(value, Sequence) and not isinstance(value, str) and len(value) > 0, key,
-            "a non-empty list", value)
+    require(
+        isinstance(value, Sequence) and not isinstance(value, str) and len(value) > 0,
+        key,
+        "a non-empty list",
+        value,
+    )
     return list(value)
 
 
@@ -190,8 +242,14 @@ def temperature_key(t: float) -> str:
 # ----------------------------------------------------------------------------- prompts
 
 
-def build_prompts(tokenizer: Any, data: Any = None, num_prompts: int = 8, prompt_len: int = 64, seed: int = 0,
-                  split: str = "test") -> list[torch.Tensor]:
+def build_prompts(
+    tokenizer: Any,
+    data: Any = None,
+    num_prompts: int = 8,
+    prompt_len: int = 64,
+    seed: int = 0,
+    split: str = "test",
+) -> list[torch.Tensor]:
     """Evaluation prompts, each a (1, T) LongTensor starting with BOS, cut from ``data``'s ``split``.
 
     ``data`` is a :class:`train.data.sources.DataSourceConfig` (None: the embedded stdlib corpus).
@@ -203,10 +261,19 @@ def build_prompts(tokenizer: Any, data: Any = None, num_prompts: int = 8, prompt
 
     data = data if data is not None else DataSourceConfig()
     splits = load_text_dataset(data, tokenizer)
-    ds = make_prompts(splits[split], tokenizer, prompt_len, max_prompts=num_prompts, seed=seed,
-                      continuation_len=None, mode="random")
+    ds = make_prompts(
+        splits[split],
+        tokenizer,
+        prompt_len,
+        max_prompts=num_prompts,
+        seed=seed,
+        continuation_len=None,
+        mode="random",
+    )
     if len(ds) == 0:
-        raise ValueError(f"no {split} document of data {data.name!r} holds {prompt_len} tokens; lower eval.prompt_len")
+        raise ValueError(
+            f"no {split} document of data {data.name!r} holds {prompt_len} tokens; lower eval.prompt_len"
+        )
     if len(ds) < num_prompts:
         log.warning("only %d of %d prompts could be cut from the %s split", len(ds), num_prompts, split)
     return [torch.tensor([ids], dtype=torch.long) for ids in ds["input_ids"]]
@@ -215,8 +282,9 @@ def build_prompts(tokenizer: Any, data: Any = None, num_prompts: int = 8, prompt
 # ----------------------------------------------------------------------------- running
 
 
-def build_decoder(name: str, verifier: torch.nn.Module, drafter: torch.nn.Module, gamma: int,
-                  cfg: EvalConfig) -> Any:
+def build_decoder(
+    name: str, verifier: torch.nn.Module, drafter: torch.nn.Module, gamma: int, cfg: EvalConfig
+) -> Any:
     """The decoder called ``name`` (one of :data:`DECODERS`) for this verifier/drafter pair."""
     if name == "sd":
         return SpeculativeDecoder(verifier, drafter, gamma=gamma, lenience=cfg.lenience, eps=cfg.eps)
@@ -260,8 +328,13 @@ class _Progress:
         if enabled:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-            self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TimeElapsedColumn(), transient=False)
+            self._bar = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                transient=False,
+            )
             self._task = self._bar.add_task("eval", total=total)
 
     def __enter__(self) -> _Progress:
@@ -282,12 +355,24 @@ class _Progress:
             self._bar.advance(self._task)
 
 
-def _run_pass(decoder: Any, prompts: list[torch.Tensor], params: SamplingParams, cfg: EvalConfig,
-              eos_token_id: Any, seed: int, progress: _Progress) -> tuple[list[DecodeStats], list[list[int]]]:
+def _run_pass(
+    decoder: Any,
+    prompts: list[torch.Tensor],
+    params: SamplingParams,
+    cfg: EvalConfig,
+    eos_token_id: Any,
+    seed: int,
+    progress: _Progress,
+) -> tuple[list[DecodeStats], list[list[int]]]:
     stats, tokens = [], []
     for i, prompt in enumerate(prompts):
-        result = decoder.generate(prompt, max_new_tokens=cfg.max_new_tokens, params=params,
-                                  eos_token_id=eos_token_id, generator=_generator(seed, i))
+        result = decoder.generate(
+            prompt,
+            max_new_tokens=cfg.max_new_tokens,
+            params=params,
+            eos_token_id=eos_token_id,
+            generator=_generator(seed, i),
+        )
         stats.append(result.stats)
         tokens.append(result.tokens.tolist())
         progress.advance()
@@ -309,7 +394,9 @@ def _first_difference(a: list[int], b: list[int]) -> int:
 
 
 def _model_name(model: torch.nn.Module) -> str | None:
-    name = getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", None)
+    name = getattr(model, "name_or_path", None) or getattr(
+        getattr(model, "config", None), "_name_or_path", None
+    )
     return str(name) if name else None
 
 
@@ -341,8 +428,11 @@ def evaluate_drafters(
     if not drafters:
         raise ValueError("drafters must name at least one drafter model")
     prompt_list = _normalise_prompts(prompts)
-    _check_context({"verifier": verifier, **{f"drafter {n!r}": m for n, m in drafters.items()}},
-                   max(p.shape[1] for p in prompt_list), cfg.max_new_tokens)
+    _check_context(
+        {"verifier": verifier, **{f"drafter {n!r}": m for n, m in drafters.items()}},
+        max(p.shape[1] for p in prompt_list),
+        cfg.max_new_tokens,
+    )
     started = time.perf_counter()
     threads_before = torch.get_num_threads()
     if cfg.num_threads is not None:
@@ -365,8 +455,13 @@ def evaluate_drafters(
     return results
 
 
-def _evaluate(verifier: torch.nn.Module, drafters: dict[str, torch.nn.Module], prompts: list[torch.Tensor],
-              cfg: EvalConfig, eos_token_id: Any) -> dict[str, Any]:
+def _evaluate(
+    verifier: torch.nn.Module,
+    drafters: dict[str, torch.nn.Module],
+    prompts: list[torch.Tensor],
+    cfg: EvalConfig,
+    eos_token_id: Any,
+) -> dict[str, Any]:
     v_params = param_count(verifier)
     c_param = {name: param_count(d) / v_params for name, d in drafters.items()}
     ar = AutoregressiveDecoder(verifier)
@@ -421,18 +516,20 @@ def _evaluate(verifier: torch.nn.Module, drafters: dict[str, torch.nn.Module], p
     for (name, dec, t, g), seeds in per_seed.items():
         metrics = aggregate({k: v for k, v in s.items() if k != "seed"} for s in seeds)
         spread = aggregate({k: p[k] for k in _PROMPT_SPREAD_METRICS} for p in per_prompt[(name, dec, t, g)])
-        runs.append({
-            "drafter": name,
-            "decoder": dec,
-            "temperature": t,
-            "gamma": g,
-            "n_prompts": len(prompts),
-            "seeds": list(cfg.seeds),
-            "greedy_match": (not mismatches[(name, dec, t, g)]) if t == 0.0 else None,
-            "metrics": metrics,
-            "per_seed": seeds,
-            "prompt_spread": spread,
-        })
+        runs.append(
+            {
+                "drafter": name,
+                "decoder": dec,
+                "temperature": t,
+                "gamma": g,
+                "n_prompts": len(prompts),
+                "seeds": list(cfg.seeds),
+                "greedy_match": (not mismatches[(name, dec, t, g)]) if t == 0.0 else None,
+                "metrics": metrics,
+                "per_seed": seeds,
+                "prompt_spread": spread,
+            }
+        )
     lengths = [p.shape[1] for p in prompts]
     return {
         "schema": RESULTS_SCHEMA,
@@ -452,8 +549,12 @@ def _evaluate(verifier: torch.nn.Module, drafters: dict[str, torch.nn.Module], p
                 for name, d in drafters.items()
             },
         },
-        "prompts": {"n": len(prompts), "min_len": min(lengths), "max_len": max(lengths),
-                    "mean_len": sum(lengths) / len(lengths)},
+        "prompts": {
+            "n": len(prompts),
+            "min_len": min(lengths),
+            "max_len": max(lengths),
+            "mean_len": sum(lengths) / len(lengths),
+        },
         "baseline": [
             {
                 "decoder": "ar",
@@ -472,18 +573,30 @@ def _evaluate(verifier: torch.nn.Module, drafters: dict[str, torch.nn.Module], p
 # ----------------------------------------------------------------------------- reading results
 
 
-def find_run(results: Mapping[str, Any], drafter: str, temperature: float, gamma: int | None = None,
-             decoder: str = "sd") -> dict[str, Any]:
+def find_run(
+    results: Mapping[str, Any],
+    drafter: str,
+    temperature: float,
+    gamma: int | None = None,
+    decoder: str = "sd",
+) -> dict[str, Any]:
     """The run entry of ``results["runs"]`` for this drafter / temperature / gamma (None: the only or first gamma)."""
     for run in results["runs"]:
-        if (run["drafter"] == drafter and run["decoder"] == decoder and float(run["temperature"]) == float(temperature)
-                and (gamma is None or run["gamma"] == gamma)):
+        if (
+            run["drafter"] == drafter
+            and run["decoder"] == decoder
+            and float(run["temperature"]) == float(temperature)
+            and (gamma is None or run["gamma"] == gamma)
+        ):
             return dict(run)
-    raise KeyError(f"no run for drafter={drafter!r} decoder={decoder!r} temperature={temperature} gamma={gamma}")
+    raise KeyError(
+        f"no run for drafter={drafter!r} decoder={decoder!r} temperature={temperature} gamma={gamma}"
+    )
 
 
-def by_temperature(results: Mapping[str, Any], drafter: str, gamma: int | None = None,
-                   decoder: str = "sd") -> dict[str, dict[str, Any]]:
+def by_temperature(
+    results: Mapping[str, Any], drafter: str, gamma: int | None = None, decoder: str = "sd"
+) -> dict[str, dict[str, Any]]:
     """{temperature key ("0", "1"): {metric: {"mean", "std", "n"}, ..., "n_prompts", "greedy_match", "gamma"}}.
 
     The metric contract per temperature for one drafter: what a run's ``report.json`` holds under
@@ -493,8 +606,12 @@ def by_temperature(results: Mapping[str, Any], drafter: str, gamma: int | None =
     for t in results["config"]["temperatures"]:
         run = find_run(results, drafter, t, gamma, decoder)
         entry = {k: run["metrics"][k] for k in CONTRACT_METRICS if k in run["metrics"]}
-        entry.update(n_prompts=run["n_prompts"], n_seeds=len(run["seeds"]), gamma=run["gamma"],
-                     greedy_match=run["greedy_match"])
+        entry.update(
+            n_prompts=run["n_prompts"],
+            n_seeds=len(run["seeds"]),
+            gamma=run["gamma"],
+            greedy_match=run["greedy_match"],
+        )
         out[temperature_key(t)] = entry
     return out
 
@@ -505,7 +622,8 @@ def _fmt(value: Any, digits: int = 3) -> str:
     return f"{value:.{digits}f}"
 
 
-def _pm(metric: Mapping[str, Any] | None, digits: int = 3) -> str:
+def format_metric(metric: Mapping[str, Any] | None, digits: int = 3) -> str:
+    """``mean ± std`` of an aggregated metric (``[m1, m2, ...]`` for list-valued ones; n/a when missing)."""
     if not metric:
         return "n/a"
     mean, std = metric.get("mean"), metric.get("std")
@@ -531,16 +649,24 @@ _TABLE_COLUMNS = (
 def results_table(results: Mapping[str, Any]) -> str:
     """The Markdown table of a results dictionary: one row per drafter x decoder x temperature x gamma."""
     head = ["drafter", "decoder", "T", "gamma", *(c[0] for c in _TABLE_COLUMNS), "greedy match"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 4 + ["---:"] * len(_TABLE_COLUMNS) + ["---"]) + "|"]
+    lines = [
+        "| " + " | ".join(head) + " |",
+        "|" + "|".join(["---"] * 4 + ["---:"] * len(_TABLE_COLUMNS) + ["---"]) + "|",
+    ]
     for run in results["runs"]:
         m = run["metrics"]
         gm = run.get("greedy_match")
-        cells = [run["drafter"], run["decoder"], temperature_key(run["temperature"]), str(run["gamma"]),
-                 *(_pm(m.get(key), digits) for _, key, digits in _TABLE_COLUMNS),
-                 "n/a" if gm is None else ("yes" if gm else "**NO**")]
+        cells = [
+            run["drafter"],
+            run["decoder"],
+            temperature_key(run["temperature"]),
+            str(run["gamma"]),
+            *(format_metric(m.get(key), digits) for _, key, digits in _TABLE_COLUMNS),
+            "n/a" if gm is None else ("yes" if gm else "**NO**"),
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     base = ", ".join(
-        f"T={temperature_key(b['temperature'])}: {_pm(b['metrics'].get('tokens_per_second'), 0)} tok/s"
+        f"T={temperature_key(b['temperature'])}: {format_metric(b['metrics'].get('tokens_per_second'), 0)} tok/s"
         for b in results.get("baseline", [])
     )
     n_prompts = results.get("prompts", {}).get("n", "?")
@@ -548,32 +674,44 @@ def results_table(results: Mapping[str, Any]) -> str:
     max_new = results.get("config", {}).get("max_new_tokens", "?")
     lines += [
         "",
-        f"Mean ± std over {len(seeds)} seeds; {n_prompts} prompts, up to {max_new} new tokens each, one at a time. "
+        f"Mean ± std over {len(seeds)} seed{'' if len(seeds) == 1 else 's'}; {n_prompts} prompts, up to {max_new} new tokens each, one at a time. "
         f"Autoregressive baseline (verifier alone, same prompts and run): {base}.",
     ]
-    pp = [(r["drafter"], r["decoder"], r["temperature"], r["gamma"], r["metrics"].get("per_position_acceptance"))
-          for r in results["runs"]]
+    pp = [
+        (
+            r["drafter"],
+            r["decoder"],
+            r["temperature"],
+            r["gamma"],
+            r["metrics"].get("per_position_acceptance"),
+        )
+        for r in results["runs"]
+    ]
     if pp:
         lines += ["", "Per-position acceptance P(draft i accepted | earlier accepted), mean over seeds:", ""]
-        lines += [f"- {d} ({dec}, T={temperature_key(t)}, gamma={g}): {_pm(v)}" for d, dec, t, g, v in pp]
+        lines += [
+            f"- {d} ({dec}, T={temperature_key(t)}, gamma={g}): {format_metric(v)}" for d, dec, t, g, v in pp
+        ]
     return "\n".join(lines) + "\n"
 
 
 # ----------------------------------------------------------------------------- outputs
 
 
-def _jsonable(value: Any) -> Any:
-    """NaN/inf become null so results.json is strict JSON."""
+def to_jsonable(value: Any) -> Any:
+    """A copy with NaN/inf as None (null), so results.json is strict JSON."""
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, Mapping):
-        return {str(k): _jsonable(v) for k, v in value.items()}
+        return {str(k): to_jsonable(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_jsonable(v) for v in value]
+        return [to_jsonable(v) for v in value]
     return value
 
 
-def write_outputs(results: dict[str, Any], out_dir: str | os.PathLike[str], plots: bool = True) -> dict[str, Any]:
+def write_outputs(
+    results: dict[str, Any], out_dir: str | os.PathLike[str], plots: bool = True
+) -> dict[str, Any]:
     """Write results.md, the plots and results.json into ``out_dir``; record the file names in ``results["files"]``."""
     os.makedirs(out_dir, exist_ok=True)
     files: dict[str, Any] = {"json": "results.json", "table": "results.md", "plots": []}
@@ -583,7 +721,7 @@ def write_outputs(results: dict[str, Any], out_dir: str | os.PathLike[str], plot
         files["plots"] = [os.path.basename(p) for p in plot_results(results, out_dir)]
     results["files"] = files
     with open(os.path.join(out_dir, "results.json"), "w") as f:
-        json.dump(_jsonable(results), f, indent=2, allow_nan=False)
+        json.dump(to_jsonable(results), f, indent=2, allow_nan=False)
         f.write("\n")
     return files
 
@@ -607,17 +745,38 @@ def plot_results(results: Mapping[str, Any], out_dir: str | os.PathLike[str]) ->
     paths = []
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    ax.plot(gammas, [g + 1 for g in gammas], color="0.5", ls="--", marker="_", ms=18, lw=1,
-            label="ceiling gamma + 1")
+    ax.plot(
+        gammas,
+        [g + 1 for g in gammas],
+        color="0.5",
+        ls="--",
+        marker="_",
+        ms=18,
+        lw=1,
+        label="ceiling gamma + 1",
+    )
     for lab in labels:
         for ti, t in enumerate(temps):
-            pts = sorted((r["gamma"], _nan(r["metrics"]["block_efficiency"]["mean"]),
-                          _nan(r["metrics"]["block_efficiency"]["std"]))
-                         for r in runs if (r["drafter"], r["decoder"]) == lab and float(r["temperature"]) == t)
+            pts = sorted(
+                (
+                    r["gamma"],
+                    _nan(r["metrics"]["block_efficiency"]["mean"]),
+                    _nan(r["metrics"]["block_efficiency"]["std"]),
+                )
+                for r in runs
+                if (r["drafter"], r["decoder"]) == lab and float(r["temperature"]) == t
+            )
             if pts:
-                ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], color=colour[lab],
-                            ls=styles[ti % len(styles)], marker=markers[ti % len(markers)], capsize=3,
-                            label=f"{lab[0]} ({lab[1]}) T={temperature_key(t)}")
+                ax.errorbar(
+                    [p[0] for p in pts],
+                    [p[1] for p in pts],
+                    yerr=[p[2] for p in pts],
+                    color=colour[lab],
+                    ls=styles[ti % len(styles)],
+                    marker=markers[ti % len(markers)],
+                    capsize=3,
+                    label=f"{lab[0]} ({lab[1]}) T={temperature_key(t)}",
+                )
     ax.set_xlabel("gamma (draft tokens per block)")
     ax.set_ylabel("block efficiency tau")
     ax.set_xticks(gammas)
@@ -638,9 +797,16 @@ def plot_results(results: Mapping[str, Any], out_dir: str | os.PathLike[str]) ->
             lab = (r["drafter"], r["decoder"])
             gi = gammas.index(int(r["gamma"]))
             ys = [_nan(v) for v in pp["mean"]]
-            ax.errorbar(range(1, len(ys) + 1), ys, yerr=[_nan(v) for v in pp["std"]], color=colour[lab],
-                        ls=styles[gi % len(styles)], marker=markers[gi % len(markers)], capsize=3,
-                        label=f"{lab[0]} ({lab[1]}) gamma={r['gamma']}")
+            ax.errorbar(
+                range(1, len(ys) + 1),
+                ys,
+                yerr=[_nan(v) for v in pp["std"]],
+                color=colour[lab],
+                ls=styles[gi % len(styles)],
+                marker=markers[gi % len(markers)],
+                capsize=3,
+                label=f"{lab[0]} ({lab[1]}) gamma={r['gamma']}",
+            )
         ax.set_title(f"T = {temperature_key(t)}")
         ax.set_xlabel("draft position i")
         ax.set_xticks(range(1, max(gammas) + 1))
@@ -675,8 +841,12 @@ def scalar_metrics(results: Mapping[str, Any]) -> dict[str, float]:
     return out
 
 
-def log_results(results: Mapping[str, Any], loggers: Sequence[Any], out_dir: str | os.PathLike[str] | None = None,
-                step: int | None = None) -> None:
+def log_results(
+    results: Mapping[str, Any],
+    loggers: Sequence[Any],
+    out_dir: str | os.PathLike[str] | None = None,
+    step: int | None = None,
+) -> None:
     """Scalar means to every logger; to a ``WandbLogger`` also ``eval/results`` (a ``wandb.Table``) and
     the plots in ``out_dir`` as ``wandb.Image``."""
     from lightning.pytorch.loggers import WandbLogger
@@ -689,11 +859,20 @@ def log_results(results: Mapping[str, Any], loggers: Sequence[Any], out_dir: str
             continue
         import wandb
 
-        columns = ["drafter", "decoder", "temperature", "gamma", "n_prompts", "greedy_match"]
-        columns += [f"{k}_{s}" for k in CONTRACT_METRICS if k != "per_position_acceptance" for s in ("mean", "std")]
+        columns: list[str | int] = ["drafter", "decoder", "temperature", "gamma", "n_prompts", "greedy_match"]
+        columns += [
+            f"{k}_{s}" for k in CONTRACT_METRICS if k != "per_position_acceptance" for s in ("mean", "std")
+        ]
         rows = []
         for r in results["runs"]:
-            row = [r["drafter"], r["decoder"], r["temperature"], r["gamma"], r["n_prompts"], r["greedy_match"]]
+            row = [
+                r["drafter"],
+                r["decoder"],
+                r["temperature"],
+                r["gamma"],
+                r["n_prompts"],
+                r["greedy_match"],
+            ]
             for k in CONTRACT_METRICS:
                 if k != "per_position_acceptance":
                     m = r["metrics"].get(k, {})
@@ -752,16 +931,25 @@ def main(cfg: Any) -> dict[str, Any]:
 
     pair = load_pair(model_cfg, freeze_drafter=True)
     name = _drafter_label(str(drafter_source)) if drafter_source is not None else "drafter"
-    prompts = build_prompts(pair.tokenizer, data_cfg, eval_cfg.num_prompts, eval_cfg.prompt_len,
-                            seed=int(cfg.get("seed", 0)))
+    prompts = build_prompts(
+        pair.tokenizer, data_cfg, eval_cfg.num_prompts, eval_cfg.prompt_len, seed=int(cfg.get("seed", 0))
+    )
     loggers: list[Any] = []
     if logger_cfg is not None:
         from train.trainer import build_loggers
 
-        loggers = build_loggers(logger_cfg, run_dir, str(cfg.get("name", "eval")),
-                                config=OmegaConf.to_container(cfg, resolve=True))  # type: ignore[arg-type]
-    results = evaluate_drafters(pair.verifier, {name: pair.drafter}, prompts, eval_cfg,
-                                eos_token_id=pair.tokenizer.eos_token_id, out_dir=run_dir, loggers=loggers, step=0)
+        config: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
+        loggers = build_loggers(logger_cfg, run_dir, str(cfg.get("name", "eval")), config=config)
+    results = evaluate_drafters(
+        pair.verifier,
+        {name: pair.drafter},
+        prompts,
+        eval_cfg,
+        eos_token_id=pair.tokenizer.eos_token_id,
+        out_dir=run_dir,
+        loggers=loggers,
+        step=0,
+    )
     for logger in loggers:
         logger.finalize("success")
     print(results_table(results))

@@ -57,16 +57,23 @@ def _yaml(value: Any) -> str:
 
 def _per_temperature_table(evaluation: Mapping[str, Any]) -> str:
     """Markdown for ``{label: {temperature: {metric: {"mean", "std", "n"}}}}`` (e.g. before / after)."""
-    from train.evaluation import _pm
+    from train.evaluation import format_metric
 
-    columns = (("acceptance", "acceptance_rate", 3), ("E[accept]", "expected_acceptance", 3),
-               ("tau", "block_efficiency", 2), ("MBSU", "mbsu", 2), ("tok/s", "tokens_per_second", 0),
-               ("speedup", "speedup", 2))
-    lines = ["| drafter | T | " + " | ".join(c[0] for c in columns) + " |",
-             "|---|---|" + "|".join("---:" for _ in columns) + "|"]
+    columns = (
+        ("acceptance", "acceptance_rate", 3),
+        ("E[accept]", "expected_acceptance", 3),
+        ("tau", "block_efficiency", 2),
+        ("MBSU", "mbsu", 2),
+        ("tok/s", "tokens_per_second", 0),
+        ("speedup", "speedup", 2),
+    )
+    lines = [
+        "| drafter | T | " + " | ".join(c[0] for c in columns) + " |",
+        "|---|---|" + "|".join("---:" for _ in columns) + "|",
+    ]
     for label, per_t in evaluation.items():
         for t, metrics in per_t.items():
-            cells = [_pm(metrics.get(key), digits) for _, key, digits in columns]
+            cells = [format_metric(metrics.get(key), digits) for _, key, digits in columns]
             lines.append(f"| {label} | {t} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -82,14 +89,24 @@ def _results_markdown(results: Mapping[str, Any] | str | None) -> str | None:
         return results_table(results)
     if all(isinstance(v, Mapping) for v in results.values()):
         return _per_temperature_table(results)
-    raise TypeError("results must be evaluate_drafters' dictionary, {label: {temperature: metrics}} or Markdown text")
+    raise TypeError(
+        "results must be evaluate_drafters' dictionary, {label: {temperature: metrics}} or Markdown text"
+    )
 
 
-def model_card(name: str, config: Mapping[str, Any] | None = None, results: Mapping[str, Any] | str | None = None,
-               base_model: str | None = None, verifier: str | None = None) -> str:
+def model_card(
+    name: str,
+    config: Mapping[str, Any] | None = None,
+    results: Mapping[str, Any] | str | None = None,
+    base_model: str | None = None,
+    verifier: str | None = None,
+) -> str:
     """The README.md of an exported drafter (see :func:`export_drafter` for the arguments)."""
-    front: dict[str, Any] = {"library_name": "transformers", "pipeline_tag": "text-generation",
-                             "tags": list(CARD_TAGS)}
+    front: dict[str, Any] = {
+        "library_name": "transformers",
+        "pipeline_tag": "text-generation",
+        "tags": list(CARD_TAGS),
+    }
     # The Hub validates base_model as a repo id; local paths are named in the text instead.
     if _is_hub_id(base_model):
         front["base_model"] = base_model
@@ -159,18 +176,33 @@ def export_drafter(
     base_model: str | None = None,
     verifier: str | None = None,
     name: str | None = None,
+    *,
+    evaluation: Mapping[str, Any] | str | None = None,
 ) -> Path:
     """Write ``model`` as a Hugging Face folder at ``out_dir``; return the folder.
 
     model: a ``transformers.PreTrainedModel`` (a peft/LoRA model is merged into a copy first; the
     trained module is left as it is). tokenizer: saved next to it (None: not saved).
     config: the run's resolved config, rendered as YAML in the card (credential-like keys dropped).
-    results: what :func:`train.evaluation.evaluate_drafters` returned (rendered as its table, and
-    written as ``eval_results.json``) or ready Markdown text. base_model: where the drafter started
-    (a Hub id goes into the card's front matter). verifier: the verifier's Hub id or path (named in
-    the card's usage snippet). Files: ``config.json``, ``model.safetensors``, ``generation_config.json``,
-    the tokenizer files, ``README.md`` and, with results, ``eval_results.json``.
+    results: the evaluation, in one of three shapes: what :func:`train.evaluation.evaluate_drafters`
+    returned, ``{label: {temperature: {metric: {"mean", "std", "n"}}}}`` (a report's before / after,
+    :func:`train.evaluation.by_temperature`), or ready Markdown text; dictionaries are also written as
+    ``eval_results.json``. ``evaluation`` is the same argument under the name the DistillSpec finish uses.
+    base_model: where the drafter started (a Hub id goes into the card's front matter; default: the
+    config's ``model.drafter``). verifier: the verifier's Hub id or path for the card's usage snippet
+    (default: the config's ``model.verifier``). name: the card's title (default: ``<config name> drafter``).
+    Files: ``config.json``, ``model.safetensors``, ``generation_config.json``, the tokenizer files,
+    ``README.md`` and, with a results dictionary, ``eval_results.json``.
     """
+    if results is None:
+        results = evaluation
+    model_section = (config or {}).get("model") if isinstance(config, Mapping) else None
+    if isinstance(model_section, Mapping):
+        base_model = base_model or model_section.get("drafter")
+        verifier = verifier or model_section.get("verifier")
+    if name is None:
+        run_name = (config or {}).get("name") if isinstance(config, Mapping) else None
+        name = f"{run_name} drafter" if run_name else Path(out_dir).name
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if hasattr(model, "merge_and_unload"):
@@ -180,11 +212,11 @@ def export_drafter(
     model.save_pretrained(str(out), safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out))
-    if isinstance(results, Mapping):
-        from train.evaluation import _jsonable
+    if isinstance(results, Mapping) and results:
+        from train.evaluation import to_jsonable
 
-        (out / "eval_results.json").write_text(json.dumps(_jsonable(dict(results)), indent=2) + "\n")
-    card = model_card(name or out.name, config=config, results=results, base_model=base_model, verifier=verifier)
+        (out / "eval_results.json").write_text(json.dumps(to_jsonable(dict(results)), indent=2) + "\n")
+    card = model_card(name, config=config, results=results, base_model=base_model, verifier=verifier)
     (out / "README.md").write_text(card, encoding="utf-8")
     log.info("Exported the drafter to %s", out)
     return out
@@ -204,8 +236,12 @@ class HubConfig:
     revision: str | None = None
 
     def __post_init__(self) -> None:
-        require(isinstance(self.repo_id, str) and bool(_REPO_ID.match(self.repo_id)), "hub.repo_id",
-                "a Hub repository id like 'me/my-drafter'", self.repo_id)
+        require(
+            isinstance(self.repo_id, str) and bool(_REPO_ID.match(self.repo_id)),
+            "hub.repo_id",
+            "a Hub repository id like 'me/my-drafter'",
+            self.repo_id,
+        )
         require(isinstance(self.private, bool), "hub.private", "true or false", self.private)
         require(isinstance(self.dry_run, bool), "hub.dry_run", "true or false", self.dry_run)
         require(bool(self.commit_message), "hub.commit_message", "a non-empty string", self.commit_message)
@@ -218,37 +254,62 @@ def _check_folder(folder: Path) -> list[str]:
     has_hf_weights = "config.json" in files and any(f in files for f in _WEIGHT_FILES)
     has_mixin_weights = "model.safetensors" in files  # PyTorchModelHubMixin folders (heads, steering)
     if not (has_hf_weights or has_mixin_weights):
-        raise FileNotFoundError(f"{folder} holds no safetensors weights (config.json + model.safetensors); "
-                                "export the drafter first")
+        raise FileNotFoundError(
+            f"{folder} holds no safetensors weights (config.json + model.safetensors); "
+            "export the drafter first"
+        )
     if "README.md" not in files:
-        raise FileNotFoundError(f"{folder} has no model card (README.md); export it with train.export.export_drafter")
+        raise FileNotFoundError(
+            f"{folder} has no model card (README.md); export it with train.export.export_drafter"
+        )
     return files
 
 
-def push_to_hub(folder: str | os.PathLike[str], repo_id: str, private: bool = True, dry_run: bool = False,
-                commit_message: str = "Upload drafter exported by draftsmith", revision: str | None = None) -> dict[str, Any]:
+def push_to_hub(
+    folder: str | os.PathLike[str],
+    repo_id: str,
+    private: bool = True,
+    dry_run: bool = False,
+    commit_message: str = "Upload drafter exported by draftsmith",
+    revision: str | None = None,
+) -> dict[str, Any]:
     """Upload an exported folder to the Hub repository ``repo_id`` (created if missing).
 
     The token is read from ``$HF_TOKEN`` only (never from a config, never written). ``dry_run``
     validates the folder and the repo id and lists the files without any network access.
     Returns ``{"repo_id", "files", "dry_run", "url"}``.
     """
-    HubConfig(repo_id=repo_id, private=private, dry_run=dry_run, commit_message=commit_message, revision=revision)
+    HubConfig(
+        repo_id=repo_id, private=private, dry_run=dry_run, commit_message=commit_message, revision=revision
+    )
     path = Path(folder)
     files = _check_folder(path)
-    report: dict[str, Any] = {"repo_id": repo_id, "folder": str(path), "files": files, "dry_run": dry_run, "url": None}
+    report: dict[str, Any] = {
+        "repo_id": repo_id,
+        "folder": str(path),
+        "files": files,
+        "dry_run": dry_run,
+        "url": None,
+    }
     if dry_run:
         return report
     token = os.environ.get(HF_TOKEN_ENV)
     if not token:
-        raise ConfigError(f"set the {HF_TOKEN_ENV} environment variable to a Hub write token to push "
-                          "(tokens are read from the environment only)")
+        raise ConfigError(
+            f"set the {HF_TOKEN_ENV} environment variable to a Hub write token to push "
+            "(tokens are read from the environment only)"
+        )
     from huggingface_hub import HfApi
 
     api = HfApi(token=token)
     api.create_repo(repo_id=repo_id, private=private, exist_ok=True, repo_type="model")
-    commit = api.upload_folder(folder_path=str(path), repo_id=repo_id, repo_type="model",
-                               commit_message=commit_message, revision=revision)
+    commit = api.upload_folder(
+        folder_path=str(path),
+        repo_id=repo_id,
+        repo_type="model",
+        commit_message=commit_message,
+        revision=revision,
+    )
     report["url"] = str(getattr(commit, "commit_url", None) or f"https://huggingface.co/{repo_id}")
     return report
 
@@ -262,8 +323,10 @@ def drafter_folder(run: str | os.PathLike[str]) -> Path:
         return path / "drafter"
     if (path / "config.json").is_file() or (path / "model.safetensors").is_file():
         return path
-    raise ConfigError(f"run: {str(run)!r} has no drafter/ folder (was the run finished and exported?) "
-                      "and is not an exported drafter folder itself")
+    raise ConfigError(
+        f"run: {str(run)!r} has no drafter/ folder (was the run finished and exported?) "
+        "and is not an exported drafter folder itself"
+    )
 
 
 def main(cfg: Any) -> dict[str, Any]:
@@ -273,11 +336,19 @@ def main(cfg: Any) -> dict[str, Any]:
     from train.run import instantiate_group
 
     run = OmegaConf.select(cfg, "run", throw_on_missing=False)
-    require(isinstance(run, str) and bool(run), "run", "a run directory (with drafter/) or an export folder", run)
+    require(
+        isinstance(run, str) and bool(run), "run", "a run directory (with drafter/) or an export folder", run
+    )
     hub: HubConfig = instantiate_group(cfg, "hub")
     folder = drafter_folder(run)
-    report = push_to_hub(folder, hub.repo_id, private=hub.private, dry_run=hub.dry_run,
-                         commit_message=hub.commit_message, revision=hub.revision)
+    report = push_to_hub(
+        folder,
+        hub.repo_id,
+        private=hub.private,
+        dry_run=hub.dry_run,
+        commit_message=hub.commit_message,
+        revision=hub.revision,
+    )
     verb = "Would upload" if hub.dry_run else "Uploaded"
     print(f"{verb} {len(report['files'])} files from {folder} to {hub.repo_id}:")
     for f in report["files"]:

@@ -94,16 +94,17 @@ def write_json(path: str, payload: Any) -> None:
 def build_tiny_pair_run(spec: RunSpec) -> dict[str, Any]:
     """``experiment=tiny_pair``: (re)build the embedded pair, report and log its figures."""
     from train.models.tiny import build_tiny_pair, format_report
-    from train.trainer import build_loggers
+    from train.trainer import build_loggers, close_loggers
 
     if spec.model.tiny is None:
         raise ConfigError("build_tiny_pair=true needs model=tiny (model.tiny holds the pair's recipe)")
     manifest = build_tiny_pair(spec.model.tiny, spec.trainer, log_dir=os.path.join(spec.run_dir, "logs"))
     metrics = {f"val/{k}": v for k, v in manifest["metrics"].items()}
     metrics.update({f"val/{role}_parameters": n for role, n in manifest["parameters"].items()})
-    for logger in build_loggers(spec.logger, spec.run_dir, spec.name):
+    loggers = build_loggers(spec.logger, spec.run_dir, spec.name)
+    for logger in loggers:
         logger.log_metrics(metrics, step=0)
-        logger.finalize("success")
+    close_loggers(loggers)
     write_json(os.path.join(spec.run_dir, "tiny_pair.json"), manifest)
     print(format_report(manifest))
     return manifest
@@ -129,7 +130,7 @@ def main(cfg: DictConfig) -> Any:
 def fit(spec: RunSpec) -> Any:
     """Build the method's module and data, fit (resuming if asked), then the method's finish."""
     from train.models.loading import load_pair
-    from train.trainer import build_callbacks, build_loggers, build_trainer, resolve_ckpt_path
+    from train.trainer import build_callbacks, build_loggers, build_trainer, close_loggers, resolve_ckpt_path
 
     ckpt = resolve_ckpt_path(spec.ckpt_path, spec.experiment_dir, spec.run_dir)
     if ckpt:
@@ -139,6 +140,9 @@ def fit(spec: RunSpec) -> Any:
     config = OmegaConf.to_container(spec.cfg, resolve=True)
     loggers = build_loggers(spec.logger, spec.run_dir, spec.name, config=config)  # type: ignore[arg-type]
     trainer = build_trainer(spec.trainer, build_callbacks(spec.callbacks), loggers, spec.run_dir)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt)
-    finish = getattr(module, "finish", None)
-    return finish(trainer, spec) if finish is not None else None
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt)
+        finish = getattr(module, "finish", None)
+        return finish(trainer, spec) if finish is not None else None
+    finally:
+        close_loggers(loggers)

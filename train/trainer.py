@@ -8,6 +8,7 @@ from typing import Any
 
 import lightning as L
 from hydra.utils import instantiate
+from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 from omegaconf import DictConfig
 
@@ -45,6 +46,8 @@ def build_callbacks(cfg: DictConfig | dict | None) -> list[L.Callback]:
 def build_trainer(cfg: TrainerConfig, callbacks: list[L.Callback], loggers: list[Logger], run_dir: str,
                   **overrides: Any) -> L.Trainer:
     kwargs = cfg.trainer_kwargs() | overrides
+    if not loggers:  # nothing to report learning rates to
+        callbacks = [cb for cb in callbacks if not isinstance(cb, LearningRateMonitor)]
     return L.Trainer(
         default_root_dir=run_dir,
         callbacks=callbacks,
@@ -79,3 +82,11 @@ def resolve_ckpt_path(ckpt_path: str | None, experiment_dir: str, run_dir: str) 
     if not os.path.isfile(ckpt_path):
         raise FileNotFoundError(f"ckpt_path={ckpt_path}: no such checkpoint file")
     return ckpt_path
+
+
+def close_loggers(loggers: list[Logger]) -> None:
+    """Flush every logger; finish W&B runs so the offline run directory holds its summary."""
+    for logger in loggers:
+        logger.finalize("success")
+        if isinstance(logger, WandbLogger) and logger._experiment is not None:
+            logger.experiment.finish()

@@ -26,15 +26,23 @@ def _prompts() -> list[list[int]]:
 
 
 def _hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                         pad_token_id=BOS, min_new_tokens=n)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=n,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=BOS,
+        min_new_tokens=n,
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 def test_greedy_batched_left_padded_equals_hf_generate_per_prompt(model):
     prompts = _prompts()
     batch = collate_left_pad(prompts, pad_id=BOS)
-    ro = rollout(model, batch["input_ids"], batch["attention_mask"], 8, GREEDY, eos_token_id=None, pad_token_id=BOS)
+    ro = rollout(
+        model, batch["input_ids"], batch["attention_mask"], 8, GREEDY, eos_token_id=None, pad_token_id=BOS
+    )
     assert ro.sequences.shape == (3, 9 + 8)
     assert ro.prompt_width == 9
     for i, p in enumerate(prompts):
@@ -50,7 +58,9 @@ def test_eos_masks_and_pads_the_rest_and_stops_early(model):
     batch = collate_left_pad(prompts, pad_id=BOS)
     free = rollout(model, batch["input_ids"], batch["attention_mask"], 6, GREEDY, pad_token_id=BOS)
     eos = int(free.sequences[0, 9 + 2])  # row 0's third token becomes "EOS"
-    ro = rollout(model, batch["input_ids"], batch["attention_mask"], 6, GREEDY, eos_token_id=eos, pad_token_id=BOS)
+    ro = rollout(
+        model, batch["input_ids"], batch["attention_mask"], 6, GREEDY, eos_token_id=eos, pad_token_id=BOS
+    )
     for i in range(3):
         cont = ro.sequences[i, 9:].tolist()
         mask = ro.continuation_mask[i, 9:].tolist()
@@ -59,7 +69,7 @@ def test_eos_masks_and_pads_the_rest_and_stops_early(model):
             k = ref.index(eos)
             assert cont[: k + 1] == ref[: k + 1]
             assert mask == [True] * (k + 1) + [False] * (len(cont) - k - 1)
-            assert all(t == BOS for t in cont[k + 1:])
+            assert all(t == BOS for t in cont[k + 1 :])
         else:
             assert cont == ref[: len(cont)]
             assert all(mask)
@@ -99,10 +109,24 @@ def test_sampling_is_seeded_no_grad_and_restores_train_mode(model):
     batch = collate_left_pad(prompts, pad_id=BOS)
     model.train()
     params = SamplingParams(temperature=1.0)
-    a = rollout(model, batch["input_ids"], batch["attention_mask"], 7, params, generator=torch.Generator().manual_seed(5),
-                vocab_size=50)
-    b = rollout(model, batch["input_ids"], batch["attention_mask"], 7, params, generator=torch.Generator().manual_seed(5),
-                vocab_size=50)
+    a = rollout(
+        model,
+        batch["input_ids"],
+        batch["attention_mask"],
+        7,
+        params,
+        generator=torch.Generator().manual_seed(5),
+        vocab_size=50,
+    )
+    b = rollout(
+        model,
+        batch["input_ids"],
+        batch["attention_mask"],
+        7,
+        params,
+        generator=torch.Generator().manual_seed(5),
+        vocab_size=50,
+    )
     assert model.training
     model.eval()
     assert torch.equal(a.sequences, b.sequences)
@@ -116,7 +140,9 @@ def test_sampled_rows_follow_the_unpadded_distribution(model):
     batch = collate_left_pad(prompts, pad_id=BOS)
     pos = position_ids_from_mask(batch["attention_mask"])
     with torch.no_grad():
-        padded = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=pos).logits
+        padded = model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=pos
+        ).logits
         for i, p in enumerate(prompts):
             alone = model(input_ids=torch.tensor([p])).logits
             torch.testing.assert_close(padded[i, -1], alone[0, -1], atol=1e-5, rtol=1e-4)

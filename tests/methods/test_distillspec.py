@@ -37,23 +37,34 @@ def _threads():
 
 
 def _cfg(**kw) -> DistillSpecConfig:
-    base = dict(optimizer=ADAMW, max_new_tokens=6, prompt_len=8, batch_size=4, num_prompts=8, num_val_prompts=4)
+    base = dict(
+        optimizer=ADAMW, max_new_tokens=6, prompt_len=8, batch_size=4, num_prompts=8, num_val_prompts=4
+    )
     base.update(kw)
     return DistillSpecConfig(**base)
 
 
 def _splits() -> dict[str, Dataset]:
     docs = [f"{TEXT * 2} # doc {i} " + "x" * (i % 7) for i in range(24)]
-    return {"train": Dataset.from_dict({"text": docs[:16]}), "validation": Dataset.from_dict({"text": docs[16:]})}
+    return {
+        "train": Dataset.from_dict({"text": docs[:16]}),
+        "validation": Dataset.from_dict({"text": docs[16:]}),
+    }
 
 
 def _module(cfg: DistillSpecConfig) -> tuple[DistillSpecModule, PromptDataModule]:
     tok = make_tokenizer()
     student, teacher = tiny_llama(hidden=32, seed=1), tiny_llama(hidden=64, seed=0)
     student.train()
-    data = PromptDataModule(_splits(), tok, prompt_len=cfg.prompt_len, batch_size=cfg.batch_size,
-                            continuation_len=cfg.max_new_tokens, max_prompts=cfg.num_prompts,
-                            max_val_prompts=cfg.num_val_prompts)
+    data = PromptDataModule(
+        _splits(),
+        tok,
+        prompt_len=cfg.prompt_len,
+        batch_size=cfg.batch_size,
+        continuation_len=cfg.max_new_tokens,
+        max_prompts=cfg.num_prompts,
+        max_val_prompts=cfg.num_val_prompts,
+    )
     return DistillSpecModule(student, teacher, tok, cfg, seed=0), data
 
 
@@ -85,8 +96,11 @@ def test_bad_config_fails_naming_the_key(kw, message):
 def _compose(overrides: list[str], tmp_path: Path):
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=overrides + [f"paths.root_dir={tmp_path}"],
-                      return_hydra_config=True)
+        cfg = compose(
+            config_name="train",
+            overrides=overrides + [f"paths.root_dir={tmp_path}"],
+            return_hydra_config=True,
+        )
     with open_dict(cfg):
         cfg.paths.run_dir = str(tmp_path / "run")
         del cfg["hydra"]
@@ -112,7 +126,13 @@ def test_experiment_composes_and_sources_enumerate(tmp_path):
     assert spec.name == "distillspec" and isinstance(spec.method, DistillSpecConfig)
     assert spec.method.eval.temperatures == [0.0, 1.0] and spec.method.eval.gamma == 4
     assert len(spec.method.eval.seeds) >= 2
-    assert [_cfg(data_source=s, lmbda=0.3).on_policy_probability for s in DATA_SOURCES] == [0.0, 0.0, 1.0, 0.3, 0.3]
+    assert [_cfg(data_source=s, lmbda=0.3).on_policy_probability for s in DATA_SOURCES] == [
+        0.0,
+        0.0,
+        1.0,
+        0.3,
+        0.3,
+    ]
     assert _cfg(data_source="mixed_fixed").off_policy_source == "fixed"
     assert _cfg(data_source="mixed_teacher").off_policy_source == "teacher"
 
@@ -131,8 +151,9 @@ def test_tokenizer_mismatch_fails_when_loading(tiny_pair_dir, tmp_path):
 
     raw = Tokenizer(models.BPE(vocab=swapped, merges=[]))
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<|bos|>", eos_token="<|eos|>",
-                            pad_token="<|pad|>").save_pretrained(other)
+    PreTrainedTokenizerFast(
+        tokenizer_object=raw, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>"
+    ).save_pretrained(other)
     cfg = ModelConfig(name="t", verifier=str(tiny_pair_dir / "verifier"), drafter=str(other))
     with pytest.raises(TokenizerMismatchError):
         load_pair(cfg)
@@ -179,10 +200,22 @@ def test_mixture_draws_on_policy_batches_with_probability_lambda():
 def _trainer(tmp_path: Path, max_steps: int, **kw) -> L.Trainer:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    ckpt = ModelCheckpoint(dirpath=tmp_path / "checkpoints", save_last=True, save_top_k=-1, every_n_train_steps=1)
-    return L.Trainer(accelerator="cpu", max_steps=max_steps, val_check_interval=2, check_val_every_n_epoch=None,
-                     logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                     callbacks=[ckpt, NonFiniteLossGuard()], default_root_dir=tmp_path, **kw)
+    ckpt = ModelCheckpoint(
+        dirpath=tmp_path / "checkpoints", save_last=True, save_top_k=-1, every_n_train_steps=1
+    )
+    return L.Trainer(
+        accelerator="cpu",
+        max_steps=max_steps,
+        val_check_interval=2,
+        check_val_every_n_epoch=None,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[ckpt, NonFiniteLossGuard()],
+        default_root_dir=tmp_path,
+        **kw,
+    )
 
 
 def test_fit_logs_validation_and_checkpoint_has_no_teacher(tmp_path):
@@ -190,15 +223,23 @@ def test_fit_logs_validation_and_checkpoint_has_no_teacher(tmp_path):
     trainer = _trainer(tmp_path, 4)
     trainer.fit(module, datamodule=data)
     metrics = trainer.callback_metrics
-    for key in ("val/expected_acceptance", "val/simulated_block_efficiency", "val/loss", "train/loss",
-                "train/expected_acceptance", "train/on_policy_fraction"):
+    for key in (
+        "val/expected_acceptance",
+        "val/simulated_block_efficiency",
+        "val/loss",
+        "train/loss",
+        "train/expected_acceptance",
+        "train/on_policy_fraction",
+    ):
         assert key in metrics, key
     assert 0.0 <= float(metrics["val/expected_acceptance"]) <= 1.0
     assert 1.0 <= float(metrics["val/simulated_block_efficiency"]) <= 5.0
     assert len(module._val_cache) == 1  # held-out teacher continuations generated once, reused
     state = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
     assert state and all(k.startswith("student.") for k in state)
-    assert sum(v.numel() for v in state.values()) == sum(p.numel() for p in module.student.state_dict().values())
+    assert sum(v.numel() for v in state.values()) == sum(
+        p.numel() for p in module.student.state_dict().values()
+    )
 
 
 def test_resume_continues_global_step(tmp_path):
@@ -212,7 +253,7 @@ def test_resume_continues_global_step(tmp_path):
     trainer.fit(module2, datamodule=data2, ckpt_path=str(last))
     assert trainer.global_step == 5
     w = "student.model.embed_tokens.weight"
-    assert not torch.equal(module2.student.state_dict()[w[len("student."):]], saved["state_dict"][w])
+    assert not torch.equal(module2.student.state_dict()[w[len("student.") :]], saved["state_dict"][w])
 
 
 def test_non_finite_loss_stops_naming_the_step_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
@@ -260,8 +301,9 @@ def test_exported_drafter_works_as_hf_assistant_model(tmp_path):
     verifier = module.teacher
     ids = torch.tensor([tok.encode(TEXT)[:10]])
     plain = verifier.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)
-    assisted = verifier.generate(ids, max_new_tokens=8, do_sample=False, assistant_model=drafter,
-                                 pad_token_id=tok.pad_token_id)
+    assisted = verifier.generate(
+        ids, max_new_tokens=8, do_sample=False, assistant_model=drafter, pad_token_id=tok.pad_token_id
+    )
     assert torch.equal(plain, assisted)
 
 
@@ -278,11 +320,26 @@ def test_main_job_end_to_end_on_the_cached_tiny_pair(tmp_path):
     import sys
 
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "train.py", "experiment=distillspec", "trainer.max_steps=6", "trainer.val_check_interval=3",
-           "method.num_prompts=64", "method.eval.num_prompts=2", "method.eval.max_new_tokens=16",
-           f"hydra.run.dir={run_dir}", "trainer.enable_progress_bar=false"]
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "DRAFTSMITH_ROOT": str(REPO_ROOT)})
+    cmd = [
+        sys.executable,
+        "train.py",
+        "experiment=distillspec",
+        "trainer.max_steps=6",
+        "trainer.val_check_interval=3",
+        "method.num_prompts=64",
+        "method.eval.num_prompts=2",
+        "method.eval.max_new_tokens=16",
+        f"hydra.run.dir={run_dir}",
+        "~callbacks.progress_bar",
+    ]
+    proc = subprocess.run(
+        cmd,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "DRAFTSMITH_ROOT": str(REPO_ROOT)},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((run_dir / "report.json").read_text())
     for side in ("before", "after"):

@@ -121,7 +121,7 @@ def load(args: argparse.Namespace) -> tuple[Any, Any, Any, list[list[int]]]:
     from train.models.loading import load_model, load_tokenizer
 
     tok = load_tokenizer(args.verifier)
-    verifier, drafter = freeze(load_model(args.verifier)), load_model(args.drafter)
+    verifier, drafter = freeze(load_model(args.verifier)), load_model(args.drafter)  # type: ignore[assignment]
     splits = load_text_dataset(DataSourceConfig(corpus_dir="data/stdlib_corpus"), tok)
     ds = make_prompts(
         splits["train"], tok, args.prompt_len, max_prompts=n_prompts, seed=args.seed, continuation_len=0
@@ -139,7 +139,9 @@ def _byte_tokenizer() -> Any:
         vocab[special] = len(vocab)
     raw = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    return PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=raw, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>"
+    )
 
 
 class _Clock:
@@ -181,8 +183,8 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any]:
     )
     module = DistillSpecModule(drafter, verifier, tok, cfg, seed=args.seed)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    loader = torch.utils.data.DataLoader(
-        prompts,
+    loader: Any = torch.utils.data.DataLoader(
+        prompts,  # type: ignore[arg-type]
         batch_size=args.batch_size,
         shuffle=False,
         collate_fn=functools.partial(collate_left_pad, pad_id=pad),

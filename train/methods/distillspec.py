@@ -65,7 +65,9 @@ class LoraSettings:
         require(isinstance(self.r, int) and self.r >= 1, "method.lora.r", "an integer >= 1", self.r)
         require(self.alpha > 0, "method.lora.alpha", "> 0", self.alpha)
         require(0.0 <= self.dropout < 1.0, "method.lora.dropout", "in [0, 1)", self.dropout)
-        require(bool(self.target_modules), "method.lora.target_modules", "a non-empty list", self.target_modules)
+        require(
+            bool(self.target_modules), "method.lora.target_modules", "a non-empty list", self.target_modules
+        )
 
 
 @dataclass
@@ -81,8 +83,12 @@ class EvalSettings:
     max_new_tokens: int = 64
 
     def __post_init__(self) -> None:
-        require(bool(self.temperatures) and all(t >= 0 for t in self.temperatures), "method.eval.temperatures",
-                "a non-empty list of values >= 0", self.temperatures)
+        require(
+            bool(self.temperatures) and all(t >= 0 for t in self.temperatures),
+            "method.eval.temperatures",
+            "a non-empty list of values >= 0",
+            self.temperatures,
+        )
         require(self.gamma >= 1, "method.eval.gamma", ">= 1", self.gamma)
         require(len(self.seeds) >= 1, "method.eval.seeds", "a non-empty list", self.seeds)
         require(self.num_prompts >= 1, "method.eval.num_prompts", ">= 1", self.num_prompts)
@@ -127,9 +133,13 @@ class DistillSpecConfig:
         require(self.divergence in DIVERGENCES, "method.divergence", f"one of {DIVERGENCES}", self.divergence)
         require(_in_unit(self.beta), "method.beta", "in [0, 1]", self.beta)
         require(_in_unit(self.lmbda), "method.lmbda", "in [0, 1]", self.lmbda)
-        require(self.data_source in DATA_SOURCES, "method.data_source", f"one of {DATA_SOURCES}", self.data_source)
         require(
-            isinstance(self.temperature, int | float) and math.isfinite(self.temperature) and self.temperature > 0,
+            self.data_source in DATA_SOURCES, "method.data_source", f"one of {DATA_SOURCES}", self.data_source
+        )
+        require(
+            isinstance(self.temperature, int | float)
+            and math.isfinite(self.temperature)
+            and self.temperature > 0,
             "method.temperature",
             "> 0 (rollouts sample; greedy rollouts are not supported)",
             self.temperature,
@@ -137,8 +147,12 @@ class DistillSpecConfig:
         require(self.max_new_tokens >= 1, "method.max_new_tokens", ">= 1", self.max_new_tokens)
         require(self.prompt_len >= 2, "method.prompt_len", ">= 2", self.prompt_len)
         require(self.batch_size >= 1, "method.batch_size", ">= 1", self.batch_size)
-        require(self.num_prompts >= self.batch_size, "method.num_prompts", f">= method.batch_size ({self.batch_size})",
-                self.num_prompts)
+        require(
+            self.num_prompts >= self.batch_size,
+            "method.num_prompts",
+            f">= method.batch_size ({self.batch_size})",
+            self.num_prompts,
+        )
         require(self.num_val_prompts >= 1, "method.num_val_prompts", ">= 1", self.num_val_prompts)
         require(self.ce_weight >= 0, "method.ce_weight", ">= 0", self.ce_weight)
         require(self.gamma >= 1, "method.gamma", ">= 1", self.gamma)
@@ -193,16 +207,29 @@ def apply_lora(model: torch.nn.Module, cfg: LoraSettings) -> torch.nn.Module:
     """Wrap ``model`` with peft LoRA adapters (only they train)."""
     from peft import LoraConfig, get_peft_model
 
-    lora = LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
-                      target_modules=list(cfg.target_modules), task_type="CAUSAL_LM")
+    lora = LoraConfig(
+        r=cfg.r,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=list(cfg.target_modules),
+        task_type="CAUSAL_LM",
+    )
     return get_peft_model(model, lora)
 
 
 class DistillSpecModule(L.LightningModule):
     """The drafter learns the verifier's next-token distributions on continuation tokens."""
 
-    def __init__(self, student: torch.nn.Module, teacher: torch.nn.Module, tokenizer: Any,
-                 cfg: DistillSpecConfig, seed: int = 0) -> None:
+    teacher: torch.nn.Module
+
+    def __init__(
+        self,
+        student: torch.nn.Module,
+        teacher: torch.nn.Module,
+        tokenizer: Any,
+        cfg: DistillSpecConfig,
+        seed: int = 0,
+    ) -> None:
         super().__init__()
         self.cfg = cfg
         self.seed = seed
@@ -229,6 +256,7 @@ class DistillSpecModule(L.LightningModule):
 
     def on_fit_start(self) -> None:
         self.teacher.to(self.device)
+        self.student.train()  # from_pretrained returns eval mode; the teacher stays in eval mode
 
     def configure_optimizers(self) -> Any:
         params = [p for p in self.student.parameters() if p.requires_grad]
@@ -252,10 +280,20 @@ class DistillSpecModule(L.LightningModule):
         cont_mask[:, :width] = False
         return Rollout(torch.cat([ids, cont], dim=1), full_mask, cont_mask, width)
 
-    def _generate(self, model: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor,
-                  gen: torch.Generator) -> Rollout:
-        return rollout(model, ids, attn, self.cfg.max_new_tokens, self.params, eos_token_id=self.eos_token_id,
-                       pad_token_id=self.pad_token_id, generator=gen, vocab_size=self.vocab_size)
+    def _generate(
+        self, model: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor, gen: torch.Generator
+    ) -> Rollout:
+        return rollout(
+            model,
+            ids,
+            attn,
+            self.cfg.max_new_tokens,
+            self.params,
+            eos_token_id=self.eos_token_id,
+            pad_token_id=self.pad_token_id,
+            generator=gen,
+            vocab_size=self.vocab_size,
+        )
 
     def _teacher_rollout(self, batch: dict[str, torch.Tensor], gen: torch.Generator) -> Rollout:
         ids, attn = batch["input_ids"], batch["attention_mask"]
@@ -266,8 +304,9 @@ class DistillSpecModule(L.LightningModule):
         if missing:
             sub = self._generate(self.teacher, ids[missing], attn[missing], gen)
             for row, i in enumerate(missing):
-                self._teacher_cache[keys[i]] = sub.sequences[row, sub.prompt_width:][
-                    sub.continuation_mask[row, sub.prompt_width:]].cpu()
+                self._teacher_cache[keys[i]] = sub.sequences[row, sub.prompt_width :][
+                    sub.continuation_mask[row, sub.prompt_width :]
+                ].cpu()
         conts = [self._teacher_cache[k] for k in keys]
         n = max(len(c) for c in conts)
         cont = torch.full((ids.shape[0], n), self.pad_token_id, dtype=ids.dtype, device=ids.device)
@@ -275,8 +314,9 @@ class DistillSpecModule(L.LightningModule):
         for i, c in enumerate(conts):
             cont[i, : len(c)] = c.to(ids.device)
             cmask[i, : len(c)] = 1
-        return self._fixed({"input_ids": ids, "attention_mask": attn, "continuation_ids": cont,
-                            "continuation_mask": cmask})
+        return self._fixed(
+            {"input_ids": ids, "attention_mask": attn, "continuation_ids": cont, "continuation_mask": cmask}
+        )
 
     def make_batch(self, batch: dict[str, torch.Tensor], source: str, gen: torch.Generator) -> Rollout:
         """The training sequences for ``source`` in {fixed, teacher, student}."""
@@ -300,18 +340,29 @@ class DistillSpecModule(L.LightningModule):
     def logits(self, model: torch.nn.Module, ro: Rollout) -> torch.Tensor:
         """(B, N, V) logits predicting the continuation positions (the prompt's logits are never built)."""
         n = ro.sequences.shape[1] - ro.prompt_width
-        out = model(input_ids=ro.sequences, attention_mask=ro.attention_mask,
-                    position_ids=position_ids_from_mask(ro.attention_mask), logits_to_keep=n + 1, use_cache=False)
+        out = model(
+            input_ids=ro.sequences,
+            attention_mask=ro.attention_mask,
+            position_ids=position_ids_from_mask(ro.attention_mask),
+            logits_to_keep=n + 1,
+            use_cache=False,
+        )
         return out.logits[:, :-1]
 
     def distill_loss(self, ro: Rollout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(loss, student logits, teacher logits, mask) on the continuation tokens of ``ro``."""
-        mask = ro.continuation_mask[:, ro.prompt_width:]
+        mask = ro.continuation_mask[:, ro.prompt_width :]
         with torch.no_grad():
             teacher_logits = self.logits(self.teacher, ro)
         student_logits = self.logits(self.student, ro)
-        loss = divergence(self.cfg.divergence, student_logits, teacher_logits, mask,
-                          temperature=self.cfg.temperature, beta=self.cfg.beta)
+        loss = divergence(
+            self.cfg.divergence,
+            student_logits,
+            teacher_logits,
+            mask,
+            temperature=self.cfg.temperature,
+            beta=self.cfg.beta,
+        )
         return loss, student_logits, teacher_logits, mask
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
@@ -338,8 +389,8 @@ class DistillSpecModule(L.LightningModule):
         """Next-token cross-entropy of the student on the corpus continuation."""
         ro = self._fixed(batch)
         logits = self.logits(self.student, ro)[..., : self.vocab_size]
-        labels = ro.sequences[:, ro.prompt_width:]
-        mask = ro.continuation_mask[:, ro.prompt_width:]
+        labels = ro.sequences[:, ro.prompt_width :]
+        mask = ro.continuation_mask[:, ro.prompt_width :]
         return torch.nn.functional.cross_entropy(logits[mask].float(), labels[mask])
 
     # ---------------------------------------------------------------- validation
@@ -349,8 +400,9 @@ class DistillSpecModule(L.LightningModule):
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         if batch_idx not in self._val_cache:  # held-out teacher continuations: generated once per run
-            self._val_cache[batch_idx] = self._generate(self.teacher, batch["input_ids"], batch["attention_mask"],
-                                                        self._generator(-1, batch_idx))
+            self._val_cache[batch_idx] = self._generate(
+                self.teacher, batch["input_ids"], batch["attention_mask"], self._generator(-1, batch_idx)
+            )
         loss, s_logits, t_logits, mask = self.distill_loss(self._val_cache[batch_idx])
         n = int(mask.sum())
         ea = expected_acceptance(s_logits, t_logits, mask, temperature=self.cfg.temperature)
@@ -365,7 +417,9 @@ class DistillSpecModule(L.LightningModule):
         ea = min(max(ea_sum / n, 0.0), 1.0)
         self.log("val/loss", loss_sum / n, prog_bar=True, sync_dist=True)
         self.log("val/expected_acceptance", ea, prog_bar=True, sync_dist=True)
-        self.log("val/simulated_block_efficiency", simulated_block_efficiency(ea, self.cfg.gamma), sync_dist=True)
+        self.log(
+            "val/simulated_block_efficiency", simulated_block_efficiency(ea, self.cfg.gamma), sync_dist=True
+        )
 
     # ---------------------------------------------------------------- finish
 
@@ -374,7 +428,8 @@ class DistillSpecModule(L.LightningModule):
         if self.cfg.lora.enabled:
             import copy
 
-            return copy.deepcopy(self.student).merge_and_unload()
+            peft_model: Any = copy.deepcopy(self.student)
+            return peft_model.merge_and_unload()
         return self.student
 
     def finish(self, trainer: L.Trainer, spec: Any) -> dict[str, Any] | None:
@@ -400,8 +455,15 @@ def _vocab(model: torch.nn.Module) -> int:
 
 # -------------------------------------------------------------------- reporting
 
-REPORT_METRICS = ("block_efficiency", "acceptance_rate", "expected_acceptance", "accepted_per_block", "mbsu",
-                  "speedup", "tokens_per_second")
+REPORT_METRICS = (
+    "block_efficiency",
+    "acceptance_rate",
+    "expected_acceptance",
+    "accepted_per_block",
+    "mbsu",
+    "speedup",
+    "tokens_per_second",
+)
 
 
 def finish_run(module: DistillSpecModule, spec: Any) -> dict[str, Any]:
@@ -411,8 +473,9 @@ def finish_run(module: DistillSpecModule, spec: Any) -> dict[str, Any]:
     cfg = module.cfg
     run_dir = spec.run_dir
     after = module.distilled_drafter().eval()
-    before = load_model(spec.model.drafter, spec.model.dtype, spec.model.attn_implementation,
-                        spec.model.trust_remote_code).eval()
+    before = load_model(
+        spec.model.drafter, spec.model.dtype, spec.model.attn_implementation, spec.model.trust_remote_code
+    ).eval()
     verifier = module.teacher.eval()
     for m in (after, before, verifier):
         m.to("cpu")
@@ -435,26 +498,50 @@ def finish_run(module: DistillSpecModule, spec: Any) -> dict[str, Any]:
 
 
 def _method_summary(cfg: DistillSpecConfig) -> dict[str, Any]:
-    keys = ("divergence", "beta", "lmbda", "data_source", "temperature", "max_new_tokens", "prompt_len",
-            "batch_size", "num_prompts", "ce_weight", "gamma")
+    keys = (
+        "divergence",
+        "beta",
+        "lmbda",
+        "data_source",
+        "temperature",
+        "max_new_tokens",
+        "prompt_len",
+        "batch_size",
+        "num_prompts",
+        "ce_weight",
+        "gamma",
+    )
     out = {k: getattr(cfg, k) for k in keys}
     out["lora"] = asdict(cfg.lora)
     out["eval"] = asdict(cfg.eval)
     return out
 
 
-def evaluate_before_after(verifier: torch.nn.Module, before: torch.nn.Module, after: torch.nn.Module,
-                          tokenizer: Any, spec: Any) -> dict[str, Any]:
+def evaluate_before_after(
+    verifier: torch.nn.Module, before: torch.nn.Module, after: torch.nn.Module, tokenizer: Any, spec: Any
+) -> dict[str, Any]:
     """``{"before": {T: contract}, "after": {T: contract}, "table": markdown}`` from the project's evaluator."""
     from train.evaluation import EvalConfig, build_prompts, by_temperature, evaluate_drafters, results_table
 
     ev = spec.method.eval
-    cfg = EvalConfig(temperatures=list(ev.temperatures), gammas=[ev.gamma], seeds=list(ev.seeds),
-                     num_prompts=ev.num_prompts, prompt_len=ev.prompt_len, max_new_tokens=ev.max_new_tokens,
-                     progress=False)
+    cfg = EvalConfig(
+        temperatures=list(ev.temperatures),
+        gammas=[ev.gamma],
+        seeds=list(ev.seeds),
+        num_prompts=ev.num_prompts,
+        prompt_len=ev.prompt_len,
+        max_new_tokens=ev.max_new_tokens,
+        progress=False,
+    )
     prompts = build_prompts(tokenizer, spec.data, ev.num_prompts, ev.prompt_len, seed=spec.seed)
-    results = evaluate_drafters(verifier, {"before": before, "after": after}, prompts, cfg,
-                                eos_token_id=tokenizer.eos_token_id, out_dir=os.path.join(spec.run_dir, "eval"))
+    results = evaluate_drafters(
+        verifier,
+        {"before": before, "after": after},
+        prompts,
+        cfg,
+        eos_token_id=tokenizer.eos_token_id,
+        out_dir=os.path.join(spec.run_dir, "eval"),
+    )
     return {
         "before": by_temperature(results, "before", gamma=ev.gamma),
         "after": by_temperature(results, "after", gamma=ev.gamma),
@@ -464,21 +551,13 @@ def evaluate_before_after(verifier: torch.nn.Module, before: torch.nn.Module, af
 
 
 def _export(model: torch.nn.Module, tokenizer: Any, out_dir: str, report: dict[str, Any], spec: Any) -> None:
-    """The drafter as a Hugging Face folder with a model card (train/export.py when it is available)."""
+    """The drafter as a Hugging Face folder with the evaluation table and training config in its card."""
     from omegaconf import OmegaConf
 
-    config = OmegaConf.to_container(spec.cfg, resolve=True)
-    evaluation = {k: report[k] for k in ("before", "after") if k in report}
-    try:
-        from train.export import export_drafter
-    except ImportError:  # the exporter is a separate module; keep the run's output usable without it
-        log.warning("train.export is not available: writing the drafter with save_pretrained only")
-        model.save_pretrained(out_dir)
-        tokenizer.save_pretrained(out_dir)
-        with open(os.path.join(out_dir, "README.md"), "w") as f:
-            f.write(f"# DistillSpec drafter\n\n{format_table(report)}\n\n## Training config\n\n```yaml\n"
-                    f"{OmegaConf.to_yaml(OmegaConf.create(config))}```\n")
-        return
+    config: dict[str, Any] = OmegaConf.to_container(spec.cfg, resolve=True)  # type: ignore[assignment]
+    evaluation: dict[str, Any] = {k: report[k] for k in ("before", "after") if k in report}
+    from train.export import export_drafter
+
     export_drafter(model, tokenizer, out_dir, evaluation=evaluation, config=config)
 
 
@@ -486,13 +565,17 @@ def format_table(report: dict[str, Any]) -> str:
     """Markdown: one row per (temperature, drafter) with mean +- std of the headline metrics."""
     if "before" not in report:
         return "(evaluation disabled)"
-    lines = ["| T | drafter | block_efficiency | acceptance_rate | expected_acceptance | mbsu | speedup |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| T | drafter | block_efficiency | acceptance_rate | expected_acceptance | mbsu | speedup |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for temp in report["before"]:
         for name in ("before", "after"):
             row = report[name].get(temp, {})
-            cells = [_fmt(row.get(m)) for m in ("block_efficiency", "acceptance_rate", "expected_acceptance",
-                                                 "mbsu", "speedup")]
+            cells = [
+                _fmt(row.get(m))
+                for m in ("block_efficiency", "acceptance_rate", "expected_acceptance", "mbsu", "speedup")
+            ]
             lines.append(f"| {temp} | {name} | " + " | ".join(cells) + " |")
         b = _mean(report["before"][temp].get("block_efficiency"))
         a = _mean(report["after"].get(temp, {}).get("block_efficiency"))

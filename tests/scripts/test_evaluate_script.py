@@ -1,0 +1,178 @@
+"""scripts/evaluate.py and scripts/export.py: compose, run on tiny saved models, fail early on bad values."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+from tests.conftest import CONF_DIR, REPO_ROOT, make_tokenizer
+from train.config import ConfigError
+from train.evaluation import main as evaluate_main
+from train.export import export_drafter
+from train.export import main as export_main
+from train.models.loading import TokenizerMismatchError
+
+TEXT = "def add(a, b):\n    return a + b  # a docstring follows\n"
+
+
+def _compose(config_name: str, overrides: list[str]):
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name=config_name, overrides=overrides)
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": TEXT * (i % 3 + 2)}) + "\n" for i in range(8)))
+    return path
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_pair_dir, tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("train_run")
+    drafter = AutoModelForCausalLM.from_pretrained(tiny_pair_dir / "drafter")
+    export_drafter(drafter, make_tokenizer(), run / "drafter", config={"name": "t"})
+    return run
+
+
+def _eval_overrides(pair: Path, data: Path, run_dir: Path) -> list[str]:
+    return [
+        f"model.verifier={pair / 'verifier'}",
+        f"model.drafter={pair / 'drafter'}",
+        "model.tiny=null",
+        "data=local",
+        f"data.data_files={data}",
+        "data.test_fraction=0.5",
+        "logger=none",
+        "eval.num_prompts=2",
+        "eval.prompt_len=12",
+        "eval.max_new_tokens=6",
+        "eval.seeds=[0]",
+        "eval.progress=false",
+        f"paths.root_dir={run_dir.parent}",
+        f"hydra.run.dir={run_dir}",
+    ]
+
+
+def test_eval_and_export_configs_compose():
+    cfg = _compose("eval", ["decoding=sd", "gamma=8"])
+    assert cfg.decoding.name == "sd" and cfg.gamma == 8 and cfg.gammas is None
+    assert cfg.eval.decoders == ["sd"] and cfg.eval.temperatures == [0.0, 1.0]
+    assert _compose("eval", ["gammas=[1,2,4,8]"]).gammas == [1, 2, 4, 8]
+    cfg = _compose("export", ["run=/some/run", "hub.repo_id=me/my-drafter", "hub.dry_run=true"])
+    assert cfg.hub.repo_id == "me/my-drafter" and cfg.hub.dry_run is True
+
+
+def test_evaluate_script_end_to_end(tiny_pair_dir, data_file, exported, tmp_path):
+    """The real Hydra app in a subprocess, with the drafter replaced by an exported folder."""
+    run_dir = tmp_path / "eval_run"
+    overrides = _eval_overrides(tiny_pair_dir, data_file, run_dir)
+    cmd = [
+        sys.executable,
+        "scripts/evaluate.py",
+        *overrides,
+        f"drafter={exported / 'drafter'}",
+        "gammas=[1,2]",
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((run_dir / "results.json").read_text())
+    name = f"{exported.name}/drafter"
+    assert list(results["models"]["drafters"]) == [name]
+    assert {(r["temperature"], r["gamma"]) for r in results["runs"]} == {
+        (0.0, 1),
+        (0.0, 2),
+        (1.0, 1),
+        (1.0, 2),
+    }
+    assert all(r["greedy_match"] for r in results["runs"] if r["temperature"] == 0.0)
+    assert results["prompts"]["n"] == 2 and results["prompts"]["max_len"] <= 12
+    for f in ("results.md", "block_efficiency_vs_gamma.png", "per_position_acceptance.png", "config.yaml"):
+        assert (run_dir / f).is_file(), f
+    assert str(run_dir) in proc.stdout and f"| {name} | sd |" in proc.stdout
+
+
+def _run_eval_main(pair: Path, data: Path, tmp_path: Path, extra: list[str]):
+    cfg = _compose("eval", _eval_overrides(pair, data, tmp_path / "run")[:-1] + extra)
+    cfg.paths.run_dir = str(tmp_path / "run")
+    return evaluate_main(cfg)
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("gamma=0", "gamma"),
+        ("gammas=[2,0]", "eval.gammas"),
+        ("eval.temperatures=[-1.0]", "eval.temperatures"),
+        ("eval.num_prompts=0", "eval.num_prompts"),
+        ("decoding.eps=2.0", "eval.eps"),
+        ("drafter=/no/such/drafter", "drafter"),
+        ("model.verifier=/no/such/verifier", "model.verifier"),
+    ],
+)
+def test_bad_values_fail_at_start_up(override, key, tiny_pair_dir, data_file, tmp_path):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        _run_eval_main(tiny_pair_dir, data_file, tmp_path, [override])
+    assert not (tmp_path / "run" / "config.yaml").exists()  # nothing ran
+
+
+def _reversed_tokenizer() -> PreTrainedTokenizerFast:
+    """Same tokens as make_tokenizer(), other ids: a drafter trained with it cannot serve the verifier."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet(), reverse=True)
+    vocab = {tok: i for i, tok in enumerate(alphabet)}
+    for special in ("<|bos|>", "<|eos|>", "<|pad|>"):
+        vocab[special] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>"
+    )
+
+
+def test_drafter_with_another_tokenizer_is_refused(tiny_pair_dir, data_file, tmp_path):
+    other = tmp_path / "other_drafter"
+    AutoModelForCausalLM.from_pretrained(tiny_pair_dir / "drafter").save_pretrained(other)
+    _reversed_tokenizer().save_pretrained(other)
+    with pytest.raises(TokenizerMismatchError):
+        _run_eval_main(tiny_pair_dir, data_file, tmp_path, [f"drafter={other}"])
+
+
+def test_export_script_dry_run(exported, tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    cfg = _compose("export", [f"run={exported}", "hub.repo_id=me/my-drafter", "hub.dry_run=true"])
+    report = export_main(cfg)
+    assert report["dry_run"] and "model.safetensors" in report["files"]
+    assert "Would upload" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="no drafter/ folder"):
+        export_main(_compose("export", [f"run={tmp_path}", "hub.repo_id=me/x", "hub.dry_run=true"]))
+    with pytest.raises(ConfigError, match="hub.repo_id"):
+        export_main(_compose("export", [f"run={exported}", "hub.repo_id=bad id", "hub.dry_run=true"]))
+    with pytest.raises(ConfigError, match="run"):
+        export_main(_compose("export", ["hub.repo_id=me/x"]))
+
+
+def test_export_script_subprocess_dry_run(exported, tmp_path):
+    cmd = [
+        sys.executable,
+        "scripts/export.py",
+        f"run={exported}",
+        "hub.repo_id=me/my-drafter",
+        "hub.dry_run=true",
+        f"hydra.run.dir={tmp_path / 'export_run'}",
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "HF_TOKEN"}
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Would upload" in proc.stdout and "model.safetensors" in proc.stdout

@@ -1,0 +1,125 @@
+"""Export: a Hugging Face folder with a model card, usable as ``assistant_model``; Hub push dry runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.conftest import make_tokenizer, tiny_llama
+from train.config import ConfigError
+from train.evaluation import EvalConfig, evaluate_drafters
+from train.export import HubConfig, drafter_folder, export_drafter, model_card, push_to_hub
+
+CONFIG = {
+    "name": "distillspec",
+    "model": {"verifier": "checkpoints/tiny/verifier", "drafter": "checkpoints/tiny/drafter"},
+    "method": {"divergence": "fkl", "lmbda": 1.0},
+    "hub": {"repo_id": "me/x", "token": "hf_SECRET123"},
+    "logger": {"wandb_api_key": "SECRET456"},
+}
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_llama(hidden=64, seed=0), tiny_llama(hidden=32, seed=1), make_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def results(pair):
+    verifier, drafter, _ = pair
+    prompts = [torch.tensor([[256, 10, 20, 30]])]
+    cfg = EvalConfig(temperatures=[0.0], seeds=[0], max_new_tokens=6, progress=False, warmup=False)
+    return evaluate_drafters(verifier, {"after": drafter}, prompts, cfg)
+
+
+@pytest.fixture(scope="module")
+def exported(pair, results, tmp_path_factory):
+    _, drafter, tok = pair
+    out = tmp_path_factory.mktemp("run") / "drafter"
+    return export_drafter(
+        drafter,
+        tok,
+        out,
+        config=CONFIG,
+        results=results,
+        base_model="org/base-drafter",
+        verifier="org/verifier",
+    )
+
+
+def test_export_round_trip(pair, exported):
+    _, drafter, _ = pair
+    files = {p.name for p in exported.iterdir()}
+    assert {"config.json", "model.safetensors", "README.md", "tokenizer.json", "eval_results.json"} <= files
+    loaded = AutoModelForCausalLM.from_pretrained(exported)
+    for (name, a), b in zip(drafter.state_dict().items(), loaded.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    assert AutoTokenizer.from_pretrained(exported).eos_token == "<|eos|>"
+
+
+def test_card_front_matter_table_and_config(exported):
+    card = (exported / "README.md").read_text()
+    front = yaml.safe_load(card.split("---\n")[1])
+    assert front["library_name"] == "transformers"
+    assert {"speculative-decoding", "draftsmith"} <= set(front["tags"])
+    assert front["base_model"] == "org/base-drafter"
+    assert card.startswith("---\n") and "# distillspec drafter" in card
+    assert "| after | sd | 0 | 4 |" in card  # the evaluation table
+    assert "assistant_model=drafter" in card and 'from_pretrained("org/verifier")' in card
+    config_block = card.split("```yaml\n")[1].split("```")[0]
+    assert yaml.safe_load(config_block)["method"] == {"divergence": "fkl", "lmbda": 1.0}
+    assert "SECRET" not in card and "token" not in config_block
+
+
+def test_card_variants():
+    # before/after per temperature (what a run's report holds) and a local base model kept out of front matter
+    evaluation = {
+        "before": {"0": {"block_efficiency": {"mean": 2.0, "std": 0.1, "n": 2}}},
+        "after": {"0": {"block_efficiency": {"mean": 2.5, "std": 0.1, "n": 2}}},
+    }
+    card = model_card("d", results=evaluation, base_model="checkpoints/tiny/drafter")
+    assert "| after | 0 | n/a | n/a | 2.50 ± 0.10 |" in card
+    assert "base_model:" not in card.split("---")[1]
+    assert "No evaluation was attached" in model_card("d")
+    assert "| my | table |" in model_card("d", results="| my | table |")
+
+
+def test_exported_drafter_is_a_hf_assistant_model(pair, exported):
+    verifier, _, _ = pair
+    drafter = AutoModelForCausalLM.from_pretrained(exported)
+    ids = torch.tensor([[256, 40, 41, 42, 43]])
+    plain = verifier.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=258)
+    assisted = verifier.generate(
+        ids, max_new_tokens=10, do_sample=False, assistant_model=drafter, pad_token_id=258
+    )
+    assert torch.equal(plain, assisted)
+
+
+def test_export_accepts_the_distillspec_call(pair, tmp_path):
+    _, drafter, tok = pair
+    out = export_drafter(drafter, tok, tmp_path / "drafter", evaluation={}, config=CONFIG)
+    card = (out / "README.md").read_text()
+    assert "No evaluation was attached" in card and "checkpoints/tiny/verifier" in card
+
+
+def test_push_dry_run_lists_files_without_network(exported, monkeypatch):
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    report = push_to_hub(exported, "me/my-drafter", dry_run=True)
+    assert report["dry_run"] and "model.safetensors" in report["files"] and "README.md" in report["files"]
+    with pytest.raises(ConfigError, match="HF_TOKEN"):
+        push_to_hub(exported, "me/my-drafter")  # fails before any network call
+
+
+def test_push_rejects_bad_folders_and_ids(tmp_path, exported):
+    with pytest.raises(ConfigError, match="hub.repo_id"):
+        push_to_hub(exported, "not a repo id", dry_run=True)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no safetensors"):
+        push_to_hub(tmp_path / "empty", "me/x", dry_run=True)
+    with pytest.raises(ConfigError, match="hub.repo_id"):
+        HubConfig(repo_id="me/x/y")
+    with pytest.raises(ConfigError, match="no drafter/ folder"):
+        drafter_folder(tmp_path / "empty")
+    assert drafter_folder(exported.parent) == exported

@@ -1,0 +1,98 @@
+"""The run orchestration on a tiny random pair: run directory, loggers, checkpoints, resume, NaN guard."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import DictConfig, open_dict
+
+from tests.conftest import CONF_DIR
+from train.callbacks import NonFiniteLossError
+from train.run import main
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("text") / "docs.jsonl"
+    rows = [{"text": f"def f{i}(x):\n    return x * {i} + {i % 7}  # line {i}\n" * 6} for i in range(60)]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return path
+
+
+def run_cfg(tmp_path: Path, pair: Path, data: Path, run: str, extra: list[str] | None = None) -> DictConfig:
+    overrides = [
+        "method=pretrain", "model.tiny=null", f"model.verifier={pair / 'verifier'}",
+        f"model.drafter={pair / 'drafter'}", "data=local", "data.name=jsonl", f"data.data_files={data}",
+        "data.validation_fraction=0.2", "data.test_fraction=0.1", "trainer.max_steps=4",
+        "trainer.val_check_interval=2", "trainer.log_every_n_steps=1", "trainer.limit_val_batches=2", "trainer.enable_progress_bar=false",
+        "method.seq_len=32", "method.batch_size=4", "callbacks.model_checkpoint.every_n_train_steps=2",
+        "~callbacks.progress_bar", f"paths.root_dir={tmp_path}", "name=unit",
+    ] + (extra or [])
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=overrides)
+    with open_dict(cfg):
+        cfg.paths.run_dir = str(tmp_path / "checkpoints" / "unit" / run)
+    return cfg
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, str]]:
+    with open(run_dir / "csv" / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def test_run_writes_config_checkpoints_csv_and_offline_wandb(tmp_path: Path, tiny_pair_dir: Path,
+                                                             text_file: Path) -> None:
+    main(run_cfg(tmp_path, tiny_pair_dir, text_file, "a"))
+    run_dir = tmp_path / "checkpoints" / "unit" / "a"
+    assert (run_dir / "config.yaml").is_file()
+    assert (run_dir / "checkpoints" / "last.ckpt").is_file()
+    assert (run_dir / "model" / "config.json").is_file()
+    rows = read_metrics(run_dir)
+    assert any(r.get("train/loss") for r in rows) and any(r.get("val/loss") for r in rows)
+    (offline,) = list((run_dir / "wandb").glob("offline-run-*"))
+    (records,) = list(offline.glob("run-*.wandb"))  # the offline run's record log (protobuf, uncompressed)
+    logged = records.read_bytes()
+    for key in (b"train/loss", b"val/loss", b"val/perplexity"):
+        assert key in logged, key
+    # The frozen verifier never enters a training checkpoint.
+    state = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    n_drafter = sum(p.numel() for p in state["state_dict"].values())
+    assert n_drafter < 100_000  # drafter only (the verifier is ~4x larger)
+
+
+def test_resume_continues_from_last_checkpoint(tmp_path: Path, tiny_pair_dir: Path, text_file: Path) -> None:
+    main(run_cfg(tmp_path, tiny_pair_dir, text_file, "first", ["logger=csv"]))
+    main(run_cfg(tmp_path, tiny_pair_dir, text_file, "second",
+                 ["logger=csv", "ckpt_path=last", "trainer.max_steps=6"]))
+    steps = [int(r["step"]) for r in read_metrics(tmp_path / "checkpoints" / "unit" / "second") if r.get("train/loss")]
+    assert steps and min(steps) >= 4, steps  # started where the first run stopped
+
+
+def test_resume_without_checkpoint_is_a_clear_error(tmp_path: Path, tiny_pair_dir: Path, text_file: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="ckpt_path=last"):
+        main(run_cfg(tmp_path, tiny_pair_dir, text_file, "x", ["logger=none", "ckpt_path=last"]))
+
+
+def test_non_finite_loss_stops_naming_the_step(tmp_path: Path, tiny_pair_dir: Path, text_file: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from train.methods.pretrain import PretrainModule
+
+    original = PretrainModule._loss
+
+    def poisoned(self, batch):  # finite for two steps, then NaN
+        loss = original(self, batch)
+        return loss * float("nan") if self.training and self.global_step >= 2 else loss
+
+    monkeypatch.setattr(PretrainModule, "_loss", poisoned)
+    with pytest.raises(NonFiniteLossError, match="global step 2.*last good checkpoint: .*last.ckpt"):
+        main(run_cfg(tmp_path, tiny_pair_dir, text_file, "nan", ["logger=none"]))
+    state = torch.load(tmp_path / "checkpoints" / "unit" / "nan" / "checkpoints" / "last.ckpt",
+                       map_location="cpu", weights_only=False)
+    assert all(torch.isfinite(t).all() for t in state["state_dict"].values())
