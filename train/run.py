@@ -84,6 +84,11 @@ def load_spec(cfg: DictConfig) -> RunSpec:
     )
 
 
+def is_rank_zero() -> bool:
+    """Before a Trainer exists: the launcher's environment says which process this is."""
+    return all(os.environ.get(var, "0") == "0" for var in ("RANK", "LOCAL_RANK", "NODE_RANK"))
+
+
 def write_json(path: str, payload: Any) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
@@ -114,7 +119,8 @@ def main(cfg: DictConfig) -> Any:
     """Run one experiment end to end; returns what the method's finish returns."""
     spec = load_spec(cfg)
     os.makedirs(spec.run_dir, exist_ok=True)
-    OmegaConf.save(spec.cfg, os.path.join(spec.run_dir, "config.yaml"))
+    if is_rank_zero():
+        OmegaConf.save(spec.cfg, os.path.join(spec.run_dir, "config.yaml"))
     import lightning as L
 
     L.seed_everything(spec.seed, workers=True)

@@ -84,6 +84,10 @@ class PretrainModule(L.LightningModule):
         self.log("train/loss", loss, prog_bar=True)
         return loss
 
+    def on_train_end(self) -> None:
+        # One line per process, so a distributed run shows that every rank trained.
+        print(f"rank {self.global_rank}/{self.trainer.world_size}: trained {self.global_step} steps", flush=True)
+
     def on_validation_epoch_start(self) -> None:
         self._val_nll, self._val_tokens = 0.0, 0
 
