@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -57,9 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_pair(
     vocab: int = 8192, noise: float = 0.15, seed: int = 0
-) -> tuple[torch.nn.Module, torch.nn.Module]:
+) -> tuple[Any, Any]:
     """Random-weight Llama verifier (hidden 512, 8 layers) and drafter (hidden 128, 2 layers)."""
-    common = {
+    common: dict[str, Any] = {
         "vocab_size": vocab,
         "max_position_embeddings": 1024,
         "bos_token_id": None,
@@ -134,10 +135,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         return out[0, ids.shape[1] :]
 
+    def ours(decoder: AutoregressiveDecoder | SpeculativeDecoder, ids: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        result = decoder.generate(ids, n_new)
+        return result.tokens, result.stats
+
     calls: dict[str, Callable[[torch.Tensor], tuple[torch.Tensor, DecodeStats | None]]] = {
-        "ours-ar": lambda ids: (lambda r: (r.tokens, r.stats))(ours_ar.generate(ids, n_new)),
+        "ours-ar": lambda ids: ours(ours_ar, ids),
         "hf-generate": lambda ids: (hf(ids, False), None),
-        "ours-sd": lambda ids: (lambda r: (r.tokens, r.stats))(ours_sd.generate(ids, n_new)),
+        "ours-sd": lambda ids: ours(ours_sd, ids),
         "hf-assisted": lambda ids: (hf(ids, True), None),
     }
     # warm-up (one short run of each, all prompts lengths are then cached by the allocator)
@@ -154,7 +159,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             order = METHODS[(rep + i) % 4 :] + METHODS[: (rep + i) % 4]  # rotate to spread drift
             outs: dict[str, torch.Tensor] = {}
             for name in order:
-                (toks, stats), dt = _timed(lambda name=name, ids=ids: calls[name](ids))
+                (toks, stats), dt = _timed(functools.partial(calls[name], ids))
                 outs[name] = toks
                 wall[name].append(dt)
                 tokens[name] += len(toks)
