@@ -19,9 +19,9 @@ model forwards, so ``overhead = wall / forward time - 1`` is the loop's own cost
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
-import functools
 import time
 from collections.abc import Callable
 from typing import Any
