@@ -107,7 +107,7 @@ class EvalConfig:
     """What one evaluation measures (``eval.*`` in conf/eval.yaml). Validated on construction.
 
     The defaults fit the main DistillSpec job's budget on the embedded tiny pair (two drafters,
-    T in {0, 1}, gamma 4, two seeds: about a minute on 2 CPU cores, docs/evaluation.md).
+    T in {0, 1}, gamma 4, two seeds: 24 s measured on 2 shared CPU cores, docs/evaluation.md).
     """
 
     #: Sampling temperatures; 0 is greedy and checks ``greedy_match``.
@@ -136,7 +136,7 @@ class EvalConfig:
     warmup: bool = True
     #: torch intra-op threads during the evaluation, restored afterwards (null: leave torch's setting).
     #: 1 suits small latency-bound models on CPU: with more, OpenMP spin-waiting on a busy machine
-    #: slowed the tiny pair's evaluation more than tenfold (docs/evaluation.md). Set null for large models.
+    #: slowed the tiny pair's evaluation tenfold (docs/evaluation.md). Set null for large models.
     num_threads: int | None = 1
     #: Progress bar over prompts; plots written next to results.json.
     progress: bool = True
