@@ -99,7 +99,7 @@ def test_exported_drafter_is_a_hf_assistant_model(pair, exported):
 
 def test_export_accepts_the_distillspec_call(pair, tmp_path):
     _, drafter, tok = pair
-    out = export_drafter(drafter, tok, tmp_path / "drafter", evaluation={}, config=CONFIG)
+    out = export_drafter(drafter, tok, tmp_path / "drafter", results={}, config=CONFIG)
     card = (out / "README.md").read_text()
     assert "No evaluation was attached" in card and "checkpoints/tiny/verifier" in card
 

@@ -176,8 +176,6 @@ def export_drafter(
     base_model: str | None = None,
     verifier: str | None = None,
     name: str | None = None,
-    *,
-    evaluation: Mapping[str, Any] | str | None = None,
 ) -> Path:
     """Write ``model`` as a Hugging Face folder at ``out_dir``; return the folder.
 
@@ -187,15 +185,13 @@ def export_drafter(
     results: the evaluation, in one of three shapes: what :func:`train.evaluation.evaluate_drafters`
     returned, ``{label: {temperature: {metric: {"mean", "std", "n"}}}}`` (a report's before / after,
     :func:`train.evaluation.by_temperature`), or ready Markdown text; dictionaries are also written as
-    ``eval_results.json``. ``evaluation`` is the same argument under the name the DistillSpec finish uses.
+    ``eval_results.json``.
     base_model: where the drafter started (a Hub id goes into the card's front matter; default: the
     config's ``model.drafter``). verifier: the verifier's Hub id or path for the card's usage snippet
     (default: the config's ``model.verifier``). name: the card's title (default: ``<config name> drafter``).
     Files: ``config.json``, ``model.safetensors``, ``generation_config.json``, the tokenizer files,
     ``README.md`` and, with a results dictionary, ``eval_results.json``.
     """
-    if results is None:
-        results = evaluation
     model_section = (config or {}).get("model") if isinstance(config, Mapping) else None
     if isinstance(model_section, Mapping):
         base_model = base_model or model_section.get("drafter")

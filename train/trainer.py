@@ -8,7 +8,7 @@ from typing import Any
 
 import lightning as L
 from hydra.utils import instantiate
-from lightning.pytorch.callbacks import LearningRateMonitor
+from lightning.pytorch.callbacks import LearningRateMonitor, ProgressBar
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 from omegaconf import DictConfig
 
@@ -48,6 +48,8 @@ def build_trainer(cfg: TrainerConfig, callbacks: list[L.Callback], loggers: list
     kwargs = cfg.trainer_kwargs() | overrides
     if not loggers:  # nothing to report learning rates to
         callbacks = [cb for cb in callbacks if not isinstance(cb, LearningRateMonitor)]
+    if not kwargs["enable_progress_bar"]:  # Lightning refuses a progress-bar callback when bars are off
+        callbacks = [cb for cb in callbacks if not isinstance(cb, ProgressBar)]
     return L.Trainer(
         default_root_dir=run_dir,
         callbacks=callbacks,

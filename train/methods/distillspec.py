@@ -436,7 +436,7 @@ class DistillSpecModule(L.LightningModule):
         """Rank 0: export the drafter, evaluate before/after, write report.json / report.md."""
         if not trainer.is_global_zero:
             return None
-        return finish_run(self, spec)
+        return finish_run(self, spec, loggers=trainer.loggers, step=trainer.global_step)
 
 
 def _mix(*values: int) -> int:
@@ -466,7 +466,8 @@ REPORT_METRICS = (
 )
 
 
-def finish_run(module: DistillSpecModule, spec: Any) -> dict[str, Any]:
+def finish_run(module: DistillSpecModule, spec: Any, loggers: Any = None, step: int | None = None
+               ) -> dict[str, Any]:
     """Evaluate the pretrained ("before") and distilled ("after") drafters, export, and report."""
     from train.models.loading import load_model
 
@@ -481,7 +482,7 @@ def finish_run(module: DistillSpecModule, spec: Any) -> dict[str, Any]:
         m.to("cpu")
     report: dict[str, Any] = {"config": {"method": _method_summary(cfg)}}
     if cfg.eval.enabled:
-        metrics = evaluate_before_after(verifier, before, after, module.tokenizer, spec)
+        metrics = evaluate_before_after(verifier, before, after, module.tokenizer, spec, loggers, step)
         report.update(metrics)
     drafter_dir = os.path.join(run_dir, "drafter")
     _export(after, module.tokenizer, drafter_dir, report, spec)
@@ -518,7 +519,13 @@ def _method_summary(cfg: DistillSpecConfig) -> dict[str, Any]:
 
 
 def evaluate_before_after(
-    verifier: torch.nn.Module, before: torch.nn.Module, after: torch.nn.Module, tokenizer: Any, spec: Any
+    verifier: torch.nn.Module,
+    before: torch.nn.Module,
+    after: torch.nn.Module,
+    tokenizer: Any,
+    spec: Any,
+    loggers: Any = None,
+    step: int | None = None,
 ) -> dict[str, Any]:
     """``{"before": {T: contract}, "after": {T: contract}, "table": markdown}`` from the project's evaluator."""
     from train.evaluation import EvalConfig, build_prompts, by_temperature, evaluate_drafters, results_table
@@ -541,6 +548,8 @@ def evaluate_before_after(
         cfg,
         eos_token_id=tokenizer.eos_token_id,
         out_dir=os.path.join(spec.run_dir, "eval"),
+        loggers=loggers,
+        step=step,
     )
     return {
         "before": by_temperature(results, "before", gamma=ev.gamma),
@@ -558,7 +567,7 @@ def _export(model: torch.nn.Module, tokenizer: Any, out_dir: str, report: dict[s
     evaluation: dict[str, Any] = {k: report[k] for k in ("before", "after") if k in report}
     from train.export import export_drafter
 
-    export_drafter(model, tokenizer, out_dir, evaluation=evaluation, config=config)
+    export_drafter(model, tokenizer, out_dir, results=evaluation, config=config)
 
 
 def format_table(report: dict[str, Any]) -> str:
