@@ -48,7 +48,8 @@ def test_main_job_meets_its_targets(tmp_path: Path) -> None:
     drafter = AutoModelForCausalLM.from_pretrained(run_dir / "drafter")
     verifier = AutoModelForCausalLM.from_pretrained(tiny_dir / "verifier")
     tok = AutoTokenizer.from_pretrained(run_dir / "drafter")
-    assert "block_efficiency" in (run_dir / "drafter" / "README.md").read_text()
+    card = (run_dir / "drafter" / "README.md").read_text()
+    assert "| after | 1 |" in card and "block_efficiency" in card
     ids = torch.tensor([tok.encode("def main(argv):\n    parser = ")])
     plain = verifier.generate(ids, max_new_tokens=24, do_sample=False)
     assisted = verifier.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=drafter)

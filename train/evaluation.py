@@ -635,20 +635,20 @@ def format_metric(metric: Mapping[str, Any] | None, digits: int = 3) -> str:
 
 
 _TABLE_COLUMNS = (
-    ("acceptance", "acceptance_rate", 3),
-    ("E[accept]", "expected_acceptance", 3),
-    ("tau", "block_efficiency", 2),
-    ("sim. tau", "simulated_block_efficiency", 2),
-    ("MBSU", "mbsu", 2),
-    ("cost ratio", "cost_ratio", 3),
-    ("tok/s", "tokens_per_second", 0),
-    ("speedup", "speedup", 2),
+    ("acceptance_rate", 3),
+    ("expected_acceptance", 3),
+    ("block_efficiency", 2),
+    ("simulated_block_efficiency", 2),
+    ("mbsu", 2),
+    ("cost_ratio", 3),
+    ("tokens_per_second", 0),
+    ("speedup", 2),
 )
 
 
 def results_table(results: Mapping[str, Any]) -> str:
     """The Markdown table of a results dictionary: one row per drafter x decoder x temperature x gamma."""
-    head = ["drafter", "decoder", "T", "gamma", *(c[0] for c in _TABLE_COLUMNS), "greedy match"]
+    head = ["drafter", "decoder", "T", "gamma", *(key for key, _ in _TABLE_COLUMNS), "greedy match"]
     lines = [
         "| " + " | ".join(head) + " |",
         "|" + "|".join(["---"] * 4 + ["---:"] * len(_TABLE_COLUMNS) + ["---"]) + "|",
@@ -661,7 +661,7 @@ def results_table(results: Mapping[str, Any]) -> str:
             run["decoder"],
             temperature_key(run["temperature"]),
             str(run["gamma"]),
-            *(format_metric(m.get(key), digits) for _, key, digits in _TABLE_COLUMNS),
+            *(format_metric(m.get(key), digits) for key, digits in _TABLE_COLUMNS),
             "n/a" if gm is None else ("yes" if gm else "**NO**"),
         ]
         lines.append("| " + " | ".join(cells) + " |")

@@ -60,20 +60,20 @@ def _per_temperature_table(evaluation: Mapping[str, Any]) -> str:
     from train.evaluation import format_metric
 
     columns = (
-        ("acceptance", "acceptance_rate", 3),
-        ("E[accept]", "expected_acceptance", 3),
-        ("tau", "block_efficiency", 2),
-        ("MBSU", "mbsu", 2),
-        ("tok/s", "tokens_per_second", 0),
-        ("speedup", "speedup", 2),
+        ("acceptance_rate", 3),
+        ("expected_acceptance", 3),
+        ("block_efficiency", 2),
+        ("mbsu", 2),
+        ("tokens_per_second", 0),
+        ("speedup", 2),
     )
     lines = [
-        "| drafter | T | " + " | ".join(c[0] for c in columns) + " |",
+        "| drafter | T | " + " | ".join(key for key, _ in columns) + " |",
         "|---|---|" + "|".join("---:" for _ in columns) + "|",
     ]
     for label, per_t in evaluation.items():
         for t, metrics in per_t.items():
-            cells = [format_metric(metrics.get(key), digits) for _, key, digits in columns]
+            cells = [format_metric(metrics.get(key), digits) for key, digits in columns]
             lines.append(f"| {label} | {t} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
