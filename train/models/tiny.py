@@ -22,6 +22,8 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import RichProgressBar
+from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel, get_cosine_schedule_with_warmup
 
@@ -150,14 +152,11 @@ def _pretrain_config(spec: TinyModelSpec, cfg: TinyPairConfig) -> PretrainConfig
 def _fit(model: PreTrainedModel, spec: TinyModelSpec, cfg: TinyPairConfig, blocks: Any,
          trainer_cfg: TrainerConfig, log_dir: str, role: str) -> None:
     n = max(cfg.batch_size, int(len(blocks) * spec.train_fraction))
-    # The drafter's slice is taken from the end of the packed stream: other files than the verifier saw first.
+    # A fraction < 1 trains on the last blocks of the packed stream only: a smaller slice of the corpus.
     subset = blocks.select(range(len(blocks) - n, len(blocks)))
     loader = DataLoader(subset, batch_size=cfg.batch_size, shuffle=True, drop_last=True,
                         generator=torch.Generator().manual_seed(cfg.seed))
     module = PretrainModule(model, _pretrain_config(spec, cfg))
-    from lightning.pytorch.callbacks import RichProgressBar
-    from lightning.pytorch.loggers import CSVLogger
-
     trainer = L.Trainer(
         accelerator=trainer_cfg.accelerator,
         devices=1,
