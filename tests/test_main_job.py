@@ -42,6 +42,8 @@ def test_main_job_meets_its_targets(tmp_path: Path) -> None:
         print(f"T={temperature}: block efficiency {before:.3f} -> {after:.3f} ({after / before:.3f}x)")
         assert after >= 1.10 * before, (temperature, before, after)
     assert (run_dir / "report.md").is_file()
+    assert list((run_dir / "wandb").glob("offline-run-*")), "the default logger writes an offline W&B run"
+    assert (run_dir / "csv" / "metrics.csv").is_file()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
