@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -34,6 +34,8 @@ __all__ = [
     "block_efficiency",
     "cost_ratio",
     "expected_acceptance",
+    "drafter_calls_per_verifier_call",
+    "loop_overhead",
     "mbsu",
     "param_count",
     "per_position_acceptance",
@@ -41,19 +43,33 @@ __all__ = [
     "speedup",
     "summarize",
     "tokens_per_second",
+    "verifier_tokens_per_call",
 ]
 
 
 @dataclass
 class DecodeStats:
-    """Raw counts and timings accumulated by one ``generate`` call (or several, via :meth:`merge`)."""
+    """Raw counts and timings accumulated by one ``generate`` call (or several, via :meth:`merge`).
 
+    Per-depth lists (``position_*``) grow with the deepest draft seen; they are not sized by gamma, so
+    trees, variable-length asynchronous blocks and pooled runs with different draft lengths all fit.
+    The first call of each model in a ``generate`` also encodes the prompt (the *prefill*); its time
+    and count are kept apart so :func:`cost_ratio` compares decoding steps only.
+    """
+
+    #: The decoder's configured draft length (informational: simulated tau uses it).
     gamma: int = 0
     drafted: int = 0
     accepted: int = 0
     verifier_calls: int = 0
     drafter_calls: int = 0
     new_tokens: int = 0
+    #: Tokens whose verifier distribution was scored, summed over calls (chain: drafts + 1 per call).
+    verifier_tokens: int = 0
+    #: Blocks that ended in a rejection (both caches rolled back to the accepted prefix).
+    rollbacks: int = 0
+    #: Drafted tokens thrown away untested (after a rejection, or stale in an asynchronous schedule).
+    discarded: int = 0
     position_drafted: list[int] = field(default_factory=list)
     position_tested: list[int] = field(default_factory=list)
     position_accepted: list[int] = field(default_factory=list)
@@ -62,41 +78,45 @@ class DecodeStats:
     wall_time: float = 0.0
     drafter_time: float = 0.0
     verifier_time: float = 0.0
-
-    def __post_init__(self) -> None:
-        for name in ("position_drafted", "position_tested", "position_accepted"):
-            lst = getattr(self, name)
-            if len(lst) < self.gamma:
-                lst.extend([0] * (self.gamma - len(lst)))
+    #: Calls (and their seconds) that encoded the prompt; excluded from :func:`cost_ratio`.
+    drafter_prefill_calls: int = 0
+    drafter_prefill_time: float = 0.0
+    verifier_prefill_calls: int = 0
+    verifier_prefill_time: float = 0.0
 
     @property
     def forward_time(self) -> float:
         """Seconds spent inside model forward passes (drafter + verifier)."""
         return self.drafter_time + self.verifier_time
 
+    def count_depths(self, drafted: int, tested: int, accepted: int) -> None:
+        """Record one chain (or tree path) verification: depths ``< drafted`` were drafted, ``< tested``
+        tested and ``< accepted`` accepted (accepted <= tested <= drafted)."""
+        need = max(drafted, tested, accepted)
+        for lst in (self.position_drafted, self.position_tested, self.position_accepted):
+            if len(lst) < need:
+                lst.extend([0] * (need - len(lst)))
+        for i in range(drafted):
+            self.position_drafted[i] += 1
+        for i in range(tested):
+            self.position_tested[i] += 1
+        for i in range(accepted):
+            self.position_accepted[i] += 1
+
     def merge(self, other: DecodeStats) -> DecodeStats:
         """Element-wise sum of two stats objects (gamma = the larger of the two)."""
-        g = max(self.gamma, other.gamma)
 
         def add(a: list[int], b: list[int]) -> list[int]:
-            return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(g)]
+            n = max(len(a), len(b))
+            return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)]
 
-        return DecodeStats(
-            gamma=g,
-            drafted=self.drafted + other.drafted,
-            accepted=self.accepted + other.accepted,
-            verifier_calls=self.verifier_calls + other.verifier_calls,
-            drafter_calls=self.drafter_calls + other.drafter_calls,
-            new_tokens=self.new_tokens + other.new_tokens,
-            position_drafted=add(self.position_drafted, other.position_drafted),
-            position_tested=add(self.position_tested, other.position_tested),
-            position_accepted=add(self.position_accepted, other.position_accepted),
-            tested=self.tested + other.tested,
-            sum_expected_acceptance=self.sum_expected_acceptance + other.sum_expected_acceptance,
-            wall_time=self.wall_time + other.wall_time,
-            drafter_time=self.drafter_time + other.drafter_time,
-            verifier_time=self.verifier_time + other.verifier_time,
-        )
+        merged = DecodeStats(gamma=max(self.gamma, other.gamma))
+        for f in fields(DecodeStats):
+            if f.name == "gamma":
+                continue
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            setattr(merged, f.name, add(a, b) if isinstance(a, list) else a + b)
+        return merged
 
 
 @dataclass
@@ -132,7 +152,7 @@ def accepted_per_block(stats: DecodeStats) -> float:
 
 
 def per_position_acceptance(stats: DecodeStats) -> list[float]:
-    """[P(draft position i accepted | positions < i accepted) for i in range(gamma)] (NaN if never tested)."""
+    """[P(draft position i accepted | positions < i accepted) for each depth drafted] (NaN if never tested)."""
     return [_div(a, t) for a, t in zip(stats.position_accepted, stats.position_tested, strict=False)]
 
 
@@ -147,16 +167,36 @@ def simulated_block_efficiency(a: float, gamma: int) -> float:
     return (1.0 - a ** (gamma + 1)) / (1.0 - a)
 
 
-def mbsu(tau: float, c_param: float, gamma: int) -> float:
-    """Memory-bound speed-up tau / (c_param * gamma + 1), c_param = drafter params / verifier params."""
-    return tau / (c_param * gamma + 1.0)
+def drafter_calls_per_verifier_call(stats: DecodeStats) -> float:
+    """Drafter forwards actually made per verifier forward (<= gamma: short final blocks, EOS drafts)."""
+    return _div(stats.drafter_calls, stats.verifier_calls)
+
+
+def mbsu(tau: float, c_param: float, drafter_steps: float) -> float:
+    """Memory-bound speed-up tau / (c_param * drafter_steps + 1), c_param = drafter / verifier params.
+
+    ``drafter_steps`` is the drafter calls made per verifier call (:func:`drafter_calls_per_verifier_call`),
+    not the configured gamma: blocks cut short by EOS or ``max_new_tokens`` cost fewer drafter steps.
+    """
+    return tau / (c_param * drafter_steps + 1.0)
+
+
+def verifier_tokens_per_call(stats: DecodeStats) -> float:
+    """Tokens the verifier scores per call (chain: drafts + 1; tree: the tree's size + 1)."""
+    return _div(stats.verifier_tokens, stats.verifier_calls)
 
 
 def cost_ratio(stats: DecodeStats) -> float:
-    """Mean seconds per drafter forward / mean seconds per verifier forward, measured on this hardware."""
-    return _div(
-        _div(stats.drafter_time, stats.drafter_calls), _div(stats.verifier_time, stats.verifier_calls)
-    )
+    """Seconds per drafter forward / seconds per verifier forward, measured on this hardware.
+
+    Calls that encoded the prompt (the prefill of each model) are left out of both means: a prompt
+    costs far more than a decoding step, and it would otherwise inflate the verifier's step time.
+    """
+    d_calls = stats.drafter_calls - stats.drafter_prefill_calls
+    v_calls = stats.verifier_calls - stats.verifier_prefill_calls
+    d_time = stats.drafter_time - stats.drafter_prefill_time
+    v_time = stats.verifier_time - stats.verifier_prefill_time
+    return _div(_div(d_time, d_calls), _div(v_time, v_calls))
 
 
 def tokens_per_second(stats: DecodeStats) -> float:
@@ -201,6 +241,8 @@ def summarize(stats: DecodeStats, c_param: float | None = None) -> dict[str, flo
         "simulated_block_efficiency": (
             simulated_block_efficiency(ea, stats.gamma) if not math.isnan(ea) else float("nan")
         ),
+        "verifier_tokens_per_call": verifier_tokens_per_call(stats),
+        "drafter_calls_per_verifier_call": drafter_calls_per_verifier_call(stats),
         "cost_ratio": cost_ratio(stats),
         "tokens_per_second": tokens_per_second(stats),
         "loop_overhead": loop_overhead(stats),
@@ -209,12 +251,15 @@ def summarize(stats: DecodeStats, c_param: float | None = None) -> dict[str, flo
         "accepted": float(stats.accepted),
         "verifier_calls": float(stats.verifier_calls),
         "drafter_calls": float(stats.drafter_calls),
+        "verifier_tokens": float(stats.verifier_tokens),
+        "rollbacks": float(stats.rollbacks),
+        "discarded": float(stats.discarded),
         "wall_time": stats.wall_time,
         "drafter_time": stats.drafter_time,
         "verifier_time": stats.verifier_time,
     }
     if c_param is not None:
-        out["mbsu"] = mbsu(tau, c_param, stats.gamma)
+        out["mbsu"] = mbsu(tau, c_param, drafter_calls_per_verifier_call(stats))
     return out
 
 
@@ -224,7 +269,7 @@ def _mean_std(values: Sequence[float]) -> tuple[float, float]:
         return float("nan"), float("nan")
     m = sum(vals) / len(vals)
     if len(vals) < 2:
-        return m, 0.0
+        return m, float("nan")  # one observation: the spread is undefined, not zero
     var = sum((v - m) ** 2 for v in vals) / (len(vals) - 1)
     return m, math.sqrt(var)
 
@@ -232,7 +277,7 @@ def _mean_std(values: Sequence[float]) -> tuple[float, float]:
 def aggregate(summaries: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
     """Aggregate per-run summaries into {name: {"mean", "std", "n"}}.
 
-    std is the sample standard deviation (ddof=1; 0 for a single run). NaN entries are skipped and
+    std is the sample standard deviation (ddof=1; NaN, i.e. undefined, for a single run). NaN entries are skipped and
     ``n`` counts the non-NaN values. List-valued metrics (per-position acceptance) are aggregated
     element-wise, giving lists for mean / std / n.
     """
