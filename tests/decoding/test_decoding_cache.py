@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache
 
 from train.decoding import SamplingParams, SpeculativeDecoder
-from train.decoding.speculative import _crop
+from train.decoding.cache import cache_length, crop_cache, keep_positions
 
 
 class CheckedLM(torch.nn.Module):
@@ -72,7 +72,7 @@ def test_crop_then_extend_equals_fresh(llama_pair):
         out = verifier(input_ids=tokens, use_cache=True)
         cache = out.past_key_values
         assert isinstance(cache, DynamicCache)
-        _crop(cache, 12, 8)  # reject the last 4 positions
+        crop_cache(cache, 8)  # reject the last 4 positions
         assert cache.get_seq_length() == 8
         alt = torch.tensor([[5, 6]])
         cached = verifier(input_ids=alt, past_key_values=cache, use_cache=True).logits

@@ -23,6 +23,7 @@ from train.decoding import (
     speedup,
     summarize,
     tokens_per_second,
+    verifier_tokens_per_call,
 )
 
 
@@ -45,9 +46,32 @@ def make_stats() -> DecodeStats:
     )
 
 
-def test_position_lists_padded_to_gamma():
-    s = DecodeStats(gamma=4)
-    assert s.position_drafted == s.position_tested == s.position_accepted == [0, 0, 0, 0]
+def test_position_lists_grow_with_the_deepest_draft():
+    s = DecodeStats(gamma=2)
+    assert s.position_drafted == s.position_tested == s.position_accepted == []
+    s.count_depths(drafted=5, tested=3, accepted=2)  # deeper than gamma (a tree, an async block)
+    s.count_depths(drafted=1, tested=1, accepted=0)
+    assert s.position_drafted == [2, 1, 1, 1, 1]
+    assert s.position_tested == [2, 1, 1, 0, 0]
+    assert s.position_accepted == [1, 1, 0, 0, 0]
+    merged = s.merge(DecodeStats(position_drafted=[1], position_tested=[1], position_accepted=[1]))
+    assert merged.position_drafted == [3, 1, 1, 1, 1] and merged.position_accepted == [2, 1, 0, 0, 0]
+
+
+def test_cost_ratio_leaves_the_prefill_out():
+    s = make_stats()
+    s.verifier_prefill_calls, s.verifier_prefill_time = 1, 0.6  # the prompt: 0.6 s of the 1.2 s
+    s.drafter_prefill_calls, s.drafter_prefill_time = 1, 0.16
+    # decoding steps only: drafter 0.44 s / 11 calls, verifier 0.6 s / 3 calls
+    assert cost_ratio(s) == pytest.approx((0.44 / 11) / (0.6 / 3))
+
+
+def test_verifier_tokens_per_call_and_mbsu_use_what_was_run():
+    s = make_stats()
+    s.verifier_tokens = 14  # e.g. blocks of 4 + 4 + 4 + 2 scored tokens
+    assert verifier_tokens_per_call(s) == 3.5
+    s.drafter_calls = 8  # fewer drafter steps than gamma * blocks (EOS, short last block)
+    assert summarize(s, c_param=0.1)["mbsu"] == pytest.approx(2.5 / (0.1 * 8 / 4 + 1))
 
 
 def test_basic_metrics():
@@ -136,7 +160,8 @@ def test_aggregate():
     assert out["pos"]["mean"] == [0.5, 0.5]
     assert out["pos"]["n"] == [3, 2]
     single = aggregate([{"x": 1.5}])
-    assert single["x"] == {"mean": 1.5, "std": 0.0, "n": 1}
+    assert single["x"]["mean"] == 1.5 and single["x"]["n"] == 1
+    assert math.isnan(single["x"]["std"])  # one seed: the spread is undefined, not 0
 
 
 def test_param_count_counts_tied_once():

@@ -1,6 +1,15 @@
-"""The evaluator's decoding engine: sampling math, decoders and the metric contract."""
+"""The evaluator's decoding engine (ARCHITECTURE.md, "The speculative engine").
+
+Parts, each in its own file: ``cache`` (crop, keep positions compacted), ``model_call`` (one timed
+forward), ``draft`` (a chain or tree of draft tokens), ``proposers`` (the drafting side),
+``verification`` (pure rules), ``loop`` (the synchronous schedule), ``sampling`` (warping and draws),
+``metrics`` (the metric contract). ``AutoregressiveDecoder`` and ``SpeculativeDecoder`` are thin
+compositions of them.
+"""
 
 from .autoregressive import AutoregressiveDecoder
+from .cache import cache_length, crop_cache, keep_positions
+from .draft import Draft
 from .metrics import (
     DecodeResult,
     DecodeStats,
@@ -9,6 +18,7 @@ from .metrics import (
     aggregate,
     block_efficiency,
     cost_ratio,
+    drafter_calls_per_verifier_call,
     expected_acceptance,
     loop_overhead,
     mbsu,
@@ -18,31 +28,52 @@ from .metrics import (
     speedup,
     summarize,
     tokens_per_second,
+    verifier_tokens_per_call,
 )
+from .model_call import CallResult, TimedModel, input_vocab_size, model_device, output_vocab_size
+from .proposers import ModelProposer, Proposer
 from .sampling import SamplingParams, residual, sample, warp
 from .speculative import SpeculativeDecoder
+from .verification import accepted_length, chain_rejection, greedy_chain, recursive_rejection
 
 __all__ = [
     "AutoregressiveDecoder",
+    "CallResult",
     "DecodeResult",
     "DecodeStats",
+    "Draft",
+    "ModelProposer",
+    "Proposer",
     "SamplingParams",
     "SpeculativeDecoder",
+    "TimedModel",
+    "accepted_length",
     "accepted_per_block",
     "acceptance_rate",
     "aggregate",
     "block_efficiency",
+    "cache_length",
+    "chain_rejection",
     "cost_ratio",
+    "crop_cache",
+    "drafter_calls_per_verifier_call",
     "expected_acceptance",
+    "greedy_chain",
+    "input_vocab_size",
+    "keep_positions",
     "loop_overhead",
     "mbsu",
+    "model_device",
+    "output_vocab_size",
     "param_count",
     "per_position_acceptance",
+    "recursive_rejection",
     "residual",
     "sample",
     "simulated_block_efficiency",
     "speedup",
     "summarize",
     "tokens_per_second",
+    "verifier_tokens_per_call",
     "warp",
 ]

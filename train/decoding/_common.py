@@ -1,8 +1,7 @@
-"""Helpers shared by the decoders: input validation and a thin, timed model call."""
+"""Helpers shared by the decoders: request validation and EOS sets."""
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Iterable
 from typing import Any
 
@@ -19,36 +18,6 @@ def max_positions(model: torch.nn.Module) -> int | None:
         if isinstance(value, int) and value > 0:
             return value
     return None
-
-
-def output_vocab_size(model: torch.nn.Module) -> int:
-    """Size of the model's logits' last dimension (output embedding rows, else config.vocab_size)."""
-    get = getattr(model, "get_output_embeddings", None)
-    if callable(get):
-        emb = get()
-        weight = getattr(emb, "weight", None)
-        if isinstance(weight, torch.Tensor):
-            return int(weight.shape[0])
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    if not isinstance(vocab, int):
-        raise ValueError(
-            "cannot determine the model's output vocabulary size (no output embeddings, no config.vocab_size)"
-        )
-    return vocab
-
-
-def model_device(model: torch.nn.Module) -> torch.device:
-    try:
-        return next(model.parameters()).device
-    except StopIteration:
-        return torch.device("cpu")
-
-
-def supports_logits_to_keep(model: torch.nn.Module) -> bool:
-    try:
-        return "logits_to_keep" in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 def eos_set(eos_token_id: int | Iterable[int] | None) -> frozenset[int]:

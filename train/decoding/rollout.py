@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ._common import eos_set, output_vocab_size, supports_logits_to_keep
+from ._common import eos_set
+from .model_call import output_vocab_size, supports_logits_to_keep
 from .sampling import SamplingParams, sample, warp
 
 __all__ = ["Rollout", "position_ids_from_mask", "rollout"]

@@ -26,6 +26,8 @@ __all__ = [
     "first_rejection",
     "residual",
     "sample",
+    "sample_with_uniform",
+    "uniforms",
     "warp",
 ]
 
@@ -63,8 +65,10 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Turn logits into the warped sampling distribution.
 
     logits: (*, V) float. Returns probs: (*, V) float32, rows summing to 1.
-    Order: temperature, then top-k, then top-p (nucleus, keeping the smallest set of most likely tokens
-    whose mass reaches top_p; the most likely token is always kept). Temperature 0 returns the one-hot
+    Order: temperature, then top-k, then top-p (nucleus: a token is kept when the mass of the tokens
+    *strictly* more likely than it is below top_p, so the most likely token is always kept and tokens
+    tied in probability are kept or dropped together: the result does not depend on sort order or on
+    how the vocabulary is permuted). Temperature 0 returns the one-hot
     distribution on the argmax (first index on ties, like ``torch.argmax``).
     """
     logits = logits.float()
@@ -78,22 +82,59 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        sorted_probs = sorted_logits.softmax(dim=-1)
-        # mass strictly before each token; drop tokens once the mass before them already reaches top_p
-        before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        drop_sorted = before >= params.top_p
-        drop_sorted[..., 0] = False
-        drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
+        logits = logits.masked_fill(_outside_nucleus(logits.softmax(dim=-1), params.top_p), float("-inf"))
     return logits.softmax(dim=-1)
 
 
+def _outside_nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """(*, V) bool: tokens whose strictly-more-likely mass already reaches ``top_p``.
+
+    Ties are resolved as a group (the mass *strictly* above each token counts), so the mask is
+    invariant to permutations of the vocabulary and to the sort's handling of equal values.
+    """
+    sorted_probs = torch.sort(probs, dim=-1, descending=True).values
+    mass_before = torch.nn.functional.pad(sorted_probs.cumsum(dim=-1), (1, 0))  # (*, V + 1)
+    ascending = sorted_probs.flip(-1).contiguous()
+    # number of tokens strictly more likely than each token = V - #(tokens <= it)
+    n_greater = probs.shape[-1] - torch.searchsorted(ascending, probs.contiguous(), right=True)
+    return mass_before.gather(-1, n_greater) >= top_p
+
+
+def uniforms(shape: int | tuple[int, ...], generator: torch.Generator | None, device: torch.device | str | None = None
+             ) -> torch.Tensor:
+    """Uniform[0, 1) float64 draws from ``generator``, made on the generator's own device, then moved.
+
+    Every random number of the decoders comes from here, so one ``torch.Generator`` gives the same
+    draws whatever devices the models sit on (a CPU generator cannot draw on CUDA, and two models on
+    two devices could share no device-bound generator).
+    """
+    gen_device = generator.device if generator is not None else torch.device("cpu")
+    size = (shape,) if isinstance(shape, int) else shape
+    u = torch.rand(size, generator=generator, device=gen_device, dtype=torch.float64)
+    return u if device is None else u.to(device)
+
+
+def sample_with_uniform(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw: the token whose cumulative-mass interval holds ``u``.
+
+    probs: (*, V) non-negative (need not be normalised); u: (*,) in [0, 1). Returns (*,) long. A token
+    with zero mass is never returned (the last token with positive mass absorbs rounding at u -> 1).
+    """
+    cdf = probs.double().cumsum(dim=-1)
+    target = (u.to(cdf.device, torch.float64) * cdf[..., -1]).unsqueeze(-1)
+    idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    vocab = probs.shape[-1]
+    last_positive = vocab - 1 - (probs > 0).flip(-1).int().argmax(dim=-1)
+    return torch.minimum(idx, last_positive)
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Draw one token per row. probs: (*, V) non-negative, rows summing to 1. Returns (*,) long."""
-    flat = probs.reshape(-1, probs.shape[-1])
-    out = torch.multinomial(flat, 1, generator=generator)
-    return out.reshape(probs.shape[:-1])
+    """Draw one token per row. probs: (*, V) non-negative, rows summing to 1. Returns (*,) long.
+
+    The uniforms come from :func:`uniforms`, so the draw depends on the generator only, not on the
+    device ``probs`` lives on.
+    """
+    return sample_with_uniform(probs, uniforms(tuple(probs.shape[:-1]), generator, probs.device))
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -168,6 +209,12 @@ def first_rejection(accepted: torch.Tensor) -> int:
     return int(rejected[0, 0]) if rejected.numel() else int(accepted.numel())
 
 
-def expected_acceptance_per_position(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """sum_v min(p(v), q(v)) = 1 - TVD(p, q) per row. p, q: (*, V) probabilities. Returns (*,)."""
-    return torch.minimum(p, q).sum(dim=-1)
+def expected_acceptance_per_position(
+    p: torch.Tensor, q: torch.Tensor, lenience: str | None = None, eps: float = 1.0
+) -> torch.Tensor:
+    """Probability that the acceptance test passes for a draft x ~ q, per row.
+
+    sum_v q(v) min(1, f(p(v), eps) / q(v)) = sum_v min(q(v), f(p(v), eps)); lossless (f = identity)
+    this is sum_v min(p(v), q(v)) = 1 - TVD(p, q). p, q: (*, V) probabilities. Returns (*,).
+    """
+    return torch.minimum(q, apply_lenience(p, lenience, eps)).sum(dim=-1)

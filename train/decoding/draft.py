@@ -1,0 +1,67 @@
+"""What a proposer hands the verifier: a chain or a tree of draft tokens.
+
+Nodes are numbered in the order a verifier scores them (every parent before its children). Node
+``i`` continues the committed context when ``parents[i] == -1`` and node ``parents[i]`` otherwise.
+``q[i]`` is the proposal distribution node ``i`` was drawn from (for siblings drawn without
+replacement: the parent's distribution before any sibling was removed; the verification rule does the
+removal). ``q is None`` means the tokens are deterministic choices (greedy drafting, top-k heads):
+the rule then treats each node's proposal as a point mass on its token. ``rank[i]`` is node ``i``'s
+place in the draw order among its siblings (0 = drawn first), which the recursive rule follows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["Draft"]
+
+
+@dataclass
+class Draft:
+    """tokens: n ids; parents: n indices (-1 = the context); q: (n, V) or None; rank: n ints."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    q: torch.Tensor | None = None
+    rank: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        n = len(self.tokens)
+        if len(self.parents) != n or (self.rank and len(self.rank) != n):
+            raise ValueError(
+                f"a draft needs one parent (and one rank) per token: {n} tokens, "
+                f"{len(self.parents)} parents, {len(self.rank)} ranks"
+            )
+        if self.q is not None and self.q.shape[0] != n:
+            raise ValueError(f"q has {self.q.shape[0]} rows for {n} draft tokens")
+        for i, parent in enumerate(self.parents):
+            if not -1 <= parent < i:
+                raise ValueError(f"node {i}'s parent {parent} must be -1 or an earlier node")
+        if not self.rank:
+            self.rank = [0] * n
+
+    @classmethod
+    def chain(cls, tokens: list[int], q: torch.Tensor | None = None) -> Draft:
+        """A chain: node i continues node i - 1."""
+        return cls(tokens=list(tokens), parents=list(range(-1, len(tokens) - 1)), q=q)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def is_chain(self) -> bool:
+        return all(parent == i - 1 for i, parent in enumerate(self.parents))
+
+    def depths(self) -> list[int]:
+        """Depth of every node (1 for the children of the context)."""
+        out: list[int] = []
+        for parent in self.parents:
+            out.append(1 if parent < 0 else out[parent] + 1)
+        return out
+
+    def children(self, node: int) -> list[int]:
+        """The children of ``node`` (-1: of the context), in draw order."""
+        kids = [i for i, parent in enumerate(self.parents) if parent == node]
+        return sorted(kids, key=lambda i: self.rank[i])

@@ -1,0 +1,164 @@
+"""The synchronous schedule: propose -> verify -> accept -> commit, block after block.
+
+One block (ALGORITHMS.md section 1)::
+
+    draft  = proposer.propose(sequence, budget)                # up to gamma tokens (0: plain decoding)
+    logits = verifier(uncached committed tokens + draft)       # ONE forward over a cached prefix
+    n, next = rule(verifier distributions, draft)              # pure: greedy_chain / chain_rejection
+    commit draft[:n] + [next]; crop both caches to the accepted prefix
+
+Cache invariants (batch size 1): the verifier cache holds every committed token except the last one,
+so the first block's verifier forward is the prompt prefill and a block costs exactly one verifier
+call; on rejection both caches are cropped back to the accepted prefix; nothing is re-encoded. The
+draft budget of a block is ``min(gamma, tokens still allowed - 1)`` (as in Hugging Face assisted
+generation), so a block never overshoots ``max_new_tokens``; this changes no output distribution.
+An accepted EOS ends generation without a bonus token. With no proposer (``gamma == 0``) the same loop
+is plain autoregressive decoding.
+
+The asynchronous schedule (AMUSD) replaces this loop and reuses the proposers and rules unchanged.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .cache import crop_cache
+from .draft import Draft
+from .metrics import DecodeResult, DecodeStats
+from .model_call import TimedModel
+from .proposers import Proposer
+from .sampling import SamplingParams, expected_acceptance_per_position, sample_with_uniform, uniforms, warp
+from .verification import chain_rejection, greedy_chain
+
+__all__ = ["ChainVerdict", "run_synchronous", "verify_chain"]
+
+_EMPTY = Draft()
+
+
+class ChainVerdict:
+    """The outcome of verifying one chain: ``accepted`` drafts, the ``next`` token, ``tested``
+    positions and the sum of their expected acceptance."""
+
+    __slots__ = ("accepted", "expected", "next", "tested")
+
+    def __init__(self, accepted: int, next_token: int, tested: int, expected: float) -> None:
+        self.accepted, self.next, self.tested, self.expected = accepted, next_token, tested, expected
+
+
+def verify_chain(
+    logits: torch.Tensor,
+    draft: Draft,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    lenience: str | None = None,
+    eps: float = 1.0,
+) -> ChainVerdict:
+    """Apply the chain rule to the verifier's logits (k + 1, V) over a chain draft of k tokens.
+
+    Greedy (T = 0): :func:`greedy_chain` on the argmaxes. Sampling: :func:`chain_rejection` on the
+    warped distributions, with k + 1 uniforms drawn from ``generator`` (on its own device). A
+    deterministic draft (``draft.q is None``) under sampling is verified against point masses.
+    """
+    k = len(draft)
+    if params.greedy:
+        target = logits.argmax(dim=-1)
+        if k == 0:
+            return ChainVerdict(0, int(target[0]), 0, 0.0)
+        drafted = torch.tensor(draft.tokens, dtype=torch.long, device=target.device)
+        n_t, nxt = greedy_chain(drafted, target)
+        n = int(n_t)
+        # one-hot p and q: expected acceptance is 1 where the argmaxes agree (all accepted positions)
+        return ChainVerdict(n, int(nxt), min(n + 1, k), float(n))
+    p = warp(logits, params)
+    u = uniforms(k + 1, generator, p.device)
+    if k == 0:
+        return ChainVerdict(0, int(sample_with_uniform(p[0], u[0])), 0, 0.0)
+    drafted = torch.tensor(draft.tokens, dtype=torch.long, device=p.device)
+    if draft.q is None:
+        q = torch.zeros(k, p.shape[-1], dtype=p.dtype, device=p.device).scatter_(1, drafted[:, None], 1.0)
+    else:
+        q = draft.q.to(p.device)
+    n_t, nxt = chain_rejection(p, q, drafted, u[:k], u[k], lenience, eps)
+    n = int(n_t)
+    tested = min(n + 1, k)
+    expected = float(expected_acceptance_per_position(p[:tested], q[:tested], lenience, eps).sum())
+    return ChainVerdict(n, int(nxt), tested, expected)
+
+
+def run_synchronous(
+    verifier: TimedModel,
+    proposer: Proposer | None,
+    prompt: list[int],
+    max_new_tokens: int,
+    gamma: int,
+    params: SamplingParams,
+    eos: frozenset[int],
+    generator: torch.Generator | None,
+    lenience: str | None = None,
+    eps: float = 1.0,
+) -> DecodeResult:
+    """Decode up to ``max_new_tokens`` after ``prompt``; see the module docstring."""
+    t_start = time.perf_counter()
+    stats = DecodeStats(gamma=gamma if proposer is not None else 0)
+    seq = list(prompt)
+    limit = len(prompt) + max_new_tokens
+    v_cache = None
+    v_len = 0
+    if proposer is not None:
+        proposer.start()
+    done = max_new_tokens == 0
+    while not done:
+        n_seq = len(seq)
+        budget = min(gamma, limit - n_seq - 1) if proposer is not None else 0
+        draft = proposer.propose(seq, budget, params, generator, eos, stats) if budget > 0 else _EMPTY
+        k = len(draft)
+        # ---- verify: one forward over the uncached committed token(s) and the drafts
+        feed = seq[v_len:] + draft.tokens
+        out = verifier(feed, v_cache, logits_to_keep=k + 1)
+        if v_cache is None:
+            stats.verifier_prefill_calls += 1
+            stats.verifier_prefill_time += out.seconds
+        v_cache = out.cache
+        v_len += len(feed)
+        stats.verifier_calls += 1
+        stats.verifier_time += out.seconds
+        stats.verifier_tokens += k + 1
+        verdict = verify_chain(out.logits[-(k + 1) :], draft, params, generator, lenience, eps)
+        n = verdict.accepted
+        # ---- bookkeeping
+        if k:
+            stats.drafted += k
+            stats.accepted += n
+            stats.tested += verdict.tested
+            stats.sum_expected_acceptance += verdict.expected
+            stats.count_depths(k, verdict.tested, n)
+            stats.discarded += k - verdict.tested
+            if n < k:
+                stats.rollbacks += 1
+        new = draft.tokens[:n]
+        if not (n == k and k and draft.tokens[-1] in eos):  # an accepted EOS gets no bonus token
+            new.append(verdict.next)
+        for j, x in enumerate(new):
+            if x in eos:
+                new = new[: j + 1]
+                done = True
+                break
+        room = limit - n_seq
+        if len(new) >= room:
+            new = new[:room]
+            done = True
+        seq.extend(new)
+        if done:
+            break
+        # ---- crop both caches to the accepted prefix (the last emitted token stays uncached)
+        keep = n_seq + n
+        if v_len > keep:
+            crop_cache(v_cache, keep, v_len)
+            v_len = keep
+        if proposer is not None:
+            proposer.commit(keep)
+    stats.new_tokens = len(seq) - len(prompt)
+    stats.wall_time = time.perf_counter() - t_start
+    return DecodeResult(torch.tensor(seq[len(prompt) :], dtype=torch.long), stats)

@@ -1,0 +1,125 @@
+"""Proposers: the drafting side of the engine.
+
+A proposer is given the committed sequence and a budget, returns a :class:`~train.decoding.draft.Draft`,
+and is told afterwards how much of the sequence is final (:meth:`Proposer.commit`), so it can drop
+whatever it cached past that point. It records its own calls and time into the
+:class:`~train.decoding.metrics.DecodeStats` it is handed. New drafter kinds (Medusa heads, steered
+drafters, trees) are new proposers; the schedule and the verification rules stay as they are.
+
+:class:`ModelProposer` drafts a chain with a small causal LM over the verifier's vocabulary:
+
+- its proposals are distributions over the *verifier's* vocabulary: when the drafter's output is
+  smaller, q gets zero mass on the ids it cannot produce (p is never cut, so greedy and sampled output
+  stay exactly the verifier's); when larger, its extra logits are dropped;
+- a committed token the drafter cannot embed (an id past its input embeddings, in practice a padding
+  id of a larger verifier vocabulary) is fed to it as its pad id (else 0): its later drafts may be
+  worse, the output is not affected;
+- its cache holds a prefix of the committed tokens plus the drafts it was fed; a block first feeds, in
+  one call, every committed token it has not seen (the previous block's correction or bonus token and
+  the last accepted draft, which a drafter never consumes).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from .cache import crop_cache
+from .draft import Draft
+from .metrics import DecodeStats
+from .model_call import TimedModel
+from .sampling import SamplingParams, sample_with_uniform, uniforms, warp
+
+__all__ = ["ModelProposer", "Proposer"]
+
+
+class Proposer(Protocol):
+    """The drafting part of a decoder."""
+
+    def start(self) -> None:
+        """Forget everything: a new ``generate`` begins."""
+
+    def propose(
+        self,
+        sequence: list[int],
+        budget: int,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        eos: frozenset[int],
+        stats: DecodeStats,
+    ) -> Draft:
+        """A draft of at most ``budget`` tokens continuing ``sequence`` (prompt + committed tokens)."""
+        ...
+
+    def commit(self, length: int) -> None:
+        """The first ``length`` tokens of the sequence are final; anything cached past them is stale."""
+
+
+class ModelProposer:
+    """A chain drafted token by token by a causal LM (see the module docstring)."""
+
+    def __init__(self, drafter: TimedModel, vocab_size: int) -> None:
+        self.drafter = drafter
+        self.vocab_size = vocab_size
+        pad = getattr(getattr(drafter.model, "config", None), "pad_token_id", None)
+        self.substitute_id = pad if isinstance(pad, int) and 0 <= pad < drafter.embed_size else 0
+        self._shared = min(vocab_size, drafter.vocab_size)
+        self._cache: Any = None
+        self._length = 0
+
+    def start(self) -> None:
+        self._cache, self._length = None, 0
+
+    def _embeddable(self, tokens: list[int]) -> list[int]:
+        limit = self.drafter.embed_size
+        return [t if t < limit else self.substitute_id for t in tokens]
+
+    def _distribution(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """q over the verifier's vocabulary: (V,), zero on ids the drafter cannot produce."""
+        q = warp(logits[: self._shared], params)
+        if self._shared < self.vocab_size:
+            q = torch.nn.functional.pad(q, (0, self.vocab_size - self._shared))
+        return q
+
+    def propose(
+        self,
+        sequence: list[int],
+        budget: int,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        eos: frozenset[int],
+        stats: DecodeStats,
+    ) -> Draft:
+        tokens: list[int] = []
+        qs: list[torch.Tensor] = []
+        greedy = params.greedy
+        feed = self._embeddable(sequence[self._length :])
+        for _ in range(budget):
+            prefill = self._cache is None
+            out = self.drafter(feed, self._cache, logits_to_keep=1)
+            self._cache = out.cache
+            self._length += len(feed)
+            stats.drafter_calls += 1
+            stats.drafter_time += out.seconds
+            if prefill:
+                stats.drafter_prefill_calls += 1
+                stats.drafter_prefill_time += out.seconds
+            logits = out.logits[-1]
+            if greedy:
+                x = int(logits[: self._shared].argmax())
+            else:
+                q = self._distribution(logits, params)
+                x = int(sample_with_uniform(q, uniforms((), generator, q.device)))
+                qs.append(q)
+            tokens.append(x)
+            if x in eos:
+                break
+            feed = self._embeddable([x])
+        q_all = torch.stack(qs) if qs else None
+        return Draft.chain(tokens, q_all)
+
+    def commit(self, length: int) -> None:
+        if self._length > length:
+            crop_cache(self._cache, length, self._length)
+            self._length = length
