@@ -15,6 +15,8 @@ from train.decoding.sampling import (
     apply_lenience,
     expected_acceptance_per_position,
     first_rejection,
+    sample_with_uniform,
+    uniforms,
 )
 
 
@@ -77,6 +79,30 @@ def test_warp_top_p():
     # the top token is always kept
     out = warp(logits, SamplingParams(1.0, top_p=0.01))
     torch.testing.assert_close(out, torch.tensor([1.0, 0.0, 0.0, 0.0]))
+
+
+def test_warp_top_p_ties_do_not_depend_on_vocabulary_order():
+    """Tokens tied in probability are kept or dropped together, so permuting the vocabulary permutes
+    the warped distribution (the old sort-based cut kept whichever tied token sorted first)."""
+    probs_in = torch.tensor([0.3, 0.2, 0.2, 0.2, 0.1])
+    params = SamplingParams(1.0, top_p=0.4)  # 0.3 alone is short of 0.4; the three 0.2s tie at the cut
+    out = warp(probs_in.log(), params)
+    torch.testing.assert_close(out, torch.tensor([0.3, 0.2, 0.2, 0.2, 0.0]) / 0.9)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        perm = torch.randperm(5, generator=gen)
+        torch.testing.assert_close(warp(probs_in.log()[perm], params), out[perm])
+
+
+def test_sample_depends_on_the_generator_only():
+    """Draws come from uniforms made on the generator's device, then an inverse-CDF lookup on the
+    probabilities' device: the same generator state gives the same tokens wherever probs live."""
+    probs = torch.softmax(torch.randn(3, 7, generator=torch.Generator().manual_seed(1)), -1)
+    a = sample(probs, torch.Generator().manual_seed(5))
+    u = uniforms((3,), torch.Generator().manual_seed(5))
+    assert u.dtype == torch.float64
+    assert torch.equal(a, sample_with_uniform(probs, u))
+    assert torch.equal(sample_with_uniform(probs.double(), u), a)  # dtype of probs does not matter
 
 
 def test_warp_combined_rows_sum_to_one():
