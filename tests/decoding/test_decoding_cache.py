@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache
 
 from train.decoding import SamplingParams, SpeculativeDecoder
-from train.decoding.cache import cache_length, crop_cache, keep_positions
+from train.decoding.cache import crop_cache
 
 
 class CheckedLM(torch.nn.Module):
