@@ -111,8 +111,11 @@ def run_synchronous(
     done = max_new_tokens == 0
     while not done:
         n_seq = len(seq)
-        budget = min(gamma, limit - n_seq - 1) if proposer is not None else 0
-        draft = proposer.propose(seq, budget, params, generator, eos, stats) if budget > 0 else _EMPTY
+        draft = _EMPTY
+        if proposer is not None:
+            budget = min(gamma, limit - n_seq - 1)
+            if budget > 0:
+                draft = proposer.propose(seq, budget, params, generator, eos, stats)
         k = len(draft)
         # ---- verify: one forward over the uncached committed token(s) and the drafts
         feed = seq[v_len:] + draft.tokens
