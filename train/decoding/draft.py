@@ -44,8 +44,14 @@ class Draft:
 
     @classmethod
     def chain(cls, tokens: list[int], q: torch.Tensor | None = None) -> Draft:
-        """A chain: node i continues node i - 1."""
-        return cls(tokens=list(tokens), parents=list(range(-1, len(tokens) - 1)), q=q)
+        """A chain: node i continues node i - 1 (valid by construction, so built without re-checking:
+        this runs once per block in the decoding loop)."""
+        draft = cls.__new__(cls)
+        draft.tokens, draft.parents, draft.q = list(tokens), list(range(-1, len(tokens) - 1)), q
+        draft.rank = [0] * len(tokens)
+        if q is not None and q.shape[0] != len(tokens):
+            raise ValueError(f"q has {q.shape[0]} rows for {len(tokens)} draft tokens")
+        return draft
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -63,14 +63,9 @@ def verify_chain(
     """
     k = len(draft)
     if params.greedy:
-        target = logits.argmax(dim=-1)
-        if k == 0:
-            return ChainVerdict(0, int(target[0]), 0, 0.0)
-        drafted = torch.tensor(draft.tokens, dtype=torch.long, device=target.device)
-        n_t, nxt = greedy_chain(drafted, target)
-        n = int(n_t)
+        n, nxt = greedy_chain(draft.tokens, logits.argmax(dim=-1).tolist())
         # one-hot p and q: expected acceptance is 1 where the argmaxes agree (all accepted positions)
-        return ChainVerdict(n, int(nxt), min(n + 1, k), float(n))
+        return ChainVerdict(n, nxt, min(n + 1, k), float(n))
     p = warp(logits, params)
     u = uniforms(k + 1, generator, p.device)
     if k == 0:
@@ -128,7 +123,7 @@ def run_synchronous(
         stats.verifier_calls += 1
         stats.verifier_time += out.seconds
         stats.verifier_tokens += k + 1
-        verdict = verify_chain(out.logits[-(k + 1) :], draft, params, generator, lenience, eps)
+        verdict = verify_chain(out.logits, draft, params, generator, lenience, eps)  # (k + 1, V)
         n = verdict.accepted
         # ---- bookkeeping
         if k:

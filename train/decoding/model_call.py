@@ -121,22 +121,33 @@ class TimedModel:
         if isinstance(tokens, torch.Tensor):
             ids = tokens.reshape(1, -1).to(self.device)
         else:
-            ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
-        kwargs: dict[str, Any] = {"past_key_values": cache, "use_cache": True}
-        if position_ids is not None:
-            kwargs["position_ids"] = position_ids.to(self.device)
-        if attention_mask is not None:
-            kwargs["attention_mask"] = attention_mask.to(self.device)
-        if logits_to_keep is not None and self.supports_logits_to_keep:
-            kwargs["logits_to_keep"] = logits_to_keep
-        if hidden_layers:
-            kwargs["output_hidden_states"] = True
-        start = time.perf_counter()
-        out = self.model(input_ids=ids, **kwargs)
-        self.synchronize()
+            ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        keep = logits_to_keep is not None and self.supports_logits_to_keep
+        if position_ids is None and attention_mask is None and not hidden_layers:  # the hot path
+            start = time.perf_counter()
+            if keep:
+                out = self.model(
+                    input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep
+                )
+            else:
+                out = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
+        else:
+            kwargs: dict[str, Any] = {"past_key_values": cache, "use_cache": True}
+            if position_ids is not None:
+                kwargs["position_ids"] = position_ids.to(self.device)
+            if attention_mask is not None:
+                kwargs["attention_mask"] = attention_mask.to(self.device)
+            if keep:
+                kwargs["logits_to_keep"] = logits_to_keep
+            if hidden_layers:
+                kwargs["output_hidden_states"] = True
+            start = time.perf_counter()
+            out = self.model(input_ids=ids, **kwargs)
+        if self._sync:
+            torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start
         logits = out.logits[0]
-        if logits_to_keep is not None and logits.shape[0] > logits_to_keep:
+        if logits_to_keep is not None and not keep:
             logits = logits[-logits_to_keep:]
         hidden = None
         if hidden_layers:

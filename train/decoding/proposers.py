@@ -65,6 +65,7 @@ class ModelProposer:
         pad = getattr(getattr(drafter.model, "config", None), "pad_token_id", None)
         self.substitute_id = pad if isinstance(pad, int) and 0 <= pad < drafter.embed_size else 0
         self._shared = min(vocab_size, drafter.vocab_size)
+        self._slice = self._shared < drafter.vocab_size  # drop the drafter's extra logits
         self._cache: Any = None
         self._length = 0
 
@@ -77,7 +78,7 @@ class ModelProposer:
 
     def _distribution(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         """q over the verifier's vocabulary: (V,), zero on ids the drafter cannot produce."""
-        q = warp(logits[: self._shared], params)
+        q = warp(logits[: self._shared] if self._slice else logits, params)
         if self._shared < self.vocab_size:
             q = torch.nn.functional.pad(q, (0, self.vocab_size - self._shared))
         return q
@@ -107,7 +108,7 @@ class ModelProposer:
                 stats.drafter_prefill_time += out.seconds
             logits = out.logits[-1]
             if greedy:
-                x = int(logits[: self._shared].argmax())
+                x = int((logits[: self._shared] if self._slice else logits).argmax())
             else:
                 q = self._distribution(logits, params)
                 x = int(sample_with_uniform(q, uniforms((), generator, q.device)))

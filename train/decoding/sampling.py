@@ -100,8 +100,9 @@ def _outside_nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return mass_before.gather(-1, n_greater) >= top_p
 
 
-def uniforms(shape: int | tuple[int, ...], generator: torch.Generator | None, device: torch.device | str | None = None
-             ) -> torch.Tensor:
+def uniforms(
+    shape: int | tuple[int, ...], generator: torch.Generator | None, device: torch.device | str | None = None
+) -> torch.Tensor:
     """Uniform[0, 1) float64 draws from ``generator``, made on the generator's own device, then moved.
 
     Every random number of the decoders comes from here, so one ``torch.Generator`` gives the same

@@ -15,6 +15,8 @@ the number of sibling candidates, ``*`` any batch dimensions.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from .sampling import apply_lenience, residual, sample_with_uniform
@@ -39,17 +41,19 @@ def accepted_length(accept: torch.Tensor) -> torch.Tensor:
     return accept.long().cumprod(dim=-1).sum(dim=-1)
 
 
-def greedy_chain(draft: torch.Tensor, verifier_argmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def greedy_chain(draft: Sequence[int], verifier_argmax: Sequence[int]) -> tuple[int, int]:
     """Longest match at temperature 0.
 
-    draft: (*, k) long; verifier_argmax: (*, k + 1) long, the verifier's argmax after the context and
-    after each draft token. Returns (n, next): n (*,) accepted draft tokens, next (*,) the verifier's
-    token after them (its correction at the first mismatch, its bonus token when all match).
+    draft: k token ids; verifier_argmax: k + 1 ids, the verifier's argmax after the context and after
+    each draft token. Returns (n, next): n accepted draft tokens and the verifier's token after them
+    (its correction at the first mismatch, its bonus token when all match). Plain Python on purpose:
+    k is small and this runs once per block, where tensor ops would cost more than the comparison.
     """
-    k = draft.shape[-1]
-    n = accepted_length(draft == verifier_argmax[..., :k])
-    nxt = verifier_argmax.gather(-1, n.unsqueeze(-1)).squeeze(-1)
-    return n, nxt
+    n = 0
+    k = len(draft)
+    while n < k and draft[n] == verifier_argmax[n]:
+        n += 1
+    return n, int(verifier_argmax[n])
 
 
 def chain_rejection(
