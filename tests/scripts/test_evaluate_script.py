@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from tests.conftest import CONF_DIR, REPO_ROOT, make_tokenizer
 from train.config import ConfigError
-from train.evaluation import main as evaluate_main
+from train.evaluation.cli import main as evaluate_main
 from train.export import export_drafter
 from train.export import main as export_main
 from train.models.loading import TokenizerMismatchError
@@ -24,10 +25,10 @@ from train.models.loading import TokenizerMismatchError
 TEXT = "def add(a, b):\n    return a + b  # a docstring follows\n"
 
 
-def _compose(config_name: str, overrides: list[str]):
+def _compose(config_name: str, overrides: list[str], hydra_node: bool = False):
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name=config_name, overrides=overrides)
+        return compose(config_name=config_name, overrides=overrides, return_hydra_config=hydra_node)
 
 
 @pytest.fixture(scope="module")
@@ -66,15 +67,16 @@ def _eval_overrides(pair: Path, data: Path, run_dir: Path) -> list[str]:
 
 def test_eval_and_export_configs_compose():
     cfg = _compose("eval", ["decoding=sd", "gamma=8"])
-    assert cfg.decoding.name == "sd" and cfg.gamma == 8 and cfg.gammas is None
-    assert cfg.eval.decoders == ["sd"] and cfg.eval.temperatures == [0.0, 1.0]
-    assert _compose("eval", ["gammas=[1,2,4,8]"]).gammas == [1, 2, 4, 8]
+    assert cfg.decoding.gamma == 4 and cfg.gamma == 8 and cfg.gammas is None  # gamma applies in main
+    assert cfg.eval.temperatures == [0.0, 1.0] and cfg.eval._target_ == "train.evaluation.EvalConfig"
+    assert _compose("eval", ["gammas=[1,2,4,8]"]).eval.gammas == [1, 2, 4, 8]
     cfg = _compose("export", ["run=/some/run", "hub.repo_id=me/my-drafter", "hub.dry_run=true"])
     assert cfg.hub.repo_id == "me/my-drafter" and cfg.hub.dry_run is True
 
 
+@pytest.mark.slow
 def test_evaluate_script_end_to_end(tiny_pair_dir, data_file, exported, tmp_path):
-    """The real Hydra app in a subprocess, with the drafter replaced by an exported folder."""
+    """The real Hydra app in a subprocess: an exported drafter under two decoder configs, one table."""
     run_dir = tmp_path / "eval_run"
     overrides = _eval_overrides(tiny_pair_dir, data_file, run_dir)
     cmd = [
@@ -82,7 +84,7 @@ def test_evaluate_script_end_to_end(tiny_pair_dir, data_file, exported, tmp_path
         "scripts/evaluate.py",
         *overrides,
         f"drafter={exported / 'drafter'}",
-        "gammas=[1,2]",
+        "eval.decoders=[sd,sd_g2]",
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=240, env=env)
@@ -90,23 +92,52 @@ def test_evaluate_script_end_to_end(tiny_pair_dir, data_file, exported, tmp_path
     results = json.loads((run_dir / "results.json").read_text())
     name = f"{exported.name}/drafter"
     assert list(results["models"]["drafters"]) == [name]
-    assert {(r["temperature"], r["gamma"]) for r in results["runs"]} == {
-        (0.0, 1),
-        (0.0, 2),
-        (1.0, 1),
-        (1.0, 2),
+    assert {(r["decoder"], r["gamma"], r["temperature"]) for r in results["runs"]} == {
+        ("sd", 4, 0.0),
+        ("sd", 4, 1.0),
+        ("sd_g2", 2, 0.0),
+        ("sd_g2", 2, 1.0),
     }
     assert all(r["greedy_match"] for r in results["runs"] if r["temperature"] == 0.0)
     assert results["prompts"]["n"] == 2 and results["prompts"]["max_len"] <= 12
     for f in ("results.md", "block_efficiency_vs_gamma.png", "per_position_acceptance.png", "config.yaml"):
         assert (run_dir / f).is_file(), f
-    assert str(run_dir) in proc.stdout and f"| {name} | sd |" in proc.stdout
+    assert str(run_dir) in proc.stdout
+    assert f"| {name} | sd | 4 | 0 |" in proc.stdout and f"| {name} | sd_g2 | 2 | 0 |" in proc.stdout
 
 
 def _run_eval_main(pair: Path, data: Path, tmp_path: Path, extra: list[str]):
-    cfg = _compose("eval", _eval_overrides(pair, data, tmp_path / "run")[:-1] + extra)
+    cfg = _compose("eval", _eval_overrides(pair, data, tmp_path / "run")[:-1] + extra, hydra_node=True)
     cfg.paths.run_dir = str(tmp_path / "run")
     return evaluate_main(cfg)
+
+
+def test_two_decoder_configs_one_table(tiny_pair_dir, data_file, tmp_path, capsys):
+    """main(cfg) in process: eval.decoders=[sd,sd_g2] gives one row each, on the same prompts, in one table."""
+    results = _run_eval_main(
+        tiny_pair_dir,
+        data_file,
+        tmp_path,
+        ["eval.decoders=[sd,sd_g2]", "eval.temperatures=[0.0]", "eval.plots=false"],
+    )
+    assert [(r["decoder"], r["gamma"]) for r in results["runs"]] == [("sd", 4), ("sd_g2", 2)]
+    assert results["timing"]["order"] == ["ar", "drafter/sd", "drafter/sd_g2"]
+    table = (tmp_path / "run" / "results.md").read_text()
+    assert table.split("\n\n")[0].count("\n| drafter | sd") == 2
+    assert "| drafter | sd | 4 | 0 |" in capsys.readouterr().out
+
+
+def test_every_eos_id_is_used(tiny_pair_dir, data_file, tmp_path):
+    """The tokenizer's EOS and each model's generation_config EOS ids all stop generation."""
+    pair = tmp_path / "pair"
+    for role in ("verifier", "drafter"):
+        model = AutoModelForCausalLM.from_pretrained(tiny_pair_dir / role)
+        if role == "verifier":
+            model.generation_config.eos_token_id = [257, 258]
+        model.save_pretrained(pair / role)
+        make_tokenizer().save_pretrained(pair / role)
+    results = _run_eval_main(pair, data_file, tmp_path, ["eval.temperatures=[0.0]", "eval.plots=false"])
+    assert results["eos_token_ids"] == [257, 258]
 
 
 @pytest.mark.parametrize(
@@ -116,13 +147,14 @@ def _run_eval_main(pair: Path, data: Path, tmp_path: Path, extra: list[str]):
         ("gammas=[2,0]", "eval.gammas"),
         ("eval.temperatures=[-1.0]", "eval.temperatures"),
         ("eval.num_prompts=0", "eval.num_prompts"),
-        ("decoding.eps=2.0", "eval.eps"),
+        ("decoding.eps=2.0", "eval.decoders[sd].eps"),
+        ("eval.decoders=[foo]", "eval.decoders"),
         ("drafter=/no/such/drafter", "drafter"),
         ("model.verifier=/no/such/verifier", "model.verifier"),
     ],
 )
 def test_bad_values_fail_at_start_up(override, key, tiny_pair_dir, data_file, tmp_path):
-    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+    with pytest.raises(ConfigError, match=re.escape(key)):
         _run_eval_main(tiny_pair_dir, data_file, tmp_path, [override])
     assert not (tmp_path / "run" / "config.yaml").exists()  # nothing ran
 

@@ -1,0 +1,116 @@
+"""EvalConfig and decoder configs: names and inline mappings resolve, the gamma sweep expands, and every
+bad value fails naming its key."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.utils import instantiate
+
+from tests.conftest import CONF_DIR, tiny_llama
+from tests.evaluation.fakes import RecordingDecoder, inline
+from train.config import ConfigError
+from train.decoding import SpeculativeDecoder
+from train.evaluation import EvalConfig, build_decoders, build_eval_config, known_decoder_configs
+
+SD = "train.decoding.SpeculativeDecoder"
+
+
+def _compose(config_name: str, overrides: list[str]):
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name=config_name, overrides=overrides)
+
+
+def test_defaults_fit_the_main_job():
+    cfg = EvalConfig()
+    assert cfg.temperatures == [0.0, 1.0] and cfg.seeds == [0, 1] and cfg.gammas is None
+    assert cfg.decoder_configs == {"sd": {"_target_": SD, "gamma": 4, "lenience": None, "eps": 1.0}}
+    assert not hasattr(cfg, "lenience") and not hasattr(cfg, "eps")
+
+
+def test_decoders_by_name_and_inline():
+    cfg = build_eval_config(
+        {
+            "decoders": [
+                "sd",
+                "sd_g2",
+                {"_target_": SD, "name": "lossy", "gamma": 3, "lenience": "linear", "eps": 0.5},
+            ]
+        }
+    )
+    assert list(cfg.decoder_configs) == ["sd", "sd_g2", "lossy"]
+    assert cfg.decoder_configs["sd_g2"]["gamma"] == 2
+    assert cfg.decoder_configs["lossy"] == {"_target_": SD, "gamma": 3, "lenience": "linear", "eps": 0.5}
+    # an unnamed inline config is labelled by its class
+    assert list(EvalConfig(decoders=[{"_target_": SD}]).decoder_configs) == ["speculativedecoder"]
+    # normalised entries survive a round trip through asdict (results.json records the config)
+    assert EvalConfig(**dataclasses.asdict(cfg)).decoder_configs == cfg.decoder_configs
+    assert {"sd", "sd_g2"} <= set(known_decoder_configs())
+
+
+def test_gamma_sweep_expands_configs_with_a_gamma():
+    cfg = EvalConfig(decoders=["sd", inline(RecordingDecoder, "rec")], gammas=[1, 2, 4])
+    assert list(cfg.decoder_configs) == ["sd@g1", "sd@g2", "sd@g4", "rec"]
+    assert [cfg.decoder_configs[f"sd@g{g}"]["gamma"] for g in (1, 2, 4)] == [1, 2, 4]
+
+
+def test_decoder_configs_build_as_partials():
+    verifier, drafter = tiny_llama(seed=0), tiny_llama(seed=1)
+    decoders = build_decoders(verifier, drafter, EvalConfig(decoders=["sd", "sd_g2"]))
+    assert isinstance(decoders["sd"], SpeculativeDecoder) and decoders["sd"].gamma == 4
+    assert decoders["sd_g2"].gamma == 2 and decoders["sd_g2"].drafter is drafter
+    # each conf/decoding/*.yaml is a partial in its own right: factory(verifier, drafter)
+    for name in known_decoder_configs():
+        factory = instantiate(_compose("eval", [f"decoding={name}"]).decoding)
+        assert factory(verifier, drafter).verifier is verifier
+
+
+@pytest.mark.parametrize(
+    ("node", "key"),
+    [
+        ({"decoders": ["foo"]}, "eval.decoders: unknown decoder config 'foo'; known: ["),
+        ({"decoders": []}, "eval.decoders"),
+        ({"decoders": [{"gamma": 2}]}, "eval.decoders[0]._target_"),
+        ({"decoders": [{"_target_": "no.such.Decoder"}]}, "eval.decoders[decoder]._target_"),
+        ({"decoders": [{"_target_": SD, "gama": 2}]}, "eval.decoders[speculativedecoder]"),
+        ({"decoders": [{"_target_": SD, "name": "x", "gamma": 0}]}, "eval.decoders[x].gamma"),
+        ({"decoders": [{"_target_": SD, "name": "x", "lenience": "lax"}]}, "eval.decoders[x].lenience"),
+        ({"decoders": [{"_target_": SD, "name": "x", "eps": 0.0}]}, "eval.decoders[x].eps"),
+        ({"decoders": [{"_target_": SD, "name": "a/b"}]}, "eval.decoders[a/b].name"),
+        ({"decoders": ["sd", {"_target_": SD, "name": "sd"}]}, "eval.decoders"),
+        ({"decoders": [inline(RecordingDecoder, "rec")], "gammas": [2]}, "eval.gammas"),
+        ({"gammas": [0]}, "eval.gammas"),
+        ({"gammas": [2, 2]}, "eval.gammas"),
+        ({"temperatures": [-0.5]}, "eval.temperatures"),
+        ({"seeds": [0, 0]}, "eval.seeds"),
+        ({"num_prompts": 0}, "eval.num_prompts"),
+        ({"prompt_len": 1}, "eval.prompt_len"),
+        ({"max_new_tokens": 0}, "eval.max_new_tokens"),
+        ({"top_p": 1.5}, "eval.top_p"),
+        ({"top_k": -1}, "eval.top_k"),
+        ({"tie_ulps": -1}, "eval.tie_ulps"),
+        ({"num_threads": 0}, "eval.num_threads"),
+        ({"strict_greedy": "yes"}, "eval.strict_greedy"),
+        ({"lenience": "linear"}, "eval.lenience: unknown key"),
+        ({"eps": 0.5}, "eval.eps: unknown key"),
+    ],
+)
+def test_bad_values_name_the_key(node, key):
+    with pytest.raises(ConfigError) as err:
+        build_eval_config(node)
+    assert str(err.value).startswith(key), str(err.value)
+
+
+def test_the_eval_group_composes_in_both_entry_configs():
+    train = _compose("train", [])
+    assert build_eval_config(train.eval).decoder_configs == EvalConfig().decoder_configs
+    train = _compose("train", ["eval.decoders=[sd,sd_g2]", "eval.gammas=[1,2]"])
+    assert list(build_eval_config(train.eval).decoder_configs) == ["sd@g1", "sd@g2", "sd_g2@g1", "sd_g2@g2"]
+    ev = _compose("eval", ["decoding=sd_g2", "decoding.eps=0.5", "decoding.lenience=linear"])
+    (settings,) = build_eval_config(ev.eval).decoder_configs.values()
+    assert settings == {"_target_": SD, "gamma": 2, "lenience": "linear", "eps": 0.5}
+    assert _compose("eval", ["gammas=[1,2,4,8]"]).eval.gammas == [1, 2, 4, 8]

@@ -1,0 +1,179 @@
+"""evaluate_drafters: the metric contract over seeds, paired timing order, n = 1, EOS ids, outputs."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+
+import train.evaluation.runner as runner
+from tests.evaluation import fakes
+from tests.evaluation.fakes import RecordingDecoder, inline
+from train.config import ConfigError
+from train.decoding import AutoregressiveDecoder
+from train.evaluation import (
+    CONTRACT_METRICS,
+    EvalConfig,
+    by_temperature,
+    evaluate_drafters,
+    find_run,
+    results_table,
+)
+
+GAMMA = 4
+# 3 blocks of gamma + 1 tokens: with a perfect drafter every block is full, so tau is exactly gamma + 1.
+NEW_TOKENS = 3 * (GAMMA + 1)
+
+
+def _cfg(**kw) -> EvalConfig:
+    base = dict(temperatures=[0.0], seeds=[0, 1], max_new_tokens=NEW_TOKENS, progress=False, plots=False)
+    return EvalConfig(**{**base, **kw})
+
+
+def test_perfect_drafter_accepts_everything(verifier, prompts, tmp_path):
+    results = evaluate_drafters(
+        verifier, {"copy": copy.deepcopy(verifier)}, prompts, _cfg(plots=True), out_dir=tmp_path
+    )
+    run = find_run(results, "copy", 0.0)
+    m = run["metrics"]
+    assert run["decoder"] == "sd" and run["gamma"] == GAMMA
+    assert run["decoder_config"] == {
+        "_target_": "train.decoding.SpeculativeDecoder",
+        "gamma": 4,
+        "lenience": None,
+        "eps": 1.0,
+    }
+    assert m["acceptance_rate"]["mean"] == 1.0
+    assert m["block_efficiency"] == {"mean": GAMMA + 1, "std": 0.0, "n": 2}
+    assert m["accepted_per_block"]["mean"] == GAMMA
+    assert m["per_position_acceptance"]["mean"] == [1.0] * GAMMA
+    assert m["verifier_tokens_per_call"]["mean"] > 1
+    assert math.isclose(m["mbsu"]["mean"], (GAMMA + 1) / (GAMMA + 1))  # c_param = 1 for a copy
+    assert run["greedy_match"] is True and run["greedy_ties"] == [] and run["n_prompts"] == 3
+    for key in CONTRACT_METRICS:
+        assert set(m[key]) == {"mean", "std", "n"}, key
+    assert len(run["per_seed"]) == 2 and {s["seed"] for s in run["per_seed"]} == {0, 1}
+    # spread over (prompt, seed) beside the spread over seeds, speedup as per-prompt pairs
+    assert run["prompt_spread"]["speedup"]["n"] == 3 * 2
+    assert run["prompt_spread"]["block_efficiency"]["mean"] == GAMMA + 1
+
+    on_disk = json.loads((tmp_path / "results.json").read_text())
+    assert on_disk["schema"] == "draftsmith.eval/2"
+    for key in (
+        "config",
+        "decoders",
+        "timing",
+        "environment",
+        "models",
+        "prompts",
+        "baseline",
+        "runs",
+        "files",
+    ):
+        assert key in on_disk, key
+    assert on_disk["timing"]["order"] == ["ar", "copy/sd"]
+    assert on_disk["files"]["plots"] == ["block_efficiency_vs_gamma.png", "per_position_acceptance.png"]
+    for name in on_disk["files"]["plots"]:
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = (tmp_path / "results.md").read_text()
+    assert "| copy | sd | 4 | 0 | 1.000 ± 0.000 |" in table and "Spread over prompts" in table
+
+
+def test_several_decoders_temperatures_and_reading_helpers(verifier, drafter, prompts):
+    cfg = _cfg(temperatures=[0.0, 1.0], decoders=["sd", "sd_g2"], max_new_tokens=6, warmup=False)
+    results = evaluate_drafters(verifier, {"a": drafter, "b": drafter}, prompts, cfg, eos_token_id=257)
+    assert len(results["runs"]) == 2 * 2 * 2
+    assert [b["temperature"] for b in results["baseline"]] == [0.0, 1.0]
+    for run in results["runs"]:
+        m = run["metrics"]
+        assert 1.0 <= m["block_efficiency"]["mean"] <= run["gamma"] + 1
+        assert m["speedup"]["n"] == 2 and m["speedup"]["mean"] > 0
+        assert run["greedy_match"] is (True if run["temperature"] == 0.0 else None)
+    report = by_temperature(results, "a", "sd_g2")
+    assert set(report) == {"0", "1"} and report["1"]["gamma"] == 2 and report["1"]["decoder"] == "sd_g2"
+    assert report["0"]["greedy_match"] is True and set(CONTRACT_METRICS) <= set(report["0"])
+    assert by_temperature(results, "a", gamma=4)["0"]["decoder"] == "sd"
+    with pytest.raises(ValueError, match="pass decoder="):
+        by_temperature(results, "a")  # two decoders: ambiguous
+    with pytest.raises(KeyError):
+        find_run(results, "a", 0.5, "sd")
+    table = results_table(results)
+    assert table.count("\n| a | sd | 4 |") == 2 and table.count("\n| a | sd_g2 | 2 |") == 2
+
+
+def test_paired_timing_rotates_the_order_per_prompt(verifier, monkeypatch):
+    class RecordingAR(AutoregressiveDecoder):
+        def generate(self, input_ids, *args, **kwargs):
+            fakes.CALLS.append(("ar", int(input_ids.shape[-1]), kwargs.get("eos_token_id")))
+            return super().generate(input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "AutoregressiveDecoder", RecordingAR)
+    fakes.CALLS.clear()
+    prompts = [torch.full((1, n), 7) for n in (3, 4, 5, 6)]
+    cfg = _cfg(
+        decoders=[inline(RecordingDecoder, "x", tag="x"), inline(RecordingDecoder, "y", tag="y")],
+        seeds=[0],
+        max_new_tokens=2,
+        warmup=False,
+    )
+    results = evaluate_drafters(verifier, {"d": verifier}, prompts, cfg)
+    order = [(tag, n) for tag, n, _ in fakes.CALLS]
+    # prompt i runs back to back, starting with entry i mod 3 of [ar, x, y]
+    assert order == [
+        ("ar", 3), ("x", 3), ("y", 3),
+        ("x", 4), ("y", 4), ("ar", 4),
+        ("y", 5), ("ar", 5), ("x", 5),
+        ("ar", 6), ("x", 6), ("y", 6),
+    ]  # fmt: skip
+    assert results["timing"]["order"] == ["ar", "d/x", "d/y"]
+    run = find_run(results, "d", 0.0, "x")
+    assert run["gamma"] is None and run["decoder_config"] == {
+        "_target_": "tests.evaluation.fakes.RecordingDecoder",
+        "tag": "x",
+    }
+    assert run["prompt_spread"]["speedup"]["n"] == 4
+
+
+def test_single_seed_has_undefined_std(verifier, drafter, prompts, tmp_path):
+    results = evaluate_drafters(
+        verifier, {"d": drafter}, prompts, _cfg(seeds=[0], max_new_tokens=4, warmup=False), out_dir=tmp_path
+    )
+    m = results["runs"][0]["metrics"]
+    assert m["block_efficiency"]["n"] == 1 and math.isnan(m["block_efficiency"]["std"])
+    on_disk = json.loads((tmp_path / "results.json").read_text())
+    assert on_disk["runs"][0]["metrics"]["block_efficiency"]["std"] is None
+    assert on_disk["baseline"][0]["metrics"]["tokens_per_second"]["std"] is None
+    assert "(n=1)" in (tmp_path / "results.md").read_text()
+
+
+def test_every_eos_id_reaches_the_decoders(verifier, prompts):
+    fakes.CALLS.clear()
+    cfg = _cfg(decoders=[inline(RecordingDecoder, "rec")], seeds=[0], max_new_tokens=2, warmup=False)
+    results = evaluate_drafters(verifier, {"d": verifier}, prompts, cfg, eos_token_id=[258, 257, 258])
+    assert results["eos_token_ids"] == [257, 258]
+    assert [eos for _, _, eos in fakes.CALLS] == [[257, 258]] * len(prompts)
+
+
+def test_sampling_is_reproducible_per_seed(verifier, drafter, prompts):
+    cfg = _cfg(temperatures=[1.0], decoders=["sd_g2"], seeds=[3], max_new_tokens=6, warmup=False)
+    runs = [
+        evaluate_drafters(verifier, {"d": drafter}, prompts, cfg)["runs"][0]["per_seed"][0] for _ in range(2)
+    ]
+    for key in ("accepted", "drafted", "new_tokens", "verifier_calls"):
+        assert runs[0][key] == runs[1][key], key
+
+
+def test_bad_inputs(verifier, drafter, prompts):
+    with pytest.raises(ValueError, match="at least one drafter"):
+        evaluate_drafters(verifier, {}, prompts, _cfg())
+    with pytest.raises(ValueError, match="at least one prompt"):
+        evaluate_drafters(verifier, {"d": drafter}, [], _cfg())
+    with pytest.raises(ValueError, match=r"shape \(1, T\)"):
+        evaluate_drafters(verifier, {"d": drafter}, [torch.zeros(1, 0, dtype=torch.long)], _cfg())
+    with pytest.raises(ConfigError, match="max_position_embeddings"):
+        evaluate_drafters(verifier, {"d": drafter}, prompts, _cfg(max_new_tokens=510))
+    with pytest.raises(ConfigError, match=r"eval\.decoders: unknown decoder config"):
+        evaluate_drafters(verifier, {"d": drafter}, prompts, {"decoders": ["nope"]})

@@ -1,0 +1,48 @@
+"""Evaluation runs: drafters x decoders x temperatures x seeds over one prompt set (docs/evaluation.md).
+
+One concern per module: ``config`` (:class:`EvalConfig`, decoder configs, :func:`build_eval_config`),
+``prompts`` (:func:`build_prompts`), ``runner`` (:func:`evaluate_drafters`, the paired timing loop),
+``greedy`` (the temperature-0 check and low-precision ties), ``results`` (schema, aggregation,
+:func:`find_run`, :func:`by_temperature`, :func:`results_table`), ``plots``, ``tracking`` (loggers,
+W&B) and ``cli`` (``main(cfg)`` of ``scripts/evaluate.py``, imported from there, not here).
+"""
+
+from train.evaluation.config import EvalConfig, build_eval_config, known_decoder_configs, load_decoder_config
+from train.evaluation.greedy import GreedyMismatchError
+from train.evaluation.plots import plot_results
+from train.evaluation.prompts import build_prompts
+from train.evaluation.results import (
+    CONTRACT_METRICS,
+    RESULTS_SCHEMA,
+    by_temperature,
+    find_run,
+    results_table,
+    temperature_key,
+    to_jsonable,
+)
+from train.evaluation.runner import build_decoders, evaluate_drafters, write_outputs
+from train.evaluation.tracking import log_results, scalar_metrics
+from train.tables import format_metric
+
+__all__ = [
+    "CONTRACT_METRICS",
+    "RESULTS_SCHEMA",
+    "EvalConfig",
+    "GreedyMismatchError",
+    "build_decoders",
+    "build_eval_config",
+    "build_prompts",
+    "by_temperature",
+    "evaluate_drafters",
+    "find_run",
+    "format_metric",
+    "known_decoder_configs",
+    "load_decoder_config",
+    "log_results",
+    "plot_results",
+    "results_table",
+    "scalar_metrics",
+    "temperature_key",
+    "to_jsonable",
+    "write_outputs",
+]

@@ -1,0 +1,142 @@
+"""The body of ``scripts/evaluate.py`` (conf/eval.yaml): validate, load the pair, evaluate, write the run.
+
+Top-level shortcuts of conf/eval.yaml: ``drafter=PATH`` replaces ``model.drafter``; ``decoding=<name>``
+picks the decoder config that ``eval.decoders`` holds by default (labelled by that name);
+``gamma=N`` sets that config's draft length; ``gammas=[...]`` is ``eval.gammas``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from train.config import ConfigError, check_model_source, require
+from train.evaluation.config import EvalConfig, build_eval_config
+from train.evaluation.prompts import build_prompts
+from train.evaluation.results import results_table
+from train.evaluation.runner import evaluate_drafters
+from train.models.loading import eos_token_ids, load_pair
+from train.models.tiny import ensure_tiny_pair
+from train.tables import format_value
+from train.trainer import build_loggers
+
+__all__ = ["main"]
+
+_DECODING_REF = "${decoding}"
+
+
+def _group(cfg: DictConfig, key: str) -> Any:
+    """Build one config group's dataclass, naming the group in any validation error."""
+    node = cfg.get(key)
+    if node is None:
+        return None
+    try:
+        return instantiate(node, _convert_="all")
+    except InstantiationException as err:
+        cause = err.__cause__ or err
+        message = str(cause)
+        if isinstance(cause, ConfigError) or message.startswith(f"{key}."):
+            raise ConfigError(message) from None
+        raise ConfigError(f"{key}: {message}") from None
+    except Exception as err:  # interpolation or missing-value errors from OmegaConf
+        raise ConfigError(f"{key}: {err}") from None
+
+
+def _decoding_choice(cfg: DictConfig) -> str | None:
+    """The name picked with ``decoding=<name>`` (Hydra's runtime choices), when known."""
+    if HydraConfig.initialized():
+        return HydraConfig.get().runtime.choices.get("decoding")
+    choice = OmegaConf.select(cfg, "hydra.runtime.choices.decoding", default=None)
+    return str(choice) if choice is not None else None
+
+
+def apply_shortcuts(cfg: DictConfig) -> None:
+    """Apply ``gamma`` and ``drafter``, and label the ``${decoding}`` entry of ``eval.decoders`` with the
+    name chosen by ``decoding=<name>``, in place."""
+    entries = OmegaConf.to_container(cfg.eval.decoders, resolve=False) if cfg.get("eval") else []
+    uses_decoding = isinstance(entries, list) and _DECODING_REF in entries
+    gamma = cfg.get("gamma")
+    if gamma is not None:
+        require(
+            isinstance(gamma, int) and not isinstance(gamma, bool) and gamma >= 1,
+            "gamma",
+            "an integer >= 1",
+            gamma,
+        )
+        if not uses_decoding or cfg.get("decoding") is None or "gamma" not in cfg.decoding:
+            raise ConfigError(
+                "gamma: sets the draft length of the `decoding` config, which eval.decoders does not use "
+                "(or which has no gamma); sweep named configs with eval.gammas=[...]"
+            )
+        cfg.decoding.gamma = gamma
+    drafter = cfg.get("drafter")
+    if drafter is not None:
+        check_model_source("drafter", str(drafter))
+        cfg.model.drafter = str(drafter)
+    label = _decoding_choice(cfg)
+    if uses_decoding and label is not None:
+        assert isinstance(entries, list)
+        for i, entry in enumerate(entries):
+            if entry == _DECODING_REF:
+                node = OmegaConf.create(OmegaConf.to_container(cfg.decoding, resolve=True))
+                node.name = label
+                cfg.eval.decoders[i] = node
+
+
+def _drafter_label(source: str) -> str:
+    """A short table name for a drafter source: ``org/name``, or a run's ``<run>/drafter``."""
+    path = os.path.normpath(source)
+    base = os.path.basename(path)
+    if base == "drafter" and os.path.dirname(path):
+        return f"{os.path.basename(os.path.dirname(path))}/drafter"
+    return base if os.path.isdir(os.path.expanduser(source)) else source
+
+
+def main(cfg: DictConfig) -> dict[str, Any]:
+    """``scripts/evaluate.py``: validate the whole config, load the pair, evaluate, write the run directory."""
+    apply_shortcuts(cfg)
+    if "hydra" in cfg:  # composed with return_hydra_config (tests): Hydra's own node is not ours to resolve
+        with open_dict(cfg):
+            del cfg["hydra"]
+    OmegaConf.resolve(cfg)
+    eval_cfg: EvalConfig = build_eval_config(cfg.eval)
+    paths = _group(cfg, "paths")
+    model_cfg = _group(cfg, "model")
+    data_cfg = _group(cfg, "data")
+    logger_cfg = _group(cfg, "logger")
+
+    run_dir = paths.run_dir
+    os.makedirs(run_dir, exist_ok=True)
+    OmegaConf.save(cfg, os.path.join(run_dir, "config.yaml"))
+    if model_cfg.tiny is not None:
+        ensure_tiny_pair(model_cfg.tiny)
+    pair = load_pair(model_cfg, freeze_drafter=True)
+    drafter_source = cfg.get("drafter")
+    name = _drafter_label(str(drafter_source)) if drafter_source is not None else "drafter"
+    prompts = build_prompts(
+        pair.tokenizer, data_cfg, eval_cfg.num_prompts, eval_cfg.prompt_len, seed=int(cfg.get("seed", 0))
+    )
+    loggers: list[Any] = []
+    if logger_cfg is not None:
+        config: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
+        loggers = build_loggers(logger_cfg, run_dir, str(cfg.get("name", "eval")), config=config)
+    results = evaluate_drafters(
+        pair.verifier,
+        {name: pair.drafter},
+        prompts,
+        eval_cfg,
+        eos_token_id=eos_token_ids(pair.tokenizer, pair.verifier, pair.drafter),
+        out_dir=run_dir,
+        loggers=loggers,
+        step=0,
+    )
+    for logger in loggers:
+        logger.finalize("success")
+    print(results_table(results))
+    print(f"Evaluation written to {run_dir} ({format_value(results['elapsed_seconds'], 1)} s)")
+    return results

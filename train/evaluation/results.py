@@ -1,0 +1,321 @@
+"""The results dictionary (results.json): its schema, how runs are aggregated, how to read and render it.
+
+Per seed the prompts' :class:`~train.decoding.DecodeStats` are pooled and summarised into the metric
+contract (ARCHITECTURE.md); a run's ``metrics`` are mean / std / n over seeds (std undefined, written
+null, with one seed), its ``prompt_spread`` the same over every (prompt, seed). The schema is in
+docs/evaluation.md. :func:`find_run` and :func:`by_temperature` read one run; :func:`results_table`
+renders everything through :mod:`train.tables`, the formatting shared with cards and reports.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from train.decoding import DecodeStats, aggregate
+from train.tables import format_metric, format_value, markdown_table
+
+__all__ = [
+    "CONTRACT_METRICS",
+    "PROMPT_SPREAD_METRICS",
+    "RESULTS_SCHEMA",
+    "by_temperature",
+    "find_run",
+    "pool",
+    "results_table",
+    "run_entry",
+    "temperature_key",
+    "to_jsonable",
+]
+
+RESULTS_SCHEMA = "draftsmith.eval/2"
+
+#: The metric contract's names (ARCHITECTURE.md), in table order.
+CONTRACT_METRICS: tuple[str, ...] = (
+    "acceptance_rate",
+    "expected_acceptance",
+    "block_efficiency",
+    "accepted_per_block",
+    "per_position_acceptance",
+    "simulated_block_efficiency",
+    "verifier_tokens_per_call",
+    "mbsu",
+    "cost_ratio",
+    "tokens_per_second",
+    "speedup",
+)
+
+#: What the autoregressive baseline records per seed.
+BASELINE_METRICS: tuple[str, ...] = (
+    "tokens_per_second",
+    "new_tokens",
+    "verifier_calls",
+    "wall_time",
+    "verifier_time",
+    "loop_overhead",
+)
+
+#: Per-prompt figures whose spread over (prompt, seed) is reported beside the spread over seeds;
+#: ``speedup`` there is each prompt's paired ratio (decoder vs baseline on that prompt).
+PROMPT_SPREAD_METRICS: tuple[str, ...] = (
+    "acceptance_rate",
+    "block_efficiency",
+    "tokens_per_second",
+    "speedup",
+)
+
+
+def temperature_key(t: float) -> str:
+    """The string key of a temperature in reports: ``0``, ``1``, ``0.7``."""
+    return f"{float(t):g}"
+
+
+def pool(stats: Sequence[DecodeStats]) -> DecodeStats:
+    """The element-wise sum of several prompts' stats."""
+    pooled = stats[0]
+    for s in stats[1:]:
+        pooled = pooled.merge(s)
+    return pooled
+
+
+def run_entry(
+    drafter: str,
+    decoder: str,
+    decoder_config: Mapping[str, Any],
+    temperature: float,
+    n_prompts: int,
+    per_seed: list[dict[str, Any]],
+    per_prompt: list[dict[str, Any]],
+    greedy_ties: list[dict[str, Any]],
+    greedy_mismatches: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """One ``results["runs"]`` entry from its per-seed summaries and per-(prompt, seed) figures."""
+    settings = {k: v for k, v in decoder_config.items() if k != "_target_"}
+    gamma = settings.get("gamma")
+    return {
+        "drafter": drafter,
+        "decoder": decoder,
+        "decoder_config": dict(decoder_config),
+        "gamma": gamma if isinstance(gamma, int) else None,
+        "temperature": temperature,
+        "n_prompts": n_prompts,
+        "seeds": [s["seed"] for s in per_seed],
+        "metrics": aggregate(
+            {k: v for k, v in s.items() if k not in ("seed", "prompt_speedup")} for s in per_seed
+        ),
+        "greedy_match": (not greedy_mismatches) if temperature == 0.0 else None,
+        "greedy_ties": greedy_ties,
+        "greedy_mismatches": greedy_mismatches,
+        "prompt_spread": aggregate({k: p[k] for k in PROMPT_SPREAD_METRICS if k in p} for p in per_prompt),
+        "per_seed": per_seed,
+    }
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def _decoder_for(results: Mapping[str, Any], drafter: str, decoder: str | None, gamma: int | None) -> str:
+    runs = [r for r in results["runs"] if r["drafter"] == drafter]
+    if not runs:
+        known = sorted({r["drafter"] for r in results["runs"]})
+        raise KeyError(f"no run for drafter {drafter!r}; drafters: {known}")
+    if gamma is not None:
+        runs = [r for r in runs if r["gamma"] == gamma]
+    labels = list(dict.fromkeys(r["decoder"] for r in runs))
+    if decoder is not None:
+        if decoder not in labels:
+            raise KeyError(
+                f"no run for drafter {drafter!r} with decoder {decoder!r} (gamma={gamma}); decoders: {labels}"
+            )
+        return decoder
+    if len(labels) != 1:
+        raise ValueError(
+            f"drafter {drafter!r} ran with {len(labels)} decoders {labels} (gamma={gamma}); pass decoder= one of them"
+        )
+    return labels[0]
+
+
+def find_run(
+    results: Mapping[str, Any],
+    drafter: str,
+    temperature: float,
+    decoder: str | None = None,
+    *,
+    gamma: int | None = None,
+) -> dict[str, Any]:
+    """The ``results["runs"]`` entry of ``drafter`` x ``decoder`` (a label) at ``temperature``.
+
+    decoder None: the drafter's only decoder (among those with ``gamma``, when given); ValueError if
+    several, KeyError if none.
+    """
+    label = _decoder_for(results, drafter, decoder, gamma)
+    for run in results["runs"]:
+        if (
+            run["drafter"] == drafter
+            and run["decoder"] == label
+            and float(run["temperature"]) == float(temperature)
+        ):
+            return dict(run)
+    raise KeyError(f"no run for drafter={drafter!r} decoder={label!r} temperature={temperature}")
+
+
+def by_temperature(
+    results: Mapping[str, Any], drafter: str, decoder: str | None = None, *, gamma: int | None = None
+) -> dict[str, dict[str, Any]]:
+    """{temperature key ("0", "1"): {metric: {"mean", "std", "n"}, ..., "n_prompts", "n_seeds", "gamma",
+    "decoder", "greedy_match"}} for one drafter and decoder (None: its only one).
+
+    The metric contract per temperature: what a training run's ``report.json`` holds per drafter.
+    """
+    label = _decoder_for(results, drafter, decoder, gamma)
+    out: dict[str, dict[str, Any]] = {}
+    for t in results["config"]["temperatures"]:
+        run = find_run(results, drafter, t, label)
+        entry = {k: run["metrics"][k] for k in CONTRACT_METRICS if k in run["metrics"]}
+        entry.update(
+            n_prompts=run["n_prompts"],
+            n_seeds=len(run["seeds"]),
+            gamma=run["gamma"],
+            decoder=run["decoder"],
+            greedy_match=run["greedy_match"],
+        )
+        out[temperature_key(t)] = entry
+    return out
+
+
+# ----------------------------------------------------------------------------- rendering
+
+#: Columns of the main table: (metric, decimals).
+_COLUMNS: tuple[tuple[str, int], ...] = (
+    ("acceptance_rate", 3),
+    ("expected_acceptance", 3),
+    ("block_efficiency", 2),
+    ("simulated_block_efficiency", 2),
+    ("verifier_tokens_per_call", 2),
+    ("mbsu", 2),
+    ("cost_ratio", 3),
+    ("tokens_per_second", 0),
+    ("speedup", 2),
+)
+_SPREAD_COLUMNS: tuple[tuple[str, int], ...] = (
+    ("acceptance_rate", 3),
+    ("block_efficiency", 2),
+    ("tokens_per_second", 0),
+    ("speedup", 2),
+)
+
+
+def _greedy_cell(run: Mapping[str, Any]) -> str:
+    match = run.get("greedy_match")
+    if match is None:
+        return "n/a"
+    if not match:
+        return "**NO**"
+    ties = len(run.get("greedy_ties") or [])
+    return f"yes ({ties} tie{'' if ties == 1 else 's'})" if ties else "yes"
+
+
+def _gamma_cell(run: Mapping[str, Any]) -> str:
+    return "-" if run.get("gamma") is None else str(run["gamma"])
+
+
+def results_table(results: Mapping[str, Any]) -> str:
+    """The Markdown rendering of a results dictionary (results.md).
+
+    One row per drafter x decoder x temperature with mean ± std over seeds; the baseline's tokens/s;
+    the spread over prompts (every prompt and seed, speedup as per-prompt pairs); per-position
+    acceptance; and any greedy ties or mismatches.
+    """
+    runs = list(results["runs"])
+    header = ["drafter", "decoder", "gamma", "T", *(k for k, _ in _COLUMNS), "greedy match"]
+    rows = [
+        [
+            r["drafter"],
+            r["decoder"],
+            _gamma_cell(r),
+            temperature_key(r["temperature"]),
+            *(format_metric(r["metrics"].get(k), d) for k, d in _COLUMNS),
+            _greedy_cell(r),
+        ]
+        for r in runs
+    ]
+    parts = [markdown_table(header, rows, "llrr" + "r" * len(_COLUMNS) + "l")]
+
+    config = results.get("config", {})
+    seeds = config.get("seeds", [])
+    n_prompts = results.get("prompts", {}).get("n", "?")
+    baseline = ", ".join(
+        f"T={temperature_key(b['temperature'])}: {format_metric(b['metrics'].get('tokens_per_second'), 0)} tok/s"
+        for b in results.get("baseline", [])
+    )
+    parts.append(
+        f"Mean ± std over {len(seeds)} seed{'' if len(seeds) == 1 else 's'} "
+        f"({n_prompts} prompts, up to {config.get('max_new_tokens', '?')} new tokens each, one at a time). "
+        f"Timing is paired: per prompt the autoregressive baseline and every decoder run back to back, in "
+        f"an order rotated per prompt; speedup = decoder tokens/s / baseline tokens/s over the same prompts. "
+        f"Autoregressive baseline (verifier alone): {baseline}.\n"
+    )
+
+    spread_rows = [
+        [
+            r["drafter"],
+            r["decoder"],
+            temperature_key(r["temperature"]),
+            *(format_metric((r.get("prompt_spread") or {}).get(k), d) for k, d in _SPREAD_COLUMNS),
+        ]
+        for r in runs
+    ]
+    parts.append(
+        "Spread over prompts (mean ± std over every prompt and seed; speedup per prompt against the "
+        "baseline on the same prompt):\n"
+    )
+    parts.append(
+        markdown_table(
+            ["drafter", "decoder", "T", *(k for k, _ in _SPREAD_COLUMNS)],
+            spread_rows,
+            "lll" + "r" * len(_SPREAD_COLUMNS),
+        )
+    )
+
+    pp = [r for r in runs if r["metrics"].get("per_position_acceptance")]
+    if pp:
+        lines = ["Per-position acceptance P(draft i accepted | earlier accepted), mean over seeds:", ""]
+        lines += [
+            f"- {r['drafter']} ({r['decoder']}, T={temperature_key(r['temperature'])}): "
+            f"{format_metric(r['metrics']['per_position_acceptance'])}"
+            for r in pp
+        ]
+        parts.append("\n".join(lines) + "\n")
+
+    notes = []
+    for r in runs:
+        for kind, records in (
+            ("tie", r.get("greedy_ties") or []),
+            ("MISMATCH", r.get("greedy_mismatches") or []),
+        ):
+            for rec in records:
+                a, b = rec["tokens"]
+                notes.append(
+                    f"- {kind}: {r['drafter']} ({r['decoder']}), seed {rec['seed']}, prompt {rec['prompt']}, "
+                    f"new token {rec['position']}: greedy {a} vs decoder {b}, float32 margin "
+                    f"{format_value(rec.get('margin_ulps'), 1)} ulp (tolerance "
+                    f"{format_value(results.get('config', {}).get('tie_ulps'), 1)})"
+                )
+    if notes:
+        parts.append(
+            "Temperature-0 differences from the verifier's greedy output (a tie: both tokens within the "
+            "verifier's precision of the top logit):\n\n" + "\n".join(notes) + "\n"
+        )
+    return "\n".join(parts)
+
+
+def to_jsonable(value: Any) -> Any:
+    """A copy with NaN/inf as None (null), so results.json is strict JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {str(k): to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [to_jsonable(v) for v in value]
+    return value
