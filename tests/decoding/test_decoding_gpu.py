@@ -1,0 +1,134 @@
+"""Devices and generators: the output depends on the torch.Generator passed, not on where models sit.
+
+Every random number of the decoders is drawn from the generator on the generator's own device, so a
+CPU generator must work with both models on cuda:0, and with the verifier on cuda:0 and the drafter on
+the CPU (two devices), and give the same tokens as the all-CPU run for the same seed (float32, TF32
+off; greedy: tokens and counts exactly; sampling: the same tokens). Run with ``pytest -m gpu``; these
+tests skip without CUDA.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from train.decoding import AutoregressiveDecoder, SamplingParams, SpeculativeDecoder
+
+from .decoding_helpers import build, tiny_config
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+PLACEMENTS = {
+    "both_cuda": ("cuda:0", "cuda:0"),
+    "verifier_cuda_drafter_cpu": ("cuda:0", "cpu"),
+    "verifier_cpu_drafter_cuda": ("cpu", "cuda:0"),
+}
+SAMPLING = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=20, top_p=0.9)]
+
+
+@pytest.fixture(autouse=True)
+def _strict_float32():
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+@pytest.fixture(scope="module")
+def cpu_pair():
+    """A tiny Llama verifier and a drafter that agrees with it often (a perturbed copy), float32."""
+    verifier = build(tiny_config("llama", 64), 1)
+    drafter = copy.deepcopy(verifier)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            if p.numel() > 1:
+                p.add_(torch.randn(p.shape, generator=g) * 0.1 * p.std())
+    return verifier, drafter.eval()
+
+
+def placed(pair, placement):
+    v_dev, d_dev = PLACEMENTS[placement]
+    return copy.deepcopy(pair[0]).to(v_dev), copy.deepcopy(pair[1]).to(d_dev)
+
+
+def prompt_ids(seed: int) -> torch.Tensor:
+    return torch.randint(2, 128, (1, 7), generator=torch.Generator().manual_seed(seed))
+
+
+def counts(stats):
+    return (
+        stats.accepted,
+        stats.drafted,
+        stats.tested,
+        stats.verifier_calls,
+        stats.drafter_calls,
+        stats.new_tokens,
+    )
+
+
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_greedy_on_any_devices_equals_cpu(cpu_pair, placement):
+    verifier, drafter = placed(cpu_pair, placement)
+    for seed in (0, 1):
+        ids = prompt_ids(seed)
+        ref = SpeculativeDecoder(*cpu_pair, gamma=4).generate(ids, 24)
+        res = SpeculativeDecoder(verifier, drafter, gamma=4).generate(ids, 24)
+        assert res.tokens.device.type == "cpu"
+        assert res.tokens.tolist() == ref.tokens.tolist()
+        assert counts(res.stats) == counts(ref.stats)
+        assert res.stats.verifier_time > 0 and res.stats.drafter_time > 0
+
+
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+@pytest.mark.parametrize("params", SAMPLING, ids=["T1", "T0.8_topk_topp"])
+def test_sampling_with_a_cpu_generator_equals_cpu(cpu_pair, placement, params):
+    """Same CPU generator seed -> the same sampled tokens as the all-CPU run, on every placement."""
+    verifier, drafter = placed(cpu_pair, placement)
+    for seed in range(4):
+        ids = prompt_ids(seed)
+        ref = SpeculativeDecoder(*cpu_pair, gamma=3).generate(
+            ids, 20, params, generator=torch.Generator().manual_seed(seed)
+        )
+        res = SpeculativeDecoder(verifier, drafter, gamma=3).generate(
+            ids, 20, params, generator=torch.Generator().manual_seed(seed)
+        )
+        assert res.tokens.tolist() == ref.tokens.tolist(), (placement, seed)
+        assert counts(res.stats) == counts(ref.stats)
+
+
+def test_autoregressive_on_cuda_with_a_cpu_generator(cpu_pair):
+    verifier = copy.deepcopy(cpu_pair[0]).to("cuda:0")
+    for seed in range(3):
+        ids = prompt_ids(seed)
+        ref = AutoregressiveDecoder(cpu_pair[0]).generate(
+            ids, 20, SAMPLING[0], generator=torch.Generator().manual_seed(seed)
+        )
+        res = AutoregressiveDecoder(verifier).generate(
+            ids, 20, SAMPLING[0], generator=torch.Generator().manual_seed(seed)
+        )
+        assert res.tokens.tolist() == ref.tokens.tolist()
+    greedy = AutoregressiveDecoder(verifier).generate(prompt_ids(0), 20)
+    assert (
+        greedy.tokens.tolist()
+        == AutoregressiveDecoder(cpu_pair[0]).generate(prompt_ids(0), 20).tokens.tolist()
+    )
+
+
+def test_cuda_generator_is_reproducible(cpu_pair):
+    """A generator on cuda:0 works too (draws on its own device) and the same seed repeats."""
+    verifier, drafter = placed(cpu_pair, "verifier_cuda_drafter_cpu")
+    dec = SpeculativeDecoder(verifier, drafter, gamma=3)
+    outs = [
+        dec.generate(
+            prompt_ids(0), 20, SAMPLING[0], generator=torch.Generator("cuda:0").manual_seed(5)
+        ).tokens.tolist()
+        for _ in range(2)
+    ]
+    assert outs[0] == outs[1] and len(outs[0]) == 20
