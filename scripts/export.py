@@ -7,11 +7,11 @@ validates and lists the files without network access. The token comes from ``$HF
 import hydra
 from omegaconf import DictConfig
 
+from train.export import main as export_main
+
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="export")
 def main(cfg: DictConfig) -> None:
-    from train.export import main as export_main
-
     export_main(cfg)
 
 

@@ -5,12 +5,14 @@
     python scripts/sweep_table.py checkpoints/distillspec/multirun_<timestamp> [--out DIR]
 
 Every run directory below the multirun directory that holds a ``config.yaml`` counts. From each run it
-reads the method's divergence and data source (``config.yaml``), the before/after evaluation
-(``report.json``) and the last ``val/expected_acceptance`` (``csv/metrics.csv``). It prints one
-Markdown table per figure -- block efficiency after distillation at each evaluated temperature, the
-after/before ratio, and the validation expected acceptance -- rows = divergence, columns = data
-source, and writes ``sweep_table.md`` and ``sweep_table.json`` (``--out``, default the multirun dir).
-A run that did not finish shows ``-``.
+reads the method's divergence and data source (``config.yaml``), the finish step's report
+(``report.json``, train/report.py) and the last ``val/expected_acceptance`` (``csv/metrics.csv``). It
+prints one Markdown table per figure -- block efficiency after distillation at each evaluated
+temperature, the after/before ratio, and the validation expected acceptance -- rows = divergence,
+columns = data source, and writes ``sweep_table.md`` and ``sweep_table.json`` (``--out``, default the
+multirun dir). Block efficiencies are read at one decoder per run and temperature: ``--decoder LABEL``
+(e.g. ``sd@g4``), by default the decoder with the best measured speedup of the distilled drafter.
+A run that did not finish shows ``n/a``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import json
 import os
 import sys
 from typing import Any
+
+from train.tables import markdown_table
 
 DIVERGENCE_ORDER = ("fkl", "rkl", "jsd", "tvd")
 SOURCE_ORDER = ("fixed", "teacher", "student", "mixed_fixed", "mixed_teacher")
@@ -49,7 +53,29 @@ def _mean(entry: Any) -> float | None:
     return float(entry) if isinstance(entry, int | float) else None
 
 
-def collect(multirun_dir: str) -> list[dict[str, Any]]:
+def block_efficiency(report: dict[str, Any], decoder: str | None = None) -> dict[str, dict[str, Any]]:
+    """{temperature: {"before", "after", "decoder"}} from a report: the trained drafter (the first one
+    that is not the reference) and the reference, at ``decoder`` or the trained one's best decoder."""
+    drafters = report.get("drafters") or {}
+    reference = report.get("reference")
+    trained = next((name for name in drafters if name != reference), None)
+    if trained is None:
+        return {}
+    out: dict[str, dict[str, Any]] = {}
+    temps = dict.fromkeys(t for per_t in drafters[trained].values() for t in per_t)
+    for t in temps:
+        label = decoder or (report.get("best", {}).get(trained, {}).get(t) or {}).get("decoder")
+        if label is None or label not in drafters[trained]:
+            continue
+        out[t] = {
+            "decoder": label,
+            "after": _mean(drafters[trained][label].get(t, {}).get("block_efficiency")),
+            "before": _mean(drafters.get(reference, {}).get(label, {}).get(t, {}).get("block_efficiency")),
+        }
+    return out
+
+
+def collect(multirun_dir: str, decoder: str | None = None) -> list[dict[str, Any]]:
     """One record per run directory: divergence, data_source, run_dir and its figures."""
     runs = []
     for root, _dirs, files in sorted(os.walk(multirun_dir)):
@@ -71,13 +97,8 @@ def collect(multirun_dir: str) -> list[dict[str, Any]]:
         if os.path.isfile(report_path):
             with open(report_path) as f:
                 report = json.load(f)
-            record["finished"] = True
-            for temp, after in report.get("after", {}).items():
-                before = report.get("before", {}).get(temp, {})
-                record["block_efficiency"][temp] = {
-                    "before": _mean(before.get("block_efficiency")),
-                    "after": _mean(after.get("block_efficiency")),
-                }
+            record["finished"] = "drafters" in report
+            record["block_efficiency"] = block_efficiency(report, decoder)
         runs.append(record)
     return runs
 
@@ -102,18 +123,10 @@ def markdown(
     rows: list[str],
     cols: list[str],
     cells: dict[tuple[str, str], float | None],
-    fmt: str = "{:.3f}",
 ) -> str:
-    lines = [
-        f"**{title}**",
-        "",
-        "| divergence \\ data source | " + " | ".join(cols) + " |",
-        "|---|" + "---|" * len(cols),
-    ]
-    for r in rows:
-        vals = [cells.get((r, c)) for c in cols]
-        lines.append(f"| {r} | " + " | ".join("-" if v is None else fmt.format(v) for v in vals) + " |")
-    return "\n".join(lines)
+    body = [[r, *(cells.get((r, c)) for c in cols)] for r in rows]
+    table = markdown_table(["divergence \\ data source", *cols], body, align="l" + "r" * len(cols))
+    return f"**{title}**\n\n{table.rstrip()}"
 
 
 def tables(runs: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
@@ -165,12 +178,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("multirun_dir")
     parser.add_argument(
+        "--decoder", default=None, help="decoder label to read (default: each run's best-speedup decoder)"
+    )
+    parser.add_argument(
         "--out", default=None, help="where sweep_table.md/.json go (default: the multirun dir)"
     )
     args = parser.parse_args(argv)
     if not os.path.isdir(args.multirun_dir):
         parser.error(f"no such directory: {args.multirun_dir}")
-    runs = collect(args.multirun_dir)
+    runs = collect(args.multirun_dir, args.decoder)
     if not runs:
         parser.error(f"no run directories (with config.yaml) under {args.multirun_dir}")
     text, payload = tables(runs)

@@ -10,7 +10,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tests.conftest import make_tokenizer, tiny_llama
 from train.config import ConfigError
 from train.evaluation import EvalConfig, evaluate_drafters
-from train.export import HubConfig, drafter_folder, export_drafter, model_card, push_to_hub
+from train.export import (
+    HubConfig,
+    drafter_folder,
+    export_drafter,
+    model_card,
+    push_to_hub,
+    write_model_card,
+)
 
 CONFIG = {
     "name": "distillspec",
@@ -66,7 +73,7 @@ def test_card_front_matter_table_and_config(exported):
     assert {"speculative-decoding", "draftsmith"} <= set(front["tags"])
     assert front["base_model"] == "org/base-drafter"
     assert card.startswith("---\n") and "# distillspec drafter" in card
-    assert "| after | sd | 0 | 4 |" in card  # the evaluation table
+    assert "| after | sd | 4 | 0 |" in card  # the evaluation table (drafter, decoder, gamma, T)
     assert "assistant_model=drafter" in card and 'from_pretrained("org/verifier")' in card
     config_block = card.split("```yaml\n")[1].split("```")[0]
     assert yaml.safe_load(config_block)["method"] == {"divergence": "fkl", "lmbda": 1.0}
@@ -102,6 +109,20 @@ def test_export_accepts_the_distillspec_call(pair, tmp_path):
     out = export_drafter(drafter, tok, tmp_path / "drafter", results={}, config=CONFIG)
     card = (out / "README.md").read_text()
     assert "No evaluation was attached" in card and "checkpoints/tiny/verifier" in card
+
+
+def test_card_is_refreshed_without_touching_the_weights(pair, results, tmp_path):
+    """The finish step writes the card at export time and again once the evaluation is done."""
+    _, drafter, tok = pair
+    out = export_drafter(drafter, tok, tmp_path / "drafter", config=CONFIG)
+    weights = (out / "model.safetensors").read_bytes()
+    assert "No evaluation was attached" in (out / "README.md").read_text()
+    write_model_card(out, config=CONFIG, results=results)
+    card = (out / "README.md").read_text()
+    assert (
+        "No evaluation was attached" not in card and "| after |" in card and "# distillspec drafter" in card
+    )
+    assert (out / "eval_results.json").is_file() and (out / "model.safetensors").read_bytes() == weights
 
 
 def test_push_dry_run_lists_files_without_network(exported, monkeypatch):

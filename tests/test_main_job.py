@@ -1,9 +1,9 @@
 """The main job on a fresh machine: `python train.py experiment=distillspec`, exactly as README says.
 
 It builds the embedded tiny pair on first use (cached under checkpoints/tiny/ for later runs), distils,
-exports and evaluates, and must show the distilled drafter's block efficiency at least 1.10x the
-pretrained one's at both temperatures. Wall times are printed (budgets are checked by measurement and
-recorded in docs/, not asserted here).
+then the shared finish step exports, evaluates (gamma 1, 2, 4) and reports; the distilled drafter's
+block efficiency must be at least 1.10x the pretrained one's at both temperatures at gamma 4. Wall
+times are printed (budgets are checked by measurement and recorded in docs/, not asserted here).
 """
 
 from __future__ import annotations
@@ -36,11 +36,21 @@ def test_main_job_meets_its_targets(tmp_path: Path) -> None:
     (run_dir,) = [p for p in (tmp_path / "checkpoints" / "distillspec").iterdir() if p.is_dir()]
     assert str(run_dir) in out or run_dir.name in out  # the run directory is printed
     report = json.loads((run_dir / "report.json").read_text())
-    for temperature in report["before"]:
-        before = report["before"][temperature]["block_efficiency"]["mean"]
-        after = report["after"][temperature]["block_efficiency"]["mean"]
-        print(f"T={temperature}: block efficiency {before:.3f} -> {after:.3f} ({after / before:.3f}x)")
-        assert after >= 1.10 * before, (temperature, before, after)
+    print(f"evaluation: {report['evaluation_seconds']:.0f}s")
+    after = report["drafters"]["after"]
+    (g4,) = [label for label, per_t in after.items() if next(iter(per_t.values()))["gamma"] == 4]
+    for label, per_t in report["ratios"]["after"].items():
+        for temperature, ratio in per_t.items():
+            print(
+                f"{label} T={temperature}: after/before block efficiency {ratio['block_efficiency']:.3f}x, "
+                f"speedup {ratio['speedup']:.3f}x"
+            )
+    for temperature, best in report["best"]["after"].items():
+        print(f"T={temperature}: best measured speedup at {best['decoder']} (gamma {best['gamma']})")
+    for temperature in ("0", "1"):
+        before = report["drafters"]["before"][g4][temperature]["block_efficiency"]["mean"]
+        tau = after[g4][temperature]["block_efficiency"]["mean"]
+        assert tau >= 1.10 * before, (temperature, before, tau)
     assert (run_dir / "report.md").is_file()
     assert list((run_dir / "wandb").glob("offline-run-*")), "the default logger writes an offline W&B run"
     assert (run_dir / "csv" / "metrics.csv").is_file()
@@ -51,7 +61,7 @@ def test_main_job_meets_its_targets(tmp_path: Path) -> None:
     verifier = AutoModelForCausalLM.from_pretrained(tiny_dir / "verifier")
     tok = AutoTokenizer.from_pretrained(run_dir / "drafter")
     card = (run_dir / "drafter" / "README.md").read_text()
-    assert "| after | 1 |" in card and "block_efficiency" in card
+    assert "| after |" in card and "block_efficiency" in card and "No evaluation was attached" not in card
     ids = torch.tensor([tok.encode("def main(argv):\n    parser = ")])
     plain = verifier.generate(ids, max_new_tokens=24, do_sample=False)
     assisted = verifier.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=drafter)

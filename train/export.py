@@ -13,7 +13,6 @@ their own modules through ``huggingface_hub.PyTorchModelHubMixin`` (``save_pretr
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import os
@@ -24,10 +23,22 @@ from pathlib import Path
 from typing import Any
 
 from train.config import ConfigError, require
+from train.evaluation import results_table, to_jsonable
+from train.models.lora import merge_lora
+from train.tables import format_metric, markdown_table
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CARD_TAGS", "HubConfig", "drafter_folder", "export_drafter", "main", "model_card", "push_to_hub"]
+__all__ = [
+    "CARD_TAGS",
+    "HubConfig",
+    "drafter_folder",
+    "export_drafter",
+    "main",
+    "model_card",
+    "push_to_hub",
+    "write_model_card",
+]
 
 CARD_TAGS: tuple[str, ...] = ("speculative-decoding", "draftsmith", "drafter")
 HF_TOKEN_ENV = "HF_TOKEN"
@@ -55,27 +66,25 @@ def _yaml(value: Any) -> str:
     return yaml.safe_dump(value, sort_keys=False, default_flow_style=False, allow_unicode=True)
 
 
+_CARD_COLUMNS: tuple[tuple[str, int], ...] = (
+    ("acceptance_rate", 3),
+    ("expected_acceptance", 3),
+    ("block_efficiency", 2),
+    ("mbsu", 2),
+    ("tokens_per_second", 0),
+    ("speedup", 2),
+)
+
+
 def _per_temperature_table(evaluation: Mapping[str, Any]) -> str:
     """Markdown for ``{label: {temperature: {metric: {"mean", "std", "n"}}}}`` (e.g. before / after)."""
-    from train.evaluation import format_metric
-
-    columns = (
-        ("acceptance_rate", 3),
-        ("expected_acceptance", 3),
-        ("block_efficiency", 2),
-        ("mbsu", 2),
-        ("tokens_per_second", 0),
-        ("speedup", 2),
-    )
-    lines = [
-        "| drafter | T | " + " | ".join(key for key, _ in columns) + " |",
-        "|---|---|" + "|".join("---:" for _ in columns) + "|",
+    rows = [
+        [label, t, *(format_metric(metrics.get(key), digits) for key, digits in _CARD_COLUMNS)]
+        for label, per_t in evaluation.items()
+        for t, metrics in per_t.items()
     ]
-    for label, per_t in evaluation.items():
-        for t, metrics in per_t.items():
-            cells = [format_metric(metrics.get(key), digits) for key, digits in columns]
-            lines.append(f"| {label} | {t} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    header = ["drafter", "T", *(key for key, _ in _CARD_COLUMNS)]
+    return markdown_table(header, rows, align="ll" + "r" * len(_CARD_COLUMNS))
 
 
 def _results_markdown(results: Mapping[str, Any] | str | None) -> str | None:
@@ -84,8 +93,6 @@ def _results_markdown(results: Mapping[str, Any] | str | None) -> str | None:
     if isinstance(results, str):
         return results.strip() + "\n"
     if "runs" in results:
-        from train.evaluation import results_table
-
         return results_table(results)
     if all(isinstance(v, Mapping) for v in results.values()):
         return _per_temperature_table(results)
@@ -192,30 +199,46 @@ def export_drafter(
     Files: ``config.json``, ``model.safetensors``, ``generation_config.json``, the tokenizer files,
     ``README.md`` and, with a results dictionary, ``eval_results.json``.
     """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model = merge_lora(model)
+    if not hasattr(model, "save_pretrained"):
+        raise TypeError(f"export_drafter needs a transformers PreTrainedModel, got {type(model).__name__}")
+    model.save_pretrained(str(out), safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
+    write_model_card(out, config=config, results=results, base_model=base_model, verifier=verifier, name=name)
+    log.info("Exported the drafter to %s", out)
+    return out
+
+
+def write_model_card(
+    folder: str | os.PathLike[str],
+    config: Mapping[str, Any] | None = None,
+    results: Mapping[str, Any] | str | None = None,
+    base_model: str | None = None,
+    verifier: str | None = None,
+    name: str | None = None,
+) -> Path:
+    """(Re)write an export folder's ``README.md`` (and, with a results dictionary, ``eval_results.json``).
+
+    The weights are not touched: the finish step writes the card once right after export and again
+    with the evaluation table once the evaluation is done. Arguments as in :func:`export_drafter`.
+    """
+    out = Path(folder)
     model_section = (config or {}).get("model") if isinstance(config, Mapping) else None
     if isinstance(model_section, Mapping):
         base_model = base_model or model_section.get("drafter")
         verifier = verifier or model_section.get("verifier")
     if name is None:
         run_name = (config or {}).get("name") if isinstance(config, Mapping) else None
-        name = f"{run_name} drafter" if run_name else Path(out_dir).name
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    if hasattr(model, "merge_and_unload"):
-        model = copy.deepcopy(model).merge_and_unload()
-    if not hasattr(model, "save_pretrained"):
-        raise TypeError(f"export_drafter needs a transformers PreTrainedModel, got {type(model).__name__}")
-    model.save_pretrained(str(out), safe_serialization=True)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(out))
+        name = f"{run_name} drafter" if run_name else out.name
     if isinstance(results, Mapping) and results:
-        from train.evaluation import to_jsonable
-
         (out / "eval_results.json").write_text(json.dumps(to_jsonable(dict(results)), indent=2) + "\n")
     card = model_card(name, config=config, results=results, base_model=base_model, verifier=verifier)
-    (out / "README.md").write_text(card, encoding="utf-8")
-    log.info("Exported the drafter to %s", out)
-    return out
+    path = out / "README.md"
+    path.write_text(card, encoding="utf-8")
+    return path
 
 
 # ----------------------------------------------------------------------------- the Hub
@@ -327,15 +350,21 @@ def drafter_folder(run: str | os.PathLike[str]) -> Path:
 
 def main(cfg: Any) -> dict[str, Any]:
     """``scripts/export.py``: push a run's exported ``drafter/`` (or any export folder) to the Hub."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
     from omegaconf import OmegaConf
-
-    from train.run import instantiate_group
 
     run = OmegaConf.select(cfg, "run", throw_on_missing=False)
     require(
         isinstance(run, str) and bool(run), "run", "a run directory (with drafter/) or an export folder", run
     )
-    hub: HubConfig = instantiate_group(cfg, "hub")
+    try:
+        hub: HubConfig = instantiate(cfg.hub, _convert_="all")
+    except InstantiationException as err:
+        cause = err.__cause__ or err
+        raise ConfigError(str(cause) if isinstance(cause, ConfigError) else f"hub: {cause}") from None
+    except Exception as err:  # a missing value (???) or a bad interpolation
+        raise ConfigError(f"hub: {err}") from None
     folder = drafter_folder(run)
     report = push_to_hub(
         folder,

@@ -1,7 +1,10 @@
-"""One training run: validate the config, build the pieces, fit, then the method's own finish.
+"""One training run: validate the config, build the pieces, fit, then the finish step.
 
 ``main(cfg)`` is what ``python train.py`` calls. Every config group is instantiated into its typed
-dataclass first (:func:`load_spec`), so a bad value fails before any model or data loads.
+dataclass first (:func:`load_spec`), so a bad value fails before any model or data loads. After
+``Trainer.fit``, a method module that implements :class:`train.report.Finishable` goes through the
+shared finish step on rank 0 (:func:`train.report.finish`: export, evaluation under the run's
+``eval`` config, report); a module with its own ``finish(trainer, spec)`` (plain pretraining) runs that.
 """
 
 from __future__ import annotations
@@ -12,11 +15,17 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import lightning as L
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from train.config import ConfigError, LoggerConfig, ModelConfig, PathsConfig, TrainerConfig
+from train.evaluation import EvalConfig, build_eval_config
+from train.models.loading import load_pair
+from train.models.tiny import build_tiny_pair, ensure_tiny_pair, format_report
+from train.report import Finishable, finish
+from train.trainer import build_callbacks, build_loggers, build_trainer, close_loggers, resolve_ckpt_path
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +45,8 @@ class RunSpec:
     callbacks: Any
     ckpt_path: str | None
     cfg: DictConfig
+    eval: EvalConfig | None = None
+    """The finish step's evaluation (the ``eval`` node); None when the config has none."""
 
     @property
     def run_dir(self) -> str:
@@ -63,6 +74,13 @@ def instantiate_group(cfg: DictConfig, key: str) -> Any:
         raise ConfigError(f"{key}: {err}") from None
 
 
+def load_eval_config(cfg: DictConfig) -> EvalConfig | None:
+    """The ``eval`` node as an :class:`~train.evaluation.EvalConfig` (errors name ``eval.<key>``);
+    None when the config has no ``eval`` node (the finish step then exports and reports only)."""
+    node = cfg.get("eval")
+    return build_eval_config(node) if node is not None else None
+
+
 def load_spec(cfg: DictConfig) -> RunSpec:
     """Validate every group; the only place a config becomes typed objects."""
     OmegaConf.resolve(cfg)
@@ -81,6 +99,7 @@ def load_spec(cfg: DictConfig) -> RunSpec:
         callbacks=cfg.get("callbacks"),
         ckpt_path=cfg.get("ckpt_path"),
         cfg=cfg,
+        eval=load_eval_config(cfg),
     )
 
 
@@ -98,9 +117,6 @@ def write_json(path: str, payload: Any) -> None:
 
 def build_tiny_pair_run(spec: RunSpec) -> dict[str, Any]:
     """``experiment=tiny_pair``: (re)build the embedded pair, report and log its figures."""
-    from train.models.tiny import build_tiny_pair, format_report
-    from train.trainer import build_loggers, close_loggers
-
     if spec.model.tiny is None:
         raise ConfigError("build_tiny_pair=true needs model=tiny (model.tiny holds the pair's recipe)")
     manifest = build_tiny_pair(spec.model.tiny, spec.trainer, log_dir=os.path.join(spec.run_dir, "logs"))
@@ -116,39 +132,48 @@ def build_tiny_pair_run(spec: RunSpec) -> dict[str, Any]:
 
 
 def main(cfg: DictConfig) -> Any:
-    """Run one experiment end to end; returns what the method's finish returns."""
+    """Run one experiment end to end; returns what the finish step returns (the report)."""
     spec = load_spec(cfg)
     os.makedirs(spec.run_dir, exist_ok=True)
     if is_rank_zero():
         OmegaConf.save(spec.cfg, os.path.join(spec.run_dir, "config.yaml"))
-    import lightning as L
-
     L.seed_everything(spec.seed, workers=True)
     if cfg.get("build_tiny_pair"):
         return build_tiny_pair_run(spec)
     if spec.model.tiny is not None:
-        from train.models.tiny import ensure_tiny_pair
-
         ensure_tiny_pair(spec.model.tiny, spec.trainer)
     return fit(spec)
 
 
 def fit(spec: RunSpec) -> Any:
-    """Build the method's module and data, fit (resuming if asked), then the method's finish."""
-    from train.models.loading import load_pair
-    from train.trainer import build_callbacks, build_loggers, build_trainer, close_loggers, resolve_ckpt_path
-
+    """Build the method's module and data, fit (resuming if asked), then the finish step."""
     ckpt = resolve_ckpt_path(spec.ckpt_path, spec.experiment_dir, spec.run_dir)
     if ckpt:
         log.info("Resuming from %s", ckpt)
     pair = load_pair(spec.model)
     module, datamodule = spec.method.build(pair, spec)
-    config = OmegaConf.to_container(spec.cfg, resolve=True)
-    loggers = build_loggers(spec.logger, spec.run_dir, spec.name, config=config)  # type: ignore[arg-type]
+    config: dict[str, Any] = OmegaConf.to_container(spec.cfg, resolve=True)  # type: ignore[assignment]
+    loggers = build_loggers(spec.logger, spec.run_dir, spec.name, config=config)
     trainer = build_trainer(spec.trainer, build_callbacks(spec.callbacks), loggers, spec.run_dir)
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt)
-        finish = getattr(module, "finish", None)
-        return finish(trainer, spec) if finish is not None else None
+        if isinstance(module, Finishable):
+            if not trainer.is_global_zero:
+                return None
+            return finish(
+                module,
+                pair.verifier,
+                pair.tokenizer,
+                spec.run_dir,
+                spec.eval,
+                data=spec.data,
+                seed=spec.seed,
+                name=spec.name,
+                config=config,
+                loggers=trainer.loggers,
+                step=trainer.global_step,
+            )
+        own_finish = getattr(module, "finish", None)
+        return own_finish(trainer, spec) if own_finish is not None else None
     finally:
         close_loggers(loggers)

@@ -1,5 +1,6 @@
 """DistillSpec: config validation, the training step per data source, checkpoints without the teacher,
-NaN guard, resume, LoRA, and the exported drafter as a Hugging Face ``assistant_model``."""
+NaN guard, resume, LoRA, the exported drafter as a Hugging Face ``assistant_model``, and the whole
+run through the shared finish step (train/report.py, tested on its own in tests/test_report.py)."""
 
 from __future__ import annotations
 
@@ -84,7 +85,6 @@ def _module(cfg: DistillSpecConfig) -> tuple[DistillSpecModule, PromptDataModule
         ({"max_new_tokens": 0}, "method.max_new_tokens"),
         ({"lora": {"enabled": True, "r": 0}}, "method.lora.r"),
         ({"lora": {"rank": 4}}, "method.lora"),
-        ({"eval": {"gamma": 0}}, "method.eval.gamma"),
         ({"optimizer": functools.partial(torch.optim.AdamW, lr=-1.0)}, "method.optimizer.lr"),
     ],
 )
@@ -114,6 +114,8 @@ def _compose(overrides: list[str], tmp_path: Path):
         ("method.lmbda=2", "method.lmbda"),
         ("method.beta=-1", "method.beta"),
         ("method.temperature=0", "method.temperature"),
+        ("eval.gammas=[0]", "eval.gammas"),
+        ("eval.num_prompts=0", "eval.num_prompts"),
     ],
 )
 def test_experiment_rejects_bad_values_at_start_up(override, key, tmp_path):
@@ -124,8 +126,9 @@ def test_experiment_rejects_bad_values_at_start_up(override, key, tmp_path):
 def test_experiment_composes_and_sources_enumerate(tmp_path):
     spec = load_spec(_compose(["experiment=distillspec"], tmp_path))
     assert spec.name == "distillspec" and isinstance(spec.method, DistillSpecConfig)
-    assert spec.method.eval.temperatures == [0.0, 1.0] and spec.method.eval.gamma == 4
-    assert len(spec.method.eval.seeds) >= 2
+    ev = spec.eval
+    assert ev.temperatures == [0.0, 1.0] and ev.gammas == [1, 2, 4] and len(ev.seeds) == 2
+    assert (ev.num_prompts, ev.prompt_len, ev.max_new_tokens) == (8, 64, 64)
     assert [_cfg(data_source=s, lmbda=0.3).on_policy_probability for s in DATA_SOURCES] == [
         0.0,
         0.0,
@@ -288,11 +291,7 @@ def test_lora_trains_adapters_only_and_merges_into_a_plain_model():
 def test_exported_drafter_works_as_hf_assistant_model(tmp_path):
     module, data = _module(_cfg(data_source="fixed"))
     _trainer(tmp_path, 2).fit(module, datamodule=data)
-    from train.methods.distillspec import _export
-
-    spec = type("Spec", (), {"cfg": _compose(["experiment=distillspec"], tmp_path), "name": "t"})()
-    out = tmp_path / "drafter"
-    _export(module.distilled_drafter(), module.tokenizer, str(out), {}, spec)
+    out = module.export(str(tmp_path / "drafter"))
     assert (out / "README.md").exists() and (out / "config.json").exists()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -327,13 +326,17 @@ def test_main_job_end_to_end_builds_a_micro_pair_on_first_use(tmp_path):
         "model.tiny.vocab_size=300",
         "model.tiny.seq_len=64",
         "model.tiny.val_blocks=2",
-        *(f"model.tiny.{role}.{kv}" for role, h in (("verifier", 16), ("drafter", 8))
-          for kv in micro.format(h=h).split(",")),
+        *(
+            f"model.tiny.{role}.{kv}"
+            for role, h in (("verifier", 16), ("drafter", 8))
+            for kv in micro.format(h=h).split(",")
+        ),
         "trainer.max_steps=6",
         "trainer.val_check_interval=3",
         "method.num_prompts=64",
-        "method.eval.num_prompts=2",
-        "method.eval.max_new_tokens=16",
+        "eval.num_prompts=2",
+        "eval.max_new_tokens=16",
+        "eval.gammas=[1,2]",
         "logger=csv",
         f"hydra.run.dir={run_dir}",
         "~callbacks.progress_bar",
@@ -348,9 +351,13 @@ def test_main_job_end_to_end_builds_a_micro_pair_on_first_use(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((run_dir / "report.json").read_text())
+    assert report["reference"] == "before" and len(report["decoders"]) == 2
     for side in ("before", "after"):
-        assert set(report[side]) == {"0", "1"}
-        assert report[side]["0"]["block_efficiency"]["mean"] >= 1.0
+        for per_t in report["drafters"][side].values():
+            assert set(per_t) == {"0", "1"} and per_t["0"]["block_efficiency"]["mean"] >= 1.0
+        assert set(report["best"][side]) == {"0", "1"}
+    assert set(report["ratios"]["after"][report["decoders"][0]]) == {"0", "1"}
     assert (run_dir / "report.md").exists() and (run_dir / "drafter" / "config.json").exists()
+    assert "| after |" in (run_dir / "drafter" / "README.md").read_text()
     assert str(run_dir) in proc.stdout
     assert json.loads((tmp_path / "tiny" / "manifest.json").read_text())["parameters"]["verifier"] > 0

@@ -14,6 +14,7 @@ from train.models.loading import (
     ModelNotFoundError,
     TokenizerMismatchError,
     check_same_tokenizer,
+    eos_token_ids,
     load_model,
     load_pair,
     output_vocab_size,
@@ -29,15 +30,30 @@ def _save(model_config, tokenizer, path: Path) -> Path:
 
 def _qwen3(vocab: int, hidden: int) -> Qwen3Config:
     """Qwen3 architecture at toy size (the real pair pads its embeddings to different sizes)."""
-    return Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
-                       max_position_embeddings=256, tie_word_embeddings=True)
+    return Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
 
 
 def _llama3(vocab: int, hidden: int) -> LlamaConfig:
-    return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                       rope_theta=500000.0)
+    return LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rope_theta=500000.0,
+    )
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama3"])
@@ -82,3 +98,26 @@ def test_missing_model_path_is_precise(tmp_path: Path) -> None:
 
 def test_identical_tokenizers_pass() -> None:
     check_same_tokenizer(make_tokenizer(), make_tokenizer())
+
+
+def test_both_models_must_cover_the_tokenizer(tmp_path: Path) -> None:
+    """The *smaller* output size must hold every token: a drafter cut short fails even when the
+    verifier's embeddings are padded far beyond the tokenizer."""
+    tok = make_tokenizer()
+    verifier = _save(_llama3(320, 32), tok, tmp_path / "verifier")
+    drafter = _save(_llama3(len(tok) - 3, 32), tok, tmp_path / "drafter")
+    with pytest.raises(TokenizerMismatchError, match=r"drafter's output size is only 256"):
+        load_pair(ModelConfig(name="x", verifier=str(verifier), drafter=str(drafter)))
+
+
+def test_eos_token_ids_unions_tokenizer_and_generation_configs() -> None:
+    tok = make_tokenizer()  # eos 257
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_llama3(len(tok), 32))
+    model.generation_config.eos_token_id = [300, 257, 301]  # Llama 3 / Qwen3 list several
+    other = AutoModelForCausalLM.from_config(_llama3(len(tok), 32))
+    other.generation_config.eos_token_id = 302
+    assert eos_token_ids(tok, model, other) == [257, 300, 301, 302]
+    assert eos_token_ids(tok, model, model) == [257, 300, 301]  # no duplicates
+    assert eos_token_ids(tok) == [257]
+    assert eos_token_ids(None, torch.nn.Linear(2, 2)) == []  # no generation config: nothing added

@@ -31,8 +31,24 @@ def _run(root: Path, i: int, div: str, source: str, before: float, after: float 
         f"step,train/loss,val/expected_acceptance\n0,1.0,\n49,,{ea - 0.1}\n99,,{ea}\n"
     )
     if after is not None:
-        contract = lambda be: {t: {"block_efficiency": {"mean": be, "std": 0.0, "n": 2}} for t in ("0", "1")}  # noqa: E731
-        (run / "report.json").write_text(json.dumps({"before": contract(before), "after": contract(after)}))
+
+        def contract(be: float, gamma: int) -> dict:
+            return {
+                t: {"block_efficiency": {"mean": be * gamma / 4, "std": 0.0, "n": 2}, "gamma": gamma}
+                for t in ("0", "1")
+            }
+
+        best = {t: {"decoder": "sd@g4", "gamma": 4} for t in ("0", "1")}
+        report = {
+            "reference": "before",
+            "decoders": ["sd@g2", "sd@g4"],
+            "drafters": {
+                "before": {f"sd@g{g}": contract(before, g) for g in (2, 4)},
+                "after": {f"sd@g{g}": contract(after, g) for g in (2, 4)},
+            },
+            "best": {"after": best},
+        }
+        (run / "report.json").write_text(json.dumps(report))
 
 
 def test_table_from_a_multirun_dir(tmp_path, capsys):
@@ -51,9 +67,11 @@ def test_table_from_a_multirun_dir(tmp_path, capsys):
     assert ratio["values"][0] == [1.2, 1.3]
     assert ratio["values"][1][0] == 1.1 and ratio["values"][1][1] is None
     assert payload["tables"]["val_expected_acceptance"]["values"][1] == [0.55, 0.5]
-    assert "| fkl | 2.400 | 2.600 |" in text
-    assert "| rkl | 2.200 | - |" in text
+    assert "| fkl | 2.400 | 2.600 |" in text  # at each run's best-speedup decoder (gamma 4)
+    assert "| rkl | 2.200 | n/a |" in text
     assert len(payload["runs"]) == 4
+    assert _script().main([str(multirun), "--decoder", "sd@g2", "--out", str(tmp_path / "g2")]) == 0
+    assert "| fkl | 1.200 | 1.300 |" in (tmp_path / "g2" / "sweep_table.md").read_text()
 
 
 def test_empty_dir_is_an_error(tmp_path, capsys):

@@ -23,77 +23,40 @@ teacher + one student forward instead of a full generation.
 
 The verifier is held outside the module's registered children, so it is never written to Lightning
 checkpoints and never receives an optimizer; it is reloaded from its source on resume.
-``finish`` exports the distilled drafter and compares it with the pretrained one in the evaluator.
+The module holds no evaluation or export code: it implements :class:`train.report.Finishable`
+(the pretrained drafter as ``before``, the distilled one as ``after``, export as a Hugging Face
+folder) and :func:`train.report.finish` exports, evaluates and reports.
 """
 
 from __future__ import annotations
 
-import json
+import functools
 import logging
 import math
-import os
 import random
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 
 from train.config import require
+from train.data.datamodule import PromptDataModule
+from train.data.sources import load_text_dataset
 from train.decoding.metrics import simulated_block_efficiency
 from train.decoding.rollout import Rollout, position_ids_from_mask, rollout
 from train.decoding.sampling import SamplingParams
+from train.export import export_drafter
 from train.losses import DIVERGENCES, divergence, expected_acceptance
-from train.methods.pretrain import check_optimizer, configure_optimizers
+from train.models.loading import eos_token_ids, load_model, output_vocab_size
+from train.models.lora import LoraSettings, apply_lora, merge_lora
+from train.optim import check_optimizer, configure_optimizers
 
 log = logging.getLogger(__name__)
 
 DATA_SOURCES: tuple[str, ...] = ("fixed", "teacher", "student", "mixed_fixed", "mixed_teacher")
-
-
-@dataclass
-class LoraSettings:
-    """peft LoRA on the drafter (``method.lora.*``); ``enabled: false`` is a full fine-tune."""
-
-    enabled: bool = False
-    r: int = 8
-    alpha: int = 16
-    dropout: float = 0.0
-    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-
-    def __post_init__(self) -> None:
-        require(isinstance(self.r, int) and self.r >= 1, "method.lora.r", "an integer >= 1", self.r)
-        require(self.alpha > 0, "method.lora.alpha", "> 0", self.alpha)
-        require(0.0 <= self.dropout < 1.0, "method.lora.dropout", "in [0, 1)", self.dropout)
-        require(
-            bool(self.target_modules), "method.lora.target_modules", "a non-empty list", self.target_modules
-        )
-
-
-@dataclass
-class EvalSettings:
-    """The finish step's before/after comparison (``method.eval.*``)."""
-
-    enabled: bool = True
-    temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
-    gamma: int = 4
-    seeds: list[int] = field(default_factory=lambda: [0, 1])
-    num_prompts: int = 8
-    prompt_len: int = 64
-    max_new_tokens: int = 64
-
-    def __post_init__(self) -> None:
-        require(
-            bool(self.temperatures) and all(t >= 0 for t in self.temperatures),
-            "method.eval.temperatures",
-            "a non-empty list of values >= 0",
-            self.temperatures,
-        )
-        require(self.gamma >= 1, "method.eval.gamma", ">= 1", self.gamma)
-        require(len(self.seeds) >= 1, "method.eval.seeds", "a non-empty list", self.seeds)
-        require(self.num_prompts >= 1, "method.eval.num_prompts", ">= 1", self.num_prompts)
-        require(self.prompt_len >= 2, "method.eval.prompt_len", ">= 2", self.prompt_len)
-        require(self.max_new_tokens >= 1, "method.eval.max_new_tokens", ">= 1", self.max_new_tokens)
 
 
 @dataclass
@@ -126,7 +89,7 @@ class DistillSpecConfig:
     cache_teacher: bool = True
     """Generate each training prompt's teacher continuation once and reuse it in later epochs."""
     lora: Any = None
-    eval: Any = None
+    """LoRA on the drafter (:class:`train.models.lora.LoraSettings`); None: a full fine-tune."""
 
     def __post_init__(self) -> None:
         check_optimizer("method", self.optimizer, self.scheduler)
@@ -156,8 +119,7 @@ class DistillSpecConfig:
         require(self.num_val_prompts >= 1, "method.num_val_prompts", ">= 1", self.num_val_prompts)
         require(self.ce_weight >= 0, "method.ce_weight", ">= 0", self.ce_weight)
         require(self.gamma >= 1, "method.gamma", ">= 1", self.gamma)
-        self.lora = _settings(LoraSettings, self.lora, "method.lora")
-        self.eval = _settings(EvalSettings, self.eval, "method.eval")
+        self.lora = LoraSettings.coerce(self.lora, "method.lora")
 
     @property
     def on_policy_probability(self) -> float:
@@ -170,10 +132,8 @@ class DistillSpecConfig:
         return "fixed" if self.data_source in ("fixed", "mixed_fixed") else "teacher"
 
     def build(self, pair: Any, spec: Any) -> tuple[DistillSpecModule, L.LightningDataModule]:
-        """Student = the pair's drafter (LoRA-wrapped if asked), teacher = the frozen verifier."""
-        from train.data.datamodule import PromptDataModule
-        from train.data.sources import load_text_dataset
-
+        """Student = the pair's drafter (LoRA-wrapped if asked), teacher = the frozen verifier; the
+        pretrained drafter is reloaded from ``model.drafter`` for the finish step's ``before``."""
         data = PromptDataModule(
             lambda: load_text_dataset(spec.data, pair.tokenizer),
             pair.tokenizer,
@@ -184,7 +144,13 @@ class DistillSpecConfig:
             max_val_prompts=self.num_val_prompts,
             seed=spec.seed,
         )
-        module = DistillSpecModule(pair.drafter, pair.verifier, pair.tokenizer, self, seed=spec.seed)
+        m = spec.model
+        pretrained = functools.partial(
+            load_model, m.drafter, m.dtype, m.attn_implementation, m.trust_remote_code
+        )
+        module = DistillSpecModule(
+            pair.drafter, pair.verifier, pair.tokenizer, self, seed=spec.seed, pretrained=pretrained
+        )
         return module, data
 
 
@@ -192,35 +158,15 @@ def _in_unit(x: Any) -> bool:
     return isinstance(x, int | float) and 0.0 <= x <= 1.0
 
 
-def _settings(cls: Any, value: Any, key: str) -> Any:
-    if value is None:
-        return cls()
-    if isinstance(value, cls):
-        return value
-    require(isinstance(value, dict), key, "a mapping", value)
-    unknown = sorted(set(value) - set(cls.__dataclass_fields__) - {"_target_"})
-    require(not unknown, key, f"keys among {sorted(cls.__dataclass_fields__)}", unknown)
-    return cls(**{k: v for k, v in value.items() if k != "_target_"})
-
-
-def apply_lora(model: torch.nn.Module, cfg: LoraSettings) -> torch.nn.Module:
-    """Wrap ``model`` with peft LoRA adapters (only they train)."""
-    from peft import LoraConfig, get_peft_model
-
-    lora = LoraConfig(
-        r=cfg.r,
-        lora_alpha=cfg.alpha,
-        lora_dropout=cfg.dropout,
-        target_modules=list(cfg.target_modules),
-        task_type="CAUSAL_LM",
-    )
-    return get_peft_model(model, lora)
-
-
 class DistillSpecModule(L.LightningModule):
-    """The drafter learns the verifier's next-token distributions on continuation tokens."""
+    """The drafter learns the verifier's next-token distributions on continuation tokens.
+
+    ``pretrained``: loads the drafter as it was before training (the finish step's ``before``);
+    None: only the distilled drafter is evaluated.
+    """
 
     teacher: torch.nn.Module
+    reference_drafter: str | None = "before"
 
     def __init__(
         self,
@@ -229,6 +175,7 @@ class DistillSpecModule(L.LightningModule):
         tokenizer: Any,
         cfg: DistillSpecConfig,
         seed: int = 0,
+        pretrained: Callable[[], torch.nn.Module] | None = None,
     ) -> None:
         super().__init__()
         self.cfg = cfg
@@ -239,11 +186,12 @@ class DistillSpecModule(L.LightningModule):
         teacher.eval()
         teacher.requires_grad_(False)
         self.tokenizer = tokenizer
+        self.pretrained = pretrained
         self.params = SamplingParams(temperature=float(cfg.temperature))
-        self.eos_token_id = tokenizer.eos_token_id
+        self.eos_token_id = eos_token_ids(tokenizer, teacher, student)
         pad = tokenizer.pad_token_id
-        self.pad_token_id = int(pad if pad is not None else self.eos_token_id)
-        self.vocab_size = min(_vocab(student), _vocab(teacher))
+        self.pad_token_id = int(pad if pad is not None else self.eos_token_id[0])
+        self.vocab_size = min(output_vocab_size(student), output_vocab_size(teacher))
         self._teacher_cache: dict[bytes, torch.Tensor] = {}
         self._val_cache: dict[int, Rollout] = {}
         self._val_sums = [0.0, 0.0, 0]
@@ -260,7 +208,7 @@ class DistillSpecModule(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         params = [p for p in self.student.parameters() if p.requires_grad]
-        return configure_optimizers(self, params, self.cfg.optimizer, self.cfg.scheduler)
+        return configure_optimizers(params, self.cfg.optimizer, self.cfg.scheduler)
 
     def _generator(self, *salt: int) -> torch.Generator:
         """Seeded by (run seed, salt): a resumed run draws the same rollouts the killed one would have."""
@@ -425,18 +373,39 @@ class DistillSpecModule(L.LightningModule):
 
     def distilled_drafter(self) -> torch.nn.Module:
         """The student as a plain Hugging Face model (LoRA adapters merged into a copy)."""
-        if self.cfg.lora.enabled:
-            import copy
+        return merge_lora(self.student)
 
-            peft_model: Any = copy.deepcopy(self.student)
-            return peft_model.merge_and_unload()
-        return self.student
+    def drafters_to_evaluate(self) -> dict[str, torch.nn.Module]:
+        """``before`` (the pretrained drafter, reloaded) and ``after`` (the distilled one)."""
+        drafters = {"after": self.distilled_drafter()}
+        if self.pretrained is not None:
+            drafters = {"before": self.pretrained(), **drafters}
+        return drafters
 
-    def finish(self, trainer: L.Trainer, spec: Any) -> dict[str, Any] | None:
-        """Rank 0: export the drafter, evaluate before/after, write report.json / report.md."""
-        if not trainer.is_global_zero:
-            return None
-        return finish_run(self, spec, loggers=trainer.loggers, step=trainer.global_step)
+    def export(self, out_dir: str) -> Path:
+        """The distilled drafter as a Hugging Face folder (safetensors + tokenizer)."""
+        return export_drafter(self.distilled_drafter(), self.tokenizer, out_dir)
+
+    def report_summary(self) -> dict[str, Any]:
+        """The settings that define this distillation run, for ``report.json``."""
+        keys = (
+            "divergence",
+            "beta",
+            "lmbda",
+            "data_source",
+            "temperature",
+            "max_new_tokens",
+            "prompt_len",
+            "batch_size",
+            "num_prompts",
+            "ce_weight",
+            "gamma",
+        )
+        return {
+            "method": "distillspec",
+            **{k: getattr(self.cfg, k) for k in keys},
+            "lora": asdict(self.cfg.lora),
+        }
 
 
 def _mix(*values: int) -> int:
@@ -445,163 +414,3 @@ def _mix(*values: int) -> int:
     for v in values:
         seed = (seed * 1_000_003 + int(v)) % (2**61 - 1)
     return seed
-
-
-def _vocab(model: torch.nn.Module) -> int:
-    from train.decoding._common import output_vocab_size
-
-    return output_vocab_size(model)
-
-
-# -------------------------------------------------------------------- reporting
-
-REPORT_METRICS = (
-    "block_efficiency",
-    "acceptance_rate",
-    "expected_acceptance",
-    "accepted_per_block",
-    "mbsu",
-    "speedup",
-    "tokens_per_second",
-)
-
-
-def finish_run(module: DistillSpecModule, spec: Any, loggers: Any = None, step: int | None = None
-               ) -> dict[str, Any]:
-    """Evaluate the pretrained ("before") and distilled ("after") drafters, export, and report."""
-    from train.models.loading import load_model
-
-    cfg = module.cfg
-    run_dir = spec.run_dir
-    after = module.distilled_drafter().eval()
-    before = load_model(
-        spec.model.drafter, spec.model.dtype, spec.model.attn_implementation, spec.model.trust_remote_code
-    ).eval()
-    verifier = module.teacher.eval()
-    for m in (after, before, verifier):
-        m.to("cpu")
-    report: dict[str, Any] = {"config": {"method": _method_summary(cfg)}}
-    if cfg.eval.enabled:
-        metrics = evaluate_before_after(verifier, before, after, module.tokenizer, spec, loggers, step)
-        report.update(metrics)
-    drafter_dir = os.path.join(run_dir, "drafter")
-    _export(after, module.tokenizer, drafter_dir, report, spec)
-    report["drafter_dir"] = drafter_dir
-    with open(os.path.join(run_dir, "report.json"), "w") as f:
-        json.dump(report, f, indent=2, default=str)
-        f.write("\n")
-    table = format_table(report)
-    with open(os.path.join(run_dir, "report.md"), "w") as f:
-        f.write(f"# DistillSpec: {spec.name}\n\n{table}\n\nDrafter exported to `{drafter_dir}`.\n")
-    print(table)
-    print(f"run directory: {os.path.abspath(run_dir)}")
-    return report
-
-
-def _method_summary(cfg: DistillSpecConfig) -> dict[str, Any]:
-    keys = (
-        "divergence",
-        "beta",
-        "lmbda",
-        "data_source",
-        "temperature",
-        "max_new_tokens",
-        "prompt_len",
-        "batch_size",
-        "num_prompts",
-        "ce_weight",
-        "gamma",
-    )
-    out = {k: getattr(cfg, k) for k in keys}
-    out["lora"] = asdict(cfg.lora)
-    out["eval"] = asdict(cfg.eval)
-    return out
-
-
-def evaluate_before_after(
-    verifier: torch.nn.Module,
-    before: torch.nn.Module,
-    after: torch.nn.Module,
-    tokenizer: Any,
-    spec: Any,
-    loggers: Any = None,
-    step: int | None = None,
-) -> dict[str, Any]:
-    """``{"before": {T: contract}, "after": {T: contract}, "table": markdown}`` from the project's evaluator."""
-    from train.evaluation import EvalConfig, build_prompts, by_temperature, evaluate_drafters, results_table
-
-    ev = spec.method.eval
-    cfg = EvalConfig(
-        temperatures=list(ev.temperatures),
-        gammas=[ev.gamma],
-        seeds=list(ev.seeds),
-        num_prompts=ev.num_prompts,
-        prompt_len=ev.prompt_len,
-        max_new_tokens=ev.max_new_tokens,
-        progress=False,
-    )
-    prompts = build_prompts(tokenizer, spec.data, ev.num_prompts, ev.prompt_len, seed=spec.seed)
-    results = evaluate_drafters(
-        verifier,
-        {"before": before, "after": after},
-        prompts,
-        cfg,
-        eos_token_id=tokenizer.eos_token_id,
-        out_dir=os.path.join(spec.run_dir, "eval"),
-        loggers=loggers,
-        step=step,
-    )
-    return {
-        "before": by_temperature(results, "before", gamma=ev.gamma),
-        "after": by_temperature(results, "after", gamma=ev.gamma),
-        "evaluation_table": results_table(results),
-        "evaluation_seconds": results.get("elapsed_seconds"),
-    }
-
-
-def _export(model: torch.nn.Module, tokenizer: Any, out_dir: str, report: dict[str, Any], spec: Any) -> None:
-    """The drafter as a Hugging Face folder with the evaluation table and training config in its card."""
-    from omegaconf import OmegaConf
-
-    config: dict[str, Any] = OmegaConf.to_container(spec.cfg, resolve=True)  # type: ignore[assignment]
-    evaluation: dict[str, Any] = {k: report[k] for k in ("before", "after") if k in report}
-    from train.export import export_drafter
-
-    export_drafter(model, tokenizer, out_dir, results=evaluation, config=config)
-
-
-def format_table(report: dict[str, Any]) -> str:
-    """Markdown: one row per (temperature, drafter) with mean +- std of the headline metrics."""
-    if "before" not in report:
-        return "(evaluation disabled)"
-    lines = [
-        "| T | drafter | block_efficiency | acceptance_rate | expected_acceptance | mbsu | speedup |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for temp in report["before"]:
-        for name in ("before", "after"):
-            row = report[name].get(temp, {})
-            cells = [
-                _fmt(row.get(m))
-                for m in ("block_efficiency", "acceptance_rate", "expected_acceptance", "mbsu", "speedup")
-            ]
-            lines.append(f"| {temp} | {name} | " + " | ".join(cells) + " |")
-        b = _mean(report["before"][temp].get("block_efficiency"))
-        a = _mean(report["after"].get(temp, {}).get("block_efficiency"))
-        if b and a:
-            lines.append(f"| {temp} | after / before | {a / b:.3f}x | | | | |")
-    return "\n".join(lines)
-
-
-def _mean(value: Any) -> float | None:
-    if isinstance(value, dict):
-        value = value.get("mean")
-    return float(value) if isinstance(value, int | float) else None
-
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, dict) and isinstance(value.get("mean"), int | float):
-        return f"{value['mean']:.3f} ± {value.get('std', 0.0):.3f}"
-    if isinstance(value, int | float):
-        return f"{value:.3f}"
-    return "-"

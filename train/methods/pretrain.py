@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 from dataclasses import dataclass
@@ -13,29 +12,9 @@ import torch
 from transformers import PreTrainedModel
 
 from train.config import require
-
-
-def partial_kwarg(partial: Any, name: str) -> Any:
-    """Read a keyword argument of a Hydra ``_partial_`` (a ``functools.partial``)."""
-    return partial.keywords.get(name) if isinstance(partial, functools.partial) else None
-
-
-def check_optimizer(prefix: str, optimizer: Any, scheduler: Any) -> None:
-    """Validate the optimizer/scheduler partials shared by every method config."""
-    require(callable(optimizer), f"{prefix}.optimizer", "a Hydra partial (_partial_: true)", optimizer)
-    require(scheduler is None or callable(scheduler), f"{prefix}.scheduler", "a Hydra partial or null", scheduler)
-    lr = partial_kwarg(optimizer, "lr")
-    require(lr is None or (isinstance(lr, (int, float)) and lr > 0), f"{prefix}.optimizer.lr", "> 0", lr)
-    wd = partial_kwarg(optimizer, "weight_decay")
-    require(wd is None or wd >= 0, f"{prefix}.optimizer.weight_decay", ">= 0", wd)
-
-
-def configure_optimizers(module: L.LightningModule, params: Any, optimizer: Any, scheduler: Any) -> Any:
-    """Lightning's optimizer dict from Hydra partials; the scheduler steps every optimizer step."""
-    opt = optimizer(params)
-    if scheduler is None:
-        return opt
-    return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler(opt), "interval": "step"}}
+from train.data.datamodule import LMDataModule
+from train.data.sources import load_text_dataset
+from train.optim import check_optimizer, configure_optimizers
 
 
 @dataclass
@@ -54,11 +33,14 @@ class PretrainConfig:
 
     def build(self, pair: Any, spec: Any) -> tuple[PretrainModule, L.LightningDataModule]:
         """Continued pretraining of the pair's drafter on ``spec.data`` (packed blocks)."""
-        from train.data.datamodule import LMDataModule
-        from train.data.sources import load_text_dataset
-
-        data = LMDataModule(lambda: load_text_dataset(spec.data, pair.tokenizer), pair.tokenizer,
-                            seq_len=self.seq_len, batch_size=self.batch_size, seed=spec.seed, drop_last=True)
+        data = LMDataModule(
+            lambda: load_text_dataset(spec.data, pair.tokenizer),
+            pair.tokenizer,
+            seq_len=self.seq_len,
+            batch_size=self.batch_size,
+            seed=spec.seed,
+            drop_last=True,
+        )
         return PretrainModule(pair.drafter, self), data
 
 
@@ -86,7 +68,9 @@ class PretrainModule(L.LightningModule):
 
     def on_train_end(self) -> None:
         # One line per process, so a distributed run shows that every rank trained.
-        print(f"rank {self.global_rank}/{self.trainer.world_size}: trained {self.global_step} steps", flush=True)
+        print(
+            f"rank {self.global_rank}/{self.trainer.world_size}: trained {self.global_step} steps", flush=True
+        )
 
     def on_validation_epoch_start(self) -> None:
         self._val_nll, self._val_tokens = 0.0, 0
@@ -103,7 +87,7 @@ class PretrainModule(L.LightningModule):
         self.log("val/perplexity", math.exp(min(nll, 50.0)), sync_dist=True)
 
     def configure_optimizers(self) -> Any:
-        return configure_optimizers(self, self.model.parameters(), self.cfg.optimizer, self.cfg.scheduler)
+        return configure_optimizers(self.model.parameters(), self.cfg.optimizer, self.cfg.scheduler)
 
     def finish(self, trainer: L.Trainer, spec: Any) -> str | None:
         """Save the trained model (rank 0 only) as a Hugging Face folder in the run directory."""

@@ -42,8 +42,12 @@ def freeze(model: ModelT) -> ModelT:
     return model
 
 
-def load_model(source: str, dtype: str | None = "float32", attn_implementation: str | None = "sdpa",
-               trust_remote_code: bool = False) -> PreTrainedModel:
+def load_model(
+    source: str,
+    dtype: str | None = "float32",
+    attn_implementation: str | None = "sdpa",
+    trust_remote_code: bool = False,
+) -> PreTrainedModel:
     """Load a causal LM, with a precise error when the source does not exist."""
     path = os.path.expanduser(source)
     if looks_local(source) and not os.path.isdir(path):
@@ -96,9 +100,13 @@ def check_same_tokenizer(verifier_tok: PreTrainedTokenizerBase, drafter_tok: Pre
         raise TokenizerMismatchError("verifier and drafter tokenizers encode the same text differently")
 
 
-def output_vocab_size(model: PreTrainedModel) -> int:
-    """Rows of the model's output embedding (may exceed the tokenizer's length when padded)."""
-    return int(model.get_output_embeddings().weight.shape[0])
+def output_vocab_size(model: torch.nn.Module) -> int:
+    """Rows of the model's output embedding (may exceed the tokenizer's length when padded).
+
+    model: a ``transformers`` causal LM, or a peft wrapper of one (it forwards the call).
+    """
+    lm: Any = model
+    return int(lm.get_output_embeddings().weight.shape[0])
 
 
 @dataclass
@@ -134,14 +142,50 @@ def load_pair(cfg: ModelConfig, freeze_drafter: bool = False) -> ModelPair:
     if drafter_tok_source is not None and drafter_tok_source != cfg.tokenizer_source:
         check_same_tokenizer(tokenizer, load_tokenizer(drafter_tok_source, cfg.trust_remote_code))
     verifier = freeze(
-        load_model(cfg.verifier, cfg.verifier_dtype or cfg.dtype, cfg.attn_implementation, cfg.trust_remote_code)
+        load_model(
+            cfg.verifier, cfg.verifier_dtype or cfg.dtype, cfg.attn_implementation, cfg.trust_remote_code
+        )
     )
     drafter = load_model(cfg.drafter, cfg.dtype, cfg.attn_implementation, cfg.trust_remote_code)
     if freeze_drafter:
         freeze(drafter)
-    if len(tokenizer) > max(output_vocab_size(verifier), output_vocab_size(drafter)):
-        raise TokenizerMismatchError(
-            f"tokenizer has {len(tokenizer)} tokens but the models' output sizes are "
-            f"{output_vocab_size(verifier)} (verifier) and {output_vocab_size(drafter)} (drafter)"
-        )
+    check_vocab_covers_tokenizer(tokenizer, verifier, drafter)
     return ModelPair(verifier=verifier, drafter=drafter, tokenizer=tokenizer)
+
+
+def check_vocab_covers_tokenizer(
+    tokenizer: PreTrainedTokenizerBase, verifier: PreTrainedModel, drafter: PreTrainedModel
+) -> None:
+    """Raise :class:`TokenizerMismatchError` unless *both* models can score every real token.
+
+    Embeddings may be padded beyond the tokenizer (Qwen3), so the smaller of the two output sizes must
+    still hold ``len(tokenizer)`` ids: logits are compared over that common range.
+    """
+    sizes = {"verifier": output_vocab_size(verifier), "drafter": output_vocab_size(drafter)}
+    if len(tokenizer) > min(sizes.values()):
+        short = min(sizes, key=sizes.__getitem__)
+        raise TokenizerMismatchError(
+            f"tokenizer has {len(tokenizer)} tokens but the {short}'s output size is only {sizes[short]} "
+            f"(verifier {sizes['verifier']}, drafter {sizes['drafter']}): both models must cover every token"
+        )
+
+
+def eos_token_ids(tokenizer: PreTrainedTokenizerBase | None, *models: torch.nn.Module) -> list[int]:
+    """Every id that ends a generation: the tokenizer's EOS, then each model's
+    ``generation_config.eos_token_id`` (an int or a list: Llama 3 and Qwen3 name several).
+
+    Order-stable, without duplicates; models without a generation config contribute nothing.
+    """
+    ids: list[int] = []
+
+    def add(value: Any) -> None:
+        if value is None:
+            return
+        for v in [value] if isinstance(value, int) else list(value):
+            if v is not None and int(v) not in ids:
+                ids.append(int(v))
+
+    add(getattr(tokenizer, "eos_token_id", None))
+    for model in models:
+        add(getattr(getattr(model, "generation_config", None), "eos_token_id", None))
+    return ids

@@ -1,0 +1,296 @@
+"""The finish step every training method shares: export first, then evaluate, then report.
+
+A method's LightningModule says only *what* to evaluate and *how* to save its artifact (the
+:class:`Finishable` protocol); :func:`finish` does the rest, in an order chosen so that a failure
+late in the step never loses the trained drafter:
+
+1. **export**: ``module.export(<run_dir>/drafter)`` writes the artifact, and its model card is
+   written at once with the run's config (no figures yet);
+2. **evaluation**: every drafter of ``module.drafters_to_evaluate()`` against the verifier with
+   :func:`train.evaluation.evaluate_drafters` under the run's ``eval`` config (decoders, gammas,
+   temperatures, seeds), on prompts from the run's data config; the evaluator's own outputs go to
+   ``<run_dir>/eval/``. If it raises, :class:`EvaluationError` says where the exported drafter is;
+3. **report**: ``report.json`` and ``report.md`` in the run directory: the metric contract per
+   drafter, decoder and temperature, the decoder (gamma) with the best measured speedup, and each
+   drafter's ratios to the reference drafter (block efficiency, speedup) at equal decoder and
+   temperature;
+4. **card**: the exported card is rewritten with the evaluation table (the weights are already on disk).
+
+``train.run`` calls :func:`finish` on rank 0 after ``Trainer.fit`` for any module that implements
+the protocol. Every figure is rendered by :mod:`train.tables` or
+:func:`train.evaluation.results_table`; nothing here formats a number itself.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from train.evaluation import (
+    EvalConfig,
+    build_prompts,
+    by_temperature,
+    evaluate_drafters,
+    results_table,
+    to_jsonable,
+)
+from train.export import write_model_card
+from train.models.loading import eos_token_ids
+from train.tables import format_metric, format_value, markdown_table
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "REPORT_SCHEMA",
+    "EvaluationError",
+    "Finishable",
+    "build_report",
+    "finish",
+    "report_markdown",
+]
+
+REPORT_SCHEMA = "draftsmith.report/1"
+RATIO_METRICS: tuple[str, ...] = ("block_efficiency", "speedup")
+
+
+class EvaluationError(RuntimeError):
+    """The evaluation of the finish step failed; the message names the exported drafter's folder."""
+
+
+@runtime_checkable
+class Finishable(Protocol):
+    """What a method's LightningModule supplies to the shared finish step."""
+
+    reference_drafter: str | None
+    """The label in :meth:`drafters_to_evaluate` that ratios are taken against (e.g. ``"before"``);
+    None: no ratios."""
+
+    def drafters_to_evaluate(self) -> Mapping[str, torch.nn.Module]:
+        """``{label: drafter}`` to measure against the verifier, e.g. ``{"before": d0, "after": d1}``;
+        empty: nothing is evaluated."""
+        ...
+
+    def export(self, out_dir: str) -> str | os.PathLike[str]:
+        """Save the trained artifact into ``out_dir`` (created if missing); return the folder."""
+        ...
+
+    def report_summary(self) -> dict[str, Any]:
+        """The method's settings as they should appear in ``report.json`` (plain values)."""
+        ...
+
+
+def finish(
+    module: Finishable,
+    verifier: torch.nn.Module,
+    tokenizer: Any,
+    run_dir: str | os.PathLike[str],
+    eval_cfg: EvalConfig | None,
+    data: Any = None,
+    seed: int = 0,
+    name: str = "run",
+    config: Mapping[str, Any] | None = None,
+    loggers: Sequence[Any] | None = None,
+    step: int | None = None,
+) -> dict[str, Any]:
+    """Export, evaluate and report one finished run (call it on rank 0 only); return the report.
+
+    verifier / tokenizer: the run's pair. eval_cfg: the run's ``eval`` config (None: no evaluation).
+    data: the run's data config, for :func:`train.evaluation.build_prompts`; seed: the prompt cut's
+    seed. name: the run's name (report title). config: the resolved run config, for the model card.
+    loggers / step: passed to the evaluation, which logs ``eval/...`` scalars.
+    Raises :class:`EvaluationError` (chained to the cause) when the evaluation fails; the drafter is
+    exported by then and ``report.json`` records the error.
+    """
+    run = Path(run_dir)
+    run.mkdir(parents=True, exist_ok=True)
+    drafter_dir = Path(module.export(str(run / "drafter")))
+    write_model_card(drafter_dir, config=config)
+    log.info("Exported the trained drafter to %s", drafter_dir)
+    report: dict[str, Any] = {
+        "schema": REPORT_SCHEMA,
+        "name": name,
+        "method": module.report_summary(),
+        "drafter_dir": str(drafter_dir),
+    }
+    drafters = dict(module.drafters_to_evaluate()) if eval_cfg is not None else {}
+    results = None
+    if drafters:
+        assert eval_cfg is not None
+        try:
+            results = _evaluate(verifier, tokenizer, drafters, eval_cfg, data, seed, run, loggers, step)
+        except Exception as err:
+            report["evaluation_error"] = f"{type(err).__name__}: {err}"
+            _write_json(run / "report.json", report)
+            raise EvaluationError(
+                f"the evaluation failed ({type(err).__name__}: {err}); "
+                f"the trained drafter was exported before it and is at {drafter_dir}"
+            ) from err
+        report.update(build_report(results, module.reference_drafter))
+        report["evaluation_dir"] = str(run / "eval")
+    _write_json(run / "report.json", report)
+    text = report_markdown(report, results)
+    (run / "report.md").write_text(text, encoding="utf-8")
+    if results is not None:
+        write_model_card(drafter_dir, config=config, results=results)
+    print(text)
+    print(f"run directory: {run.resolve()}")
+    return report
+
+
+def _evaluate(
+    verifier: torch.nn.Module,
+    tokenizer: Any,
+    drafters: dict[str, torch.nn.Module],
+    cfg: EvalConfig,
+    data: Any,
+    seed: int,
+    run: Path,
+    loggers: Sequence[Any] | None,
+    step: int | None,
+) -> dict[str, Any]:
+    device = next(verifier.parameters()).device
+    for drafter in drafters.values():
+        drafter.to(device)
+    prompts = build_prompts(tokenizer, data, cfg.num_prompts, cfg.prompt_len, seed=seed)
+    return evaluate_drafters(
+        verifier,
+        drafters,
+        prompts,
+        cfg,
+        eos_token_id=eos_token_ids(tokenizer, verifier, *drafters.values()),
+        out_dir=run / "eval",
+        loggers=loggers,
+        step=step,
+    )
+
+
+# ----------------------------------------------------------------------------- the report
+
+
+def _mean(entry: Any) -> float | None:
+    """The mean of an aggregated metric, None when missing or not finite."""
+    value = entry.get("mean") if isinstance(entry, Mapping) else entry
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def _ratio(a: Any, b: Any) -> float | None:
+    num, den = _mean(a), _mean(b)
+    return num / den if num is not None and den else None
+
+
+def build_report(results: Mapping[str, Any], reference: str | None = None) -> dict[str, Any]:
+    """The evaluation part of ``report.json`` from :func:`train.evaluation.evaluate_drafters`' results.
+
+    Keys: ``reference``; ``decoders`` (labels, e.g. ``sd@g2``); ``drafters``: {drafter: {decoder:
+    {temperature: metric contract}}} (:func:`train.evaluation.by_temperature`); ``best``: {drafter:
+    {temperature: {"decoder", "gamma", "speedup", "block_efficiency"}}}, the decoder with the highest
+    mean speedup; ``ratios``: {drafter: {decoder: {temperature: {metric: mean / reference mean}}}} for
+    every drafter but the reference (metrics: block_efficiency, speedup); ``evaluation_seconds``.
+    """
+    runs = results["runs"]
+    names = list(dict.fromkeys(r["drafter"] for r in runs))
+    labels = list(dict.fromkeys(r["decoder"] for r in runs))
+    per: dict[str, dict[str, dict[str, Any]]] = {
+        name: {label: by_temperature(results, name, decoder=label) for label in labels} for name in names
+    }
+    best: dict[str, dict[str, Any]] = {}
+    for name, by_decoder in per.items():
+        temps = list(dict.fromkeys(t for per_t in by_decoder.values() for t in per_t))
+        for t in temps:
+            scored = [
+                (score, label)
+                for label, per_t in by_decoder.items()
+                if (score := _mean(per_t.get(t, {}).get("speedup"))) is not None
+            ]
+            if not scored:
+                continue
+            label = max(scored, key=lambda item: item[0])[1]
+            entry = by_decoder[label][t]
+            best.setdefault(name, {})[t] = {
+                "decoder": label,
+                "gamma": entry.get("gamma"),
+                "speedup": entry.get("speedup"),
+                "block_efficiency": entry.get("block_efficiency"),
+            }
+    ratios: dict[str, Any] = {}
+    if reference is not None and reference in per:
+        for name in names:
+            if name == reference:
+                continue
+            ratios[name] = {
+                label: {
+                    t: {
+                        m: _ratio(metrics.get(m), per[reference][label].get(t, {}).get(m))
+                        for m in RATIO_METRICS
+                    }
+                    for t, metrics in per[name][label].items()
+                }
+                for label in labels
+            }
+    return {
+        "reference": reference,
+        "decoders": labels,
+        "drafters": per,
+        "best": best,
+        "ratios": ratios,
+        "evaluation_seconds": results.get("elapsed_seconds"),
+    }
+
+
+def report_markdown(report: Mapping[str, Any], results: Mapping[str, Any] | None = None) -> str:
+    """``report.md``: where the drafter is, the evaluation table, the best decoders and the ratios."""
+    summary = report.get("method") or {}
+    title = f"# {report.get('name', 'run')}: {summary.get('method', 'training run')}"
+    parts = [title, f"The trained drafter is exported to `{report['drafter_dir']}`."]
+    if results is None:
+        parts.append("No evaluation was run (no `eval` config, or the method names no drafter to evaluate).")
+        return "\n\n".join(parts) + "\n"
+    parts += ["## Evaluation", results_table(results).rstrip()]
+    best_rows = [
+        [
+            name,
+            t,
+            b["decoder"],
+            format_value(b["gamma"], 0),
+            format_metric(b["speedup"], 2),
+            format_metric(b["block_efficiency"], 2),
+        ]
+        for name, per_t in report["best"].items()
+        for t, b in per_t.items()
+    ]
+    if best_rows:
+        parts += [
+            "## Best measured speedup",
+            markdown_table(
+                ["drafter", "T", "decoder", "gamma", "speedup", "block_efficiency"], best_rows, "llllrr"
+            ).rstrip(),
+        ]
+    ratio_rows = [
+        [name, label, t, *(r[m] for m in RATIO_METRICS)]
+        for name, by_decoder in report["ratios"].items()
+        for label, per_t in by_decoder.items()
+        for t, r in per_t.items()
+    ]
+    if ratio_rows:
+        reference = report["reference"]
+        parts += [
+            f"## Ratios to `{reference}`",
+            f"Mean of each drafter / mean of `{reference}`, same decoder, temperature, prompts and seeds.",
+            markdown_table(
+                ["drafter", "decoder", "T", *(f"{m} ratio" for m in RATIO_METRICS)], ratio_rows, "lllrr"
+            ).rstrip(),
+        ]
+    return "\n\n".join(parts) + "\n"
+
+
+def _write_json(path: Path, payload: Mapping[str, Any]) -> None:
+    path.write_text(json.dumps(to_jsonable(payload), indent=2, default=str) + "\n", encoding="utf-8")
