@@ -28,15 +28,25 @@ def make_tokenizer(extra: str = "") -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>",
-                                   pad_token="<|pad|>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>"
+    )
 
 
 def tiny_llama(vocab_size: int = 260, hidden: int = 32, layers: int = 2, seed: int = 0):
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=512, bos_token_id=256, eos_token_id=257, pad_token_id=258)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=256,
+        eos_token_id=257,
+        pad_token_id=258,
+    )
     return AutoModelForCausalLM.from_config(config).eval()
 
 

@@ -35,9 +35,7 @@ def _group_case(group_dir: Path, option: str) -> tuple[str, list[str]]:
     return "train", [f"{group_dir.name}={option}"]
 
 
-CASES = [
-    (g.name, option) for g in GROUP_DIRS for option in _options(g)
-]
+CASES = [(g.name, option) for g in GROUP_DIRS for option in _options(g)]
 
 
 @pytest.mark.parametrize(("group", "option"), CASES)

@@ -16,14 +16,32 @@ from tests.conftest import REPO_ROOT
 @pytest.mark.slow
 def test_cpu_ddp_pretraining_two_processes(tmp_path: Path, tiny_pair_dir: Path) -> None:
     data = tmp_path / "docs.jsonl"
-    data.write_text("\n".join(json.dumps({"text": f"def f{i}(x):\n    return x + {i}\n" * 8}) for i in range(80)))
+    data.write_text(
+        "\n".join(json.dumps({"text": f"def f{i}(x):\n    return x + {i}\n" * 8}) for i in range(80))
+    )
     cmd = [
-        sys.executable, "train.py", "method=pretrain", "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2",
-        "trainer.max_steps=4", "trainer.val_check_interval=2", "trainer.limit_val_batches=2",
-        "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false", "~callbacks.progress_bar",
-        "method.seq_len=32", "method.batch_size=4", "model.tiny=null",
-        f"model.verifier={tiny_pair_dir / 'verifier'}", f"model.drafter={tiny_pair_dir / 'drafter'}",
-        "data=local", "data.name=jsonl", f"data.data_files={data}", "logger=csv", "name=ddp",
+        sys.executable,
+        "train.py",
+        "method=pretrain",
+        "trainer=ddp",
+        "trainer.accelerator=cpu",
+        "trainer.devices=2",
+        "trainer.max_steps=4",
+        "trainer.val_check_interval=2",
+        "trainer.limit_val_batches=2",
+        "trainer.log_every_n_steps=1",
+        "trainer.enable_progress_bar=false",
+        "~callbacks.progress_bar",
+        "method.seq_len=32",
+        "method.batch_size=4",
+        "model.tiny=null",
+        f"model.verifier={tiny_pair_dir / 'verifier'}",
+        f"model.drafter={tiny_pair_dir / 'drafter'}",
+        "data=local",
+        "data.name=jsonl",
+        f"data.data_files={data}",
+        "logger=csv",
+        "name=ddp",
     ]
     env = os.environ | {"DRAFTSMITH_ROOT": str(tmp_path), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)

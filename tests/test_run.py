@@ -27,12 +27,26 @@ def text_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def run_cfg(tmp_path: Path, pair: Path, data: Path, run: str, extra: list[str] | None = None) -> DictConfig:
     overrides = [
-        "method=pretrain", "model.tiny=null", f"model.verifier={pair / 'verifier'}",
-        f"model.drafter={pair / 'drafter'}", "data=local", "data.name=jsonl", f"data.data_files={data}",
-        "data.validation_fraction=0.2", "data.test_fraction=0.1", "trainer.max_steps=4",
-        "trainer.val_check_interval=2", "trainer.log_every_n_steps=1", "trainer.limit_val_batches=2", "trainer.enable_progress_bar=false",
-        "method.seq_len=32", "method.batch_size=4", "callbacks.model_checkpoint.every_n_train_steps=2",
-        "~callbacks.progress_bar", f"paths.root_dir={tmp_path}", "name=unit",
+        "method=pretrain",
+        "model.tiny=null",
+        f"model.verifier={pair / 'verifier'}",
+        f"model.drafter={pair / 'drafter'}",
+        "data=local",
+        "data.name=jsonl",
+        f"data.data_files={data}",
+        "data.validation_fraction=0.2",
+        "data.test_fraction=0.1",
+        "trainer.max_steps=4",
+        "trainer.val_check_interval=2",
+        "trainer.log_every_n_steps=1",
+        "trainer.limit_val_batches=2",
+        "trainer.enable_progress_bar=false",
+        "method.seq_len=32",
+        "method.batch_size=4",
+        "callbacks.model_checkpoint.every_n_train_steps=2",
+        "~callbacks.progress_bar",
+        f"paths.root_dir={tmp_path}",
+        "name=unit",
     ] + (extra or [])
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
@@ -47,8 +61,9 @@ def read_metrics(run_dir: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
-def test_run_writes_config_checkpoints_csv_and_offline_wandb(tmp_path: Path, tiny_pair_dir: Path,
-                                                             text_file: Path) -> None:
+def test_run_writes_config_checkpoints_csv_and_offline_wandb(
+    tmp_path: Path, tiny_pair_dir: Path, text_file: Path
+) -> None:
     main(run_cfg(tmp_path, tiny_pair_dir, text_file, "a"))
     run_dir = tmp_path / "checkpoints" / "unit" / "a"
     assert (run_dir / "config.yaml").is_file()
@@ -69,19 +84,33 @@ def test_run_writes_config_checkpoints_csv_and_offline_wandb(tmp_path: Path, tin
 
 def test_resume_continues_from_last_checkpoint(tmp_path: Path, tiny_pair_dir: Path, text_file: Path) -> None:
     main(run_cfg(tmp_path, tiny_pair_dir, text_file, "first", ["logger=csv"]))
-    main(run_cfg(tmp_path, tiny_pair_dir, text_file, "second",
-                 ["logger=csv", "ckpt_path=last", "trainer.max_steps=6"]))
-    steps = [int(r["step"]) for r in read_metrics(tmp_path / "checkpoints" / "unit" / "second") if r.get("train/loss")]
+    main(
+        run_cfg(
+            tmp_path,
+            tiny_pair_dir,
+            text_file,
+            "second",
+            ["logger=csv", "ckpt_path=last", "trainer.max_steps=6"],
+        )
+    )
+    steps = [
+        int(r["step"])
+        for r in read_metrics(tmp_path / "checkpoints" / "unit" / "second")
+        if r.get("train/loss")
+    ]
     assert steps and min(steps) >= 4, steps  # started where the first run stopped
 
 
-def test_resume_without_checkpoint_is_a_clear_error(tmp_path: Path, tiny_pair_dir: Path, text_file: Path) -> None:
+def test_resume_without_checkpoint_is_a_clear_error(
+    tmp_path: Path, tiny_pair_dir: Path, text_file: Path
+) -> None:
     with pytest.raises(FileNotFoundError, match="ckpt_path=last"):
         main(run_cfg(tmp_path, tiny_pair_dir, text_file, "x", ["logger=none", "ckpt_path=last"]))
 
 
-def test_non_finite_loss_stops_naming_the_step(tmp_path: Path, tiny_pair_dir: Path, text_file: Path,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_non_finite_loss_stops_naming_the_step(
+    tmp_path: Path, tiny_pair_dir: Path, text_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from train.methods.pretrain import PretrainModule
 
     original = PretrainModule._loss
@@ -93,6 +122,9 @@ def test_non_finite_loss_stops_naming_the_step(tmp_path: Path, tiny_pair_dir: Pa
     monkeypatch.setattr(PretrainModule, "_loss", poisoned)
     with pytest.raises(NonFiniteLossError, match="global step 2.*last good checkpoint: .*last.ckpt"):
         main(run_cfg(tmp_path, tiny_pair_dir, text_file, "nan", ["logger=none"]))
-    state = torch.load(tmp_path / "checkpoints" / "unit" / "nan" / "checkpoints" / "last.ckpt",
-                       map_location="cpu", weights_only=False)
+    state = torch.load(
+        tmp_path / "checkpoints" / "unit" / "nan" / "checkpoints" / "last.ckpt",
+        map_location="cpu",
+        weights_only=False,
+    )
     assert all(torch.isfinite(t).all() for t in state["state_dict"].values())

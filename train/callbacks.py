@@ -20,7 +20,9 @@ class NonFiniteLossGuard(L.Callback):
     the last checkpoint written by ``ModelCheckpoint`` (and the in-memory weights) stay good.
     """
 
-    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
+    def on_before_backward(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor
+    ) -> None:
         if torch.isfinite(loss).all():
             return
         last = _last_checkpoint(trainer)

@@ -40,7 +40,15 @@ def check_model_source(key: str, source: str, may_be_built: bool = False) -> Non
         require(bool(_HUB_ID.match(source)), key, "a Hub id like 'org/name' or a local path", source)
 
 
-STRATEGIES = ("auto", "ddp", "ddp_spawn", "ddp_find_unused_parameters_true", "fsdp", "deepspeed", "single_device")
+STRATEGIES = (
+    "auto",
+    "ddp",
+    "ddp_spawn",
+    "ddp_find_unused_parameters_true",
+    "fsdp",
+    "deepspeed",
+    "single_device",
+)
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps", "tpu")
 PRECISIONS = ("32-true", "32", "16-mixed", "bf16-mixed", "bf16-true", "16-true", "64-true")
 DTYPES = ("float32", "bfloat16", "float16", "auto")
@@ -65,7 +73,12 @@ class TrainerConfig:
     enable_progress_bar: bool = True
 
     def __post_init__(self) -> None:
-        require(self.accelerator in ACCELERATORS, "trainer.accelerator", f"one of {ACCELERATORS}", self.accelerator)
+        require(
+            self.accelerator in ACCELERATORS,
+            "trainer.accelerator",
+            f"one of {ACCELERATORS}",
+            self.accelerator,
+        )
         require(self.strategy in STRATEGIES, "trainer.strategy", f"one of {STRATEGIES}", self.strategy)
         require(
             self.devices == "auto" or (isinstance(self.devices, int) and self.devices >= 1),
@@ -73,11 +86,23 @@ class TrainerConfig:
             "an integer >= 1 or 'auto'",
             self.devices,
         )
-        require(isinstance(self.num_nodes, int) and self.num_nodes >= 1, "trainer.num_nodes", ">= 1", self.num_nodes)
-        require(str(self.precision) in PRECISIONS, "trainer.precision", f"one of {PRECISIONS}", self.precision)
+        require(
+            isinstance(self.num_nodes, int) and self.num_nodes >= 1,
+            "trainer.num_nodes",
+            ">= 1",
+            self.num_nodes,
+        )
+        require(
+            str(self.precision) in PRECISIONS, "trainer.precision", f"one of {PRECISIONS}", self.precision
+        )
         require(self.max_steps >= 1, "trainer.max_steps", ">= 1", self.max_steps)
         require(self.log_every_n_steps >= 1, "trainer.log_every_n_steps", ">= 1", self.log_every_n_steps)
-        require(self.accumulate_grad_batches >= 1, "trainer.accumulate_grad_batches", ">= 1", self.accumulate_grad_batches)
+        require(
+            self.accumulate_grad_batches >= 1,
+            "trainer.accumulate_grad_batches",
+            ">= 1",
+            self.accumulate_grad_batches,
+        )
         require(
             self.gradient_clip_val is None or self.gradient_clip_val > 0,
             "trainer.gradient_clip_val",
@@ -117,7 +142,9 @@ class LoggerConfig:
     tags: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        require(self.offline in ("auto", True, False), "logger.offline", "'auto', true or false", self.offline)
+        require(
+            self.offline in ("auto", True, False), "logger.offline", "'auto', true or false", self.offline
+        )
         require(bool(self.project), "logger.project", "a non-empty string", self.project)
 
     def wandb_offline(self) -> bool:

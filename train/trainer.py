@@ -15,7 +15,9 @@ from omegaconf import DictConfig
 from train.config import LoggerConfig, TrainerConfig
 
 
-def build_loggers(cfg: LoggerConfig, run_dir: str, name: str, config: dict[str, Any] | None = None) -> list[Logger]:
+def build_loggers(
+    cfg: LoggerConfig, run_dir: str, name: str, config: dict[str, Any] | None = None
+) -> list[Logger]:
     """CSV logs under ``run_dir/csv``; W&B (offline by default) under ``run_dir/wandb``."""
     loggers: list[Logger] = []
     if cfg.csv:
@@ -43,8 +45,9 @@ def build_callbacks(cfg: DictConfig | dict | None) -> list[L.Callback]:
     return [instantiate(node) for node in cfg.values() if node is not None and "_target_" in node]
 
 
-def build_trainer(cfg: TrainerConfig, callbacks: list[L.Callback], loggers: list[Logger], run_dir: str,
-                  **overrides: Any) -> L.Trainer:
+def build_trainer(
+    cfg: TrainerConfig, callbacks: list[L.Callback], loggers: list[Logger], run_dir: str, **overrides: Any
+) -> L.Trainer:
     kwargs = cfg.trainer_kwargs() | overrides
     if not loggers:  # nothing to report learning rates to
         callbacks = [cb for cb in callbacks if not isinstance(cb, LearningRateMonitor)]
@@ -70,7 +73,9 @@ def resolve_ckpt_path(ckpt_path: str | None, experiment_dir: str, run_dir: str) 
         here = os.path.abspath(run_dir)
         found = [
             p
-            for p in glob.glob(os.path.join(experiment_dir, "**", "checkpoints", "last*.ckpt"), recursive=True)
+            for p in glob.glob(
+                os.path.join(experiment_dir, "**", "checkpoints", "last*.ckpt"), recursive=True
+            )
             if not os.path.abspath(p).startswith(here + os.sep)
         ]
         if not found:

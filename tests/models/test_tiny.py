@@ -14,9 +14,14 @@ from train.models.tiny import TinyModelSpec, TinyPairConfig, ensure_tiny_pair, s
 def micro_recipe(tmp_path: Path, **changes) -> TinyPairConfig:
     spec = dict(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, max_steps=2, lr=1e-3)
     fields = dict(
-        out_dir=str(tmp_path / "tiny"), corpus_dir=str(tmp_path / "corpus"),
-        verifier=TinyModelSpec(**spec), drafter=TinyModelSpec(**spec | {"hidden_size": 8, "train_fraction": 0.3}),
-        vocab_size=300, seq_len=64, batch_size=2, val_blocks=2,
+        out_dir=str(tmp_path / "tiny"),
+        corpus_dir=str(tmp_path / "corpus"),
+        verifier=TinyModelSpec(**spec),
+        drafter=TinyModelSpec(**spec | {"hidden_size": 8, "train_fraction": 0.3}),
+        vocab_size=300,
+        seq_len=64,
+        batch_size=2,
+        val_blocks=2,
     )
     return TinyPairConfig(**(fields | changes))
 
@@ -49,8 +54,9 @@ def test_built_on_first_use_then_reused(tmp_path: Path, fake_build: list[str]) -
     assert stale_reason(cfg) is None
 
 
-def test_changed_recipe_rebuilds_with_a_reason(tmp_path: Path, fake_build: list[str],
-                                               caplog: pytest.LogCaptureFixture) -> None:
+def test_changed_recipe_rebuilds_with_a_reason(
+    tmp_path: Path, fake_build: list[str], caplog: pytest.LogCaptureFixture
+) -> None:
     ensure_tiny_pair(micro_recipe(tmp_path))
     changed = micro_recipe(tmp_path, seq_len=32)
     assert "another recipe" in (stale_reason(changed) or "")

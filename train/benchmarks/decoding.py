@@ -56,9 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=str, default=None, help="write the results as JSON here")
 
 
-def build_pair(
-    vocab: int = 8192, noise: float = 0.15, seed: int = 0
-) -> tuple[Any, Any]:
+def build_pair(vocab: int = 8192, noise: float = 0.15, seed: int = 0) -> tuple[Any, Any]:
     """Random-weight Llama verifier (hidden 512, 8 layers) and drafter (hidden 128, 2 layers)."""
     common: dict[str, Any] = {
         "vocab_size": vocab,
@@ -135,7 +133,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         return out[0, ids.shape[1] :]
 
-    def ours(decoder: AutoregressiveDecoder | SpeculativeDecoder, ids: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    def ours(
+        decoder: AutoregressiveDecoder | SpeculativeDecoder, ids: torch.Tensor
+    ) -> tuple[torch.Tensor, Any]:
         result = decoder.generate(ids, n_new)
         return result.tokens, result.stats
 

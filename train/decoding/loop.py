@@ -75,11 +75,11 @@ def verify_chain(
         q = torch.zeros(k, p.shape[-1], dtype=p.dtype, device=p.device).scatter_(1, drafted[:, None], 1.0)
     else:
         q = draft.q.to(p.device)
-    n_t, nxt = chain_rejection(p, q, drafted, u[:k], u[k], lenience, eps)
+    n_t, next_t = chain_rejection(p, q, drafted, u[:k], u[k], lenience, eps)
     n = int(n_t)
     tested = min(n + 1, k)
     expected = float(expected_acceptance_per_position(p[:tested], q[:tested], lenience, eps).sum())
-    return ChainVerdict(n, int(nxt), tested, expected)
+    return ChainVerdict(n, int(next_t), tested, expected)
 
 
 def run_synchronous(

@@ -54,8 +54,12 @@ class TinyModelSpec:
 
     def __post_init__(self) -> None:
         require(self.hidden_size >= 8, "model.tiny.*.hidden_size", ">= 8", self.hidden_size)
-        require(self.hidden_size % self.num_heads == 0, "model.tiny.*.num_heads", "a divisor of hidden_size",
-                self.num_heads)
+        require(
+            self.hidden_size % self.num_heads == 0,
+            "model.tiny.*.num_heads",
+            "a divisor of hidden_size",
+            self.num_heads,
+        )
         require(self.num_layers >= 1, "model.tiny.*.num_layers", ">= 1", self.num_layers)
         require(self.max_steps >= 1, "model.tiny.*.max_steps", ">= 1", self.max_steps)
         require(self.lr > 0, "model.tiny.*.lr", "> 0", self.lr)
@@ -95,7 +99,12 @@ class TinyPairConfig:
 
     def __post_init__(self) -> None:
         require(self.vocab_size >= 300, "model.tiny.vocab_size", ">= 300", self.vocab_size)
-        require(8 <= self.seq_len <= self.max_positions, "model.tiny.seq_len", "in [8, max_positions]", self.seq_len)
+        require(
+            8 <= self.seq_len <= self.max_positions,
+            "model.tiny.seq_len",
+            "in [8, max_positions]",
+            self.seq_len,
+        )
         require(self.batch_size >= 1, "model.tiny.batch_size", ">= 1", self.batch_size)
         require(self.val_blocks >= 1, "model.tiny.val_blocks", ">= 1", self.val_blocks)
 
@@ -149,13 +158,25 @@ def _pretrain_config(spec: TinyModelSpec, cfg: TinyPairConfig) -> PretrainConfig
     )
 
 
-def _fit(model: PreTrainedModel, spec: TinyModelSpec, cfg: TinyPairConfig, blocks: Any,
-         trainer_cfg: TrainerConfig, log_dir: str, role: str) -> None:
+def _fit(
+    model: PreTrainedModel,
+    spec: TinyModelSpec,
+    cfg: TinyPairConfig,
+    blocks: Any,
+    trainer_cfg: TrainerConfig,
+    log_dir: str,
+    role: str,
+) -> None:
     n = max(cfg.batch_size, int(len(blocks) * spec.train_fraction))
     # A fraction < 1 trains on the last blocks of the packed stream only: a smaller slice of the corpus.
     subset = blocks.select(range(len(blocks) - n, len(blocks)))
-    loader = DataLoader(subset, batch_size=cfg.batch_size, shuffle=True, drop_last=True,
-                        generator=torch.Generator().manual_seed(cfg.seed))
+    loader = DataLoader(
+        subset,
+        batch_size=cfg.batch_size,
+        shuffle=True,
+        drop_last=True,
+        generator=torch.Generator().manual_seed(cfg.seed),
+    )
     module = PretrainModule(model, _pretrain_config(spec, cfg))
     trainer = L.Trainer(
         accelerator=trainer_cfg.accelerator,
@@ -173,8 +194,9 @@ def _fit(model: PreTrainedModel, spec: TinyModelSpec, cfg: TinyPairConfig, block
 
 
 @torch.inference_mode()
-def evaluate_pair(verifier: PreTrainedModel, drafter: PreTrainedModel, blocks: Any, batch_size: int = 8
-                  ) -> dict[str, float]:
+def evaluate_pair(
+    verifier: PreTrainedModel, drafter: PreTrainedModel, blocks: Any, batch_size: int = 8
+) -> dict[str, float]:
     """Validation perplexity of both models and the drafter's expected acceptance, mean of 1 - TVD."""
     verifier.eval()
     drafter.eval()
@@ -187,7 +209,9 @@ def evaluate_pair(verifier: PreTrainedModel, drafter: PreTrainedModel, blocks: A
         labels = ids[:, 1:]
         n = labels.numel()
         for role, logits in (("verifier", p_logits), ("drafter", q_logits)):
-            nll[role] += float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum"))
+            nll[role] += float(
+                torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+            )
         acc_sum += float(expected_acceptance(q_logits, p_logits)) * n
         tokens += n
     return {
@@ -198,8 +222,9 @@ def evaluate_pair(verifier: PreTrainedModel, drafter: PreTrainedModel, blocks: A
     }
 
 
-def build_tiny_pair(cfg: TinyPairConfig, trainer_cfg: TrainerConfig | None = None,
-                    log_dir: str | None = None) -> dict[str, Any]:
+def build_tiny_pair(
+    cfg: TinyPairConfig, trainer_cfg: TrainerConfig | None = None, log_dir: str | None = None
+) -> dict[str, Any]:
     """Build the corpus, tokenizer and both models into ``cfg.out_dir``; return the manifest."""
     trainer_cfg = trainer_cfg or TrainerConfig()
     t0 = time.perf_counter()
@@ -213,14 +238,20 @@ def build_tiny_pair(cfg: TinyPairConfig, trainer_cfg: TrainerConfig | None = Non
     corpus = build_corpus(cfg.corpus_dir)
     corpus_manifest = json.loads((Path(cfg.corpus_dir) / "manifest.json").read_text())
     t_corpus = time.perf_counter()
-    tokenizer = train_tokenizer(corpus["train"], cfg.vocab_size, tmp / "tokenizer",
-                                fingerprint=corpus_manifest["fingerprint"])
+    tokenizer = train_tokenizer(
+        corpus["train"], cfg.vocab_size, tmp / "tokenizer", fingerprint=corpus_manifest["fingerprint"]
+    )
     t_tok = time.perf_counter()
     train_blocks = pack_sequences(corpus["train"], tokenizer, cfg.seq_len)
     val_blocks = pack_sequences(corpus["validation"], tokenizer, cfg.seq_len)
     val_blocks = val_blocks.select(range(min(cfg.val_blocks, len(val_blocks))))
-    log.info("corpus %.1fs, tokenizer %.1fs, %d train blocks of %d tokens", t_corpus - t0, t_tok - t_corpus,
-             len(train_blocks), cfg.seq_len)
+    log.info(
+        "corpus %.1fs, tokenizer %.1fs, %d train blocks of %d tokens",
+        t_corpus - t0,
+        t_tok - t_corpus,
+        len(train_blocks),
+        cfg.seq_len,
+    )
 
     ids = dict(bos=tokenizer.bos_token_id, eos=tokenizer.eos_token_id, pad=tokenizer.pad_token_id)
     models: dict[str, PreTrainedModel] = {}
@@ -248,8 +279,12 @@ def build_tiny_pair(cfg: TinyPairConfig, trainer_cfg: TrainerConfig | None = Non
         "param_ratio": params["verifier"] / params["drafter"],
         "train_blocks": len(train_blocks),
         "metrics": metrics,
-        "seconds": {"corpus": t_corpus - t0, "tokenizer": t_tok - t_corpus, **timings,
-                    "total": time.perf_counter() - t0},
+        "seconds": {
+            "corpus": t_corpus - t0,
+            "tokenizer": t_tok - t_corpus,
+            **timings,
+            "total": time.perf_counter() - t0,
+        },
         "built_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
@@ -262,13 +297,15 @@ def build_tiny_pair(cfg: TinyPairConfig, trainer_cfg: TrainerConfig | None = Non
 def format_report(manifest: dict[str, Any]) -> str:
     """The build summary printed at the end of ``experiment=tiny_pair``."""
     m, p, s = manifest["metrics"], manifest["parameters"], manifest["seconds"]
-    return "\n".join([
-        "| model | parameters | validation perplexity |",
-        "|---|---:|---:|",
-        f"| verifier | {p['verifier']:,} | {m['verifier_perplexity']:.2f} |",
-        f"| drafter | {p['drafter']:,} | {m['drafter_perplexity']:.2f} |",
-        "",
-        f"expected acceptance (mean 1 - TVD over {int(m['val_tokens'])} validation tokens): "
-        f"{m['expected_acceptance']:.4f}",
-        f"parameter ratio verifier/drafter: {manifest['param_ratio']:.1f}x; built in {s['total']:.0f}s",
-    ])
+    return "\n".join(
+        [
+            "| model | parameters | validation perplexity |",
+            "|---|---:|---:|",
+            f"| verifier | {p['verifier']:,} | {m['verifier_perplexity']:.2f} |",
+            f"| drafter | {p['drafter']:,} | {m['drafter_perplexity']:.2f} |",
+            "",
+            f"expected acceptance (mean 1 - TVD over {int(m['val_tokens'])} validation tokens): "
+            f"{m['expected_acceptance']:.4f}",
+            f"parameter ratio verifier/drafter: {manifest['param_ratio']:.1f}x; built in {s['total']:.0f}s",
+        ]
+    )
