@@ -60,3 +60,13 @@ def tiny_pair_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         model.save_pretrained(root / name)
         tok.save_pretrained(root / name)
     return root
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the test: tiny models are latency-bound, and OpenMP spin-waiting on a
+    shared 2-core machine slows them down many times over."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

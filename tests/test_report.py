@@ -18,12 +18,7 @@ from train.report import EvaluationError, Finishable, build_report, finish, repo
 PROMPTS = [torch.tensor([[256, 10, 20, 30, 40]]), torch.tensor([[256, 50, 60, 70]])]
 
 
-@pytest.fixture(autouse=True)
-def _threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture

@@ -12,6 +12,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
@@ -200,3 +203,23 @@ class PathsConfig:
     def __post_init__(self) -> None:
         for key in ("root_dir", "data_dir", "checkpoints_dir", "tiny_dir", "run_dir"):
             require(bool(getattr(self, key)), f"paths.{key}", "a non-empty path", getattr(self, key))
+
+
+def instantiate_group(cfg: Any, key: str) -> Any:
+    """Build one config group's dataclass, prefixing any validation error with the group's key.
+
+    cfg: the composed DictConfig; returns None when the group is absent.
+    """
+    node = cfg.get(key)
+    if node is None:
+        return None
+    try:
+        return instantiate(node, _convert_="all")
+    except InstantiationException as err:
+        cause = err.__cause__ or err
+        message = str(cause)
+        if isinstance(cause, ConfigError) or message.startswith(f"{key}."):
+            raise ConfigError(message) from None
+        raise ConfigError(f"{key}: {message}") from None
+    except Exception as err:  # interpolation or missing-value errors from OmegaConf
+        raise ConfigError(f"{key}: {err}") from None

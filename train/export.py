@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from train.config import ConfigError, require
+from train.config import ConfigError, instantiate_group, require
 from train.evaluation import results_table, to_jsonable
 from train.models.lora import merge_lora
 from train.tables import format_metric, markdown_table
@@ -350,21 +350,13 @@ def drafter_folder(run: str | os.PathLike[str]) -> Path:
 
 def main(cfg: Any) -> dict[str, Any]:
     """``scripts/export.py``: push a run's exported ``drafter/`` (or any export folder) to the Hub."""
-    from hydra.errors import InstantiationException
-    from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
     run = OmegaConf.select(cfg, "run", throw_on_missing=False)
     require(
         isinstance(run, str) and bool(run), "run", "a run directory (with drafter/) or an export folder", run
     )
-    try:
-        hub: HubConfig = instantiate(cfg.hub, _convert_="all")
-    except InstantiationException as err:
-        cause = err.__cause__ or err
-        raise ConfigError(str(cause) if isinstance(cause, ConfigError) else f"hub: {cause}") from None
-    except Exception as err:  # a missing value (???) or a bad interpolation
-        raise ConfigError(f"hub: {err}") from None
+    hub: HubConfig = instantiate_group(cfg, "hub")
     folder = drafter_folder(run)
     report = push_to_hub(
         folder,

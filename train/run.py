@@ -16,11 +16,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import lightning as L
-from hydra.errors import InstantiationException
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from train.config import ConfigError, LoggerConfig, ModelConfig, PathsConfig, TrainerConfig
+from train.config import (
+    ConfigError,
+    LoggerConfig,
+    ModelConfig,
+    PathsConfig,
+    TrainerConfig,
+    instantiate_group,
+)
 from train.evaluation import EvalConfig, build_eval_config
 from train.models.loading import load_pair
 from train.models.tiny import build_tiny_pair, ensure_tiny_pair, format_report
@@ -55,23 +60,6 @@ class RunSpec:
     @property
     def experiment_dir(self) -> str:
         return os.path.join(self.paths.checkpoints_dir, self.name)
-
-
-def instantiate_group(cfg: DictConfig, key: str) -> Any:
-    """Build one config group's dataclass, prefixing any validation error with the group's key."""
-    node = cfg.get(key)
-    if node is None:
-        return None
-    try:
-        return instantiate(node, _convert_="all")
-    except InstantiationException as err:
-        cause = err.__cause__ or err
-        message = str(cause)
-        if isinstance(cause, ConfigError) or message.startswith(f"{key}."):
-            raise ConfigError(message) from None
-        raise ConfigError(f"{key}: {message}") from None
-    except Exception as err:  # interpolation or missing-value errors from OmegaConf
-        raise ConfigError(f"{key}: {err}") from None
 
 
 def load_eval_config(cfg: DictConfig) -> EvalConfig | None:

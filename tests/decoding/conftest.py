@@ -9,12 +9,8 @@ from .decoding_helpers import build, tiny_config
 
 
 @pytest.fixture(autouse=True)
-def _single_thread():
-    """Tiny models are latency-bound: one intra-op thread avoids OpenMP spin contention on shared CPUs."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(one_thread):
+    """Every test here runs tiny models on one intra-op thread (tests/conftest.py)."""
 
 
 @pytest.fixture(scope="session")

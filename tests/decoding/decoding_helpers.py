@@ -39,6 +39,20 @@ def tiny_config(arch: str, hidden: int = 64, vocab: int = VOCAB, layers: int = 2
     raise ValueError(arch)
 
 
+def hf_greedy(model, ids: torch.Tensor, n: int, eos=None) -> list[int]:
+    """Hugging Face ``generate(do_sample=False)``: the reference greedy continuation (new tokens only)."""
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=0,
+            attention_mask=torch.ones_like(ids),
+        )
+    return out[0, ids.shape[1] :].tolist()
+
+
 def build(config, seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config).eval()

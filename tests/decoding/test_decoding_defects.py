@@ -25,7 +25,7 @@ from train.decoding import (
     summarize,
 )
 
-from .decoding_helpers import build, random_table_lm, tiny_config
+from .decoding_helpers import build, hf_greedy, random_table_lm, tiny_config
 from .spec_reference import (
     ExactSpec,
     chi2_critical,
@@ -45,19 +45,6 @@ Z = 4.5
 
 def prompt_ids(seed: int, n: int = 6, vocab: int = 128) -> torch.Tensor:
     return torch.randint(2, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
-
-
-def hf_greedy(model, ids: torch.Tensor, n: int, eos=None) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            max_new_tokens=n,
-            do_sample=False,
-            eos_token_id=eos,
-            pad_token_id=0,
-            attention_mask=torch.ones_like(ids),
-        )
-    return out[0, ids.shape[1] :].tolist()
 
 
 # ---------------------------------------------------------------- vocabulary alignment

@@ -7,23 +7,11 @@ import torch
 
 from train.decoding import AutoregressiveDecoder, SamplingParams, SpeculativeDecoder
 
-from .decoding_helpers import EOS, TableLM, build, tiny_config
+from .decoding_helpers import EOS, TableLM, build, hf_greedy, tiny_config
 
 
 def prompt(n: int = 8, seed: int = 0, vocab: int = 128) -> torch.Tensor:
     return torch.randint(2, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
-
-
-def hf_greedy(model, ids: torch.Tensor, n: int, eos: int | None = EOS) -> torch.Tensor:
-    out = model.generate(
-        ids,
-        max_new_tokens=n,
-        do_sample=False,
-        eos_token_id=eos,
-        pad_token_id=0,
-        attention_mask=torch.ones_like(ids),
-    )
-    return out[0, ids.shape[1] :]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt2"])
@@ -31,7 +19,7 @@ def test_greedy_matches_hf_generate(tiny_pairs, arch):
     verifier, drafter = tiny_pairs[arch]
     for seed in (0, 1):
         ids = prompt(6 + 5 * seed, seed)
-        ref = hf_greedy(verifier, ids, 24, eos=None)
+        ref = torch.tensor(hf_greedy(verifier, ids, 24, eos=None))
         ar = AutoregressiveDecoder(verifier).generate(ids, 24)
         assert torch.equal(ar.tokens, ref)
         assert ar.stats.verifier_calls == 24 and ar.stats.drafted == 0
@@ -50,7 +38,7 @@ def test_self_drafting_accepts_everything(tiny_pairs, arch):
     verifier, _ = tiny_pairs[arch]
     ids = prompt()
     res = SpeculativeDecoder(verifier, verifier, gamma=3).generate(ids, 16)
-    assert torch.equal(res.tokens, hf_greedy(verifier, ids, 16, eos=None))
+    assert res.tokens.tolist() == hf_greedy(verifier, ids, 16, eos=None)
     assert res.stats.accepted == res.stats.drafted
     assert res.stats.verifier_calls == 4  # 16 tokens / (gamma + 1)
     assert res.stats.sum_expected_acceptance == res.stats.tested
@@ -59,10 +47,10 @@ def test_self_drafting_accepts_everything(tiny_pairs, arch):
 def test_eos_matches_hf(llama_pair):
     verifier, drafter = llama_pair
     ids = prompt(seed=3)
-    free = hf_greedy(verifier, ids, 30, eos=None).tolist()
+    free = hf_greedy(verifier, ids, 30, eos=None)
     eos = free[10]  # a token that the greedy continuation produces at position >= 10
     first = free.index(eos)
-    ref = hf_greedy(verifier, ids, 30, eos=eos)
+    ref = torch.tensor(hf_greedy(verifier, ids, 30, eos=eos))
     assert ref.tolist() == free[: first + 1]
     assert AutoregressiveDecoder(verifier).generate(ids, 30, eos_token_id=eos).tokens.tolist() == ref.tolist()
     for gamma in (1, 3, 5):
@@ -78,7 +66,7 @@ def test_eos_matches_hf(llama_pair):
 def test_max_new_tokens_mid_block(llama_pair, n):
     verifier, _ = llama_pair
     ids = prompt(seed=4)
-    ref = hf_greedy(verifier, ids, n, eos=None)
+    ref = torch.tensor(hf_greedy(verifier, ids, n, eos=None))
     for gamma in (1, 4, 7):
         res = SpeculativeDecoder(verifier, verifier, gamma=gamma).generate(ids, n)
         assert torch.equal(res.tokens, ref)

@@ -23,7 +23,7 @@ import torch
 
 from train.decoding import SpeculativeDecoder
 
-from .decoding_helpers import build, tiny_config
+from .decoding_helpers import build, hf_greedy, tiny_config
 from .spec_reference import reference_greedy, trim
 
 MAX_NEW = 24
@@ -131,16 +131,7 @@ def test_reference_equals_hf_greedy(close_pairs):
     verifier, drafter = close_pairs["llama"]
     ids = prompt_ids(0, 5)
     ref = reference_greedy(verifier, drafter, ids[0].tolist(), MAX_NEW, 3)
-    with torch.no_grad():
-        hf = verifier.generate(
-            ids,
-            max_new_tokens=MAX_NEW,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-            attention_mask=torch.ones_like(ids),
-        )
-    assert ref.tokens == hf[0, ids.shape[1] :].tolist()
+    assert ref.tokens == hf_greedy(verifier, ids, MAX_NEW)
 
 
 @pytest.mark.parametrize("max_new", [1, 2, 5, 7])

@@ -29,12 +29,7 @@ ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
 TEXT = "def add(a, b):\n    return a + b  # sum of two numbers\n"
 
 
-@pytest.fixture(autouse=True)
-def _threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _cfg(**kw) -> DistillSpecConfig:

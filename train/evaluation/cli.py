@@ -11,11 +11,9 @@ import os
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import InstantiationException
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from train.config import ConfigError, check_model_source, require
+from train.config import ConfigError, check_model_source, instantiate_group, require
 from train.evaluation.config import EvalConfig, build_eval_config
 from train.evaluation.prompts import build_prompts
 from train.evaluation.results import results_table
@@ -28,23 +26,6 @@ from train.trainer import build_loggers
 __all__ = ["main"]
 
 _DECODING_REF = "${decoding}"
-
-
-def _group(cfg: DictConfig, key: str) -> Any:
-    """Build one config group's dataclass, naming the group in any validation error."""
-    node = cfg.get(key)
-    if node is None:
-        return None
-    try:
-        return instantiate(node, _convert_="all")
-    except InstantiationException as err:
-        cause = err.__cause__ or err
-        message = str(cause)
-        if isinstance(cause, ConfigError) or message.startswith(f"{key}."):
-            raise ConfigError(message) from None
-        raise ConfigError(f"{key}: {message}") from None
-    except Exception as err:  # interpolation or missing-value errors from OmegaConf
-        raise ConfigError(f"{key}: {err}") from None
 
 
 def _decoding_choice(cfg: DictConfig) -> str | None:
@@ -105,10 +86,10 @@ def main(cfg: DictConfig) -> dict[str, Any]:
             del cfg["hydra"]
     OmegaConf.resolve(cfg)
     eval_cfg: EvalConfig = build_eval_config(cfg.eval)
-    paths = _group(cfg, "paths")
-    model_cfg = _group(cfg, "model")
-    data_cfg = _group(cfg, "data")
-    logger_cfg = _group(cfg, "logger")
+    paths = instantiate_group(cfg, "paths")
+    model_cfg = instantiate_group(cfg, "model")
+    data_cfg = instantiate_group(cfg, "data")
+    logger_cfg = instantiate_group(cfg, "logger")
 
     run_dir = paths.run_dir
     os.makedirs(run_dir, exist_ok=True)
