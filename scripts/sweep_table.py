@@ -186,9 +186,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not os.path.isdir(args.multirun_dir):
         parser.error(f"no such directory: {args.multirun_dir}")
-    runs = collect(args.multirun_dir, args.decoder)
-    if not runs:
+    found = collect(args.multirun_dir, args.decoder)
+    if not found:
         parser.error(f"no run directories (with config.yaml) under {args.multirun_dir}")
+    runs = [r for r in found if r["divergence"] is not None and r["data_source"] is not None]
+    if not runs:
+        parser.error(
+            f"{args.multirun_dir} is not a DistillSpec sweep: none of its {len(found)} run directories "
+            "has method.divergence and method.data_source (point it at the multirun_<timestamp> folder "
+            "of `python train.py -m experiment=distillspec ...`); nothing was written"
+        )
+    for other in sorted(set(r["run_dir"] for r in found) - set(r["run_dir"] for r in runs)):
+        print(f"skipped {other}: not a DistillSpec run", file=sys.stderr)
     text, payload = tables(runs)
     out = args.out or args.multirun_dir
     os.makedirs(out, exist_ok=True)

@@ -80,3 +80,18 @@ def test_empty_dir_is_an_error(tmp_path, capsys):
     with pytest.raises(SystemExit):
         _script().main([str(tmp_path)])
     assert "no run directories" in capsys.readouterr().err
+
+
+def test_a_folder_that_is_not_a_sweep_is_refused_and_left_untouched(tmp_path, capsys):
+    """A pretraining run's folder has run directories but no DistillSpec runs: exit 2, write nothing."""
+    import pytest
+
+    run = tmp_path / "2026-01-01_00-00-00"
+    run.mkdir()
+    (run / "config.yaml").write_text("name: tiny_pair\nmethod:\n  optimizer: {}\n")
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    with pytest.raises(SystemExit) as exit_info:
+        _script().main([str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert "is not a DistillSpec sweep" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
