@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from train.config import ConfigError, instantiate_group, require
-from train.evaluation import results_table, to_jsonable
+from train.evaluation import METRIC_LEGEND, results_table, to_jsonable
 from train.models.lora import merge_lora
 from train.tables import format_metric, markdown_table
 
@@ -158,14 +158,9 @@ def model_card(
     if table is None:
         lines += ["No evaluation was attached to this export.", ""]
     else:
-        lines += [
-            "Metrics as defined by draftsmith's metric contract: acceptance = accepted / drafted draft tokens; "
-            "tau (block efficiency) = generated tokens / verifier calls; MBSU = tau / (c_param * gamma + 1); "
-            "speedup = tokens/s against autoregressive decoding of the verifier, same prompts, machine and run.",
-            "",
-            table.rstrip(),
-            "",
-        ]
+        lines += [table.rstrip(), ""]
+        if METRIC_LEGEND not in table:  # results_table carries it already
+            lines += [METRIC_LEGEND, ""]
     lines += ["## Training configuration", ""]
     if config:
         lines += ["```yaml", _yaml(_scrub(config)).rstrip(), "```", ""]

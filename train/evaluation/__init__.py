@@ -13,10 +13,12 @@ from train.evaluation.plots import plot_results
 from train.evaluation.prompts import build_prompts
 from train.evaluation.results import (
     CONTRACT_METRICS,
+    METRIC_LEGEND,
     RESULTS_SCHEMA,
     by_temperature,
     find_run,
     results_table,
+    slower_than_baseline,
     temperature_key,
     to_jsonable,
 )
@@ -25,6 +27,8 @@ from train.evaluation.tracking import log_results, scalar_metrics
 from train.tables import format_metric
 
 __all__ = [
+    "METRIC_LEGEND",
+    "slower_than_baseline",
     "CONTRACT_METRICS",
     "RESULTS_SCHEMA",
     "EvalConfig",

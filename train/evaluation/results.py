@@ -220,6 +220,54 @@ def _gamma_cell(run: Mapping[str, Any]) -> str:
     return "-" if run.get("gamma") is None else str(run["gamma"])
 
 
+#: What the table's figures mean (the metric contract, ARCHITECTURE.md), shown under every rendering
+#: of results: results.md, report.md and the exported model card.
+METRIC_LEGEND = (
+    "Metrics (draftsmith's metric contract): acceptance_rate = accepted / drafted draft tokens; "
+    "expected_acceptance = mean probability that a draft passes the test (1 - TVD(p, q) when lossless); "
+    "block_efficiency (tau) = generated tokens / verifier calls, the verifier's own token included; "
+    "mbsu = tau / (c_param * drafter steps per verifier call + 1), c_param = drafter / verifier parameters; "
+    "cost_ratio = drafter step time / verifier step time, measured; verifier_tokens_per_call = tokens the "
+    "verifier scores per call; speedup = tokens/s against decoding with the verifier alone, same prompts, "
+    "machine and run (below 1 means slower than not using the drafter)."
+)
+
+
+def slower_than_baseline(results: Mapping[str, Any]) -> list[str]:
+    """One line per run whose mean speedup is below 1, explaining it from the run's own figures.
+
+    A block costs about one verifier step plus ``s`` drafter steps of relative cost ``c`` (the measured
+    ``cost_ratio``) and yields ``tau`` tokens, against one token per verifier step without a drafter;
+    so breaking even needs tau > 1 + c * s (a lower bound: scoring s + 1 tokens costs the verifier a
+    little more than one).
+    """
+    lines = []
+    for r in results["runs"]:
+        m = r["metrics"]
+
+        def mean(name: str, metrics: Mapping[str, Any] = m) -> float | None:
+            value = (metrics.get(name) or {}).get("mean")
+            return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
+
+        speed, tau = mean("speedup"), mean("block_efficiency")
+        cost, steps = mean("cost_ratio"), mean("drafter_calls_per_verifier_call")
+        if speed is None or speed >= 1.0:
+            continue
+        line = (
+            f"- {r['drafter']} / {r['decoder']} at T={temperature_key(r['temperature'])}: speedup "
+            f"{format_value(speed, 2)} < 1, slower than the verifier alone"
+        )
+        if tau is not None and cost is not None and steps is not None:
+            need = 1.0 + cost * steps
+            line += (
+                f": each block runs {format_value(steps, 1)} drafter steps at {format_value(cost, 2)} of a "
+                f"verifier step, so it must yield tau > {format_value(need, 2)} to break even; measured tau "
+                f"{format_value(tau, 2)}"
+            )
+        lines.append(line + ".")
+    return lines
+
+
 def results_table(results: Mapping[str, Any]) -> str:
     """The Markdown rendering of a results dictionary (results.md).
 
@@ -256,6 +304,10 @@ def results_table(results: Mapping[str, Any]) -> str:
         f"an order rotated per prompt; speedup = decoder tokens/s / baseline tokens/s over the same prompts. "
         f"Autoregressive baseline (verifier alone): {baseline}.\n"
     )
+    slower = slower_than_baseline(results)
+    if slower:
+        parts.append("Slower than decoding without a drafter:\n\n" + "\n".join(slower) + "\n")
+    parts.append(METRIC_LEGEND + "\n")
 
     spread_rows = [
         [
