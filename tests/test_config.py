@@ -101,10 +101,13 @@ def test_model_source_rules(tmp_path: Path) -> None:
 
 def test_wandb_offline_unless_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
     assert LoggerConfig().wandb_offline()
     monkeypatch.setenv("WANDB_API_KEY", "x")
     assert not LoggerConfig().wandb_offline()
     assert LoggerConfig(offline=True).wandb_offline()
+    monkeypatch.setenv("WANDB_MODE", "offline")  # wandb's own switch wins over a key
+    assert LoggerConfig().wandb_offline()
 
 
 def test_experiments_carry_their_run_command() -> None:

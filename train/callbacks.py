@@ -1,12 +1,17 @@
-"""Lightning callbacks of our own: stopping cleanly on a non-finite loss."""
+"""Lightning callbacks of our own: stopping cleanly on a non-finite loss or on a signal."""
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+from types import FrameType
 from typing import Any
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 
 class NonFiniteLossError(RuntimeError):
@@ -39,3 +44,59 @@ def _last_checkpoint(trainer: L.Trainer) -> Any:
         if isinstance(cb, ModelCheckpoint) and (cb.last_model_path or cb.best_model_path):
             return cb.last_model_path or cb.best_model_path
     return None
+
+
+class GracefulStop(L.Callback):
+    """On SIGTERM or SIGINT during training: stop after the current step and save it to ``last.ckpt``.
+
+    SIGTERM goes through Lightning's own handling (``trainer.received_sigterm``: the loops finish the
+    step, all ranks agree, then raise ``SIGTERMException``). SIGINT is routed into the same path instead
+    of Lightning's default (a ``KeyboardInterrupt`` anywhere, even halfway through an optimizer step);
+    a second Ctrl-C interrupts at once. ``on_exception`` then writes the current step to
+    ``<ModelCheckpoint.dirpath>/last.ckpt`` (so ``ckpt_path=last`` and ``ckpt_path=<run_dir>`` find
+    it); ``signum`` and ``checkpoint`` tell the caller what happened.
+    """
+
+    def __init__(self, run_dir: str) -> None:
+        self.run_dir = run_dir
+        self.signum: int | None = None
+        """The signal that stopped training (None: not stopped by a signal)."""
+        self.checkpoint: str | None = None
+        """The checkpoint written at the step where the signal arrived (None: nothing to save)."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Lightning has registered its handlers by now and restores the previous ones at teardown.
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, self._on_sigint)
+
+    def _on_sigint(self, signum: int, frame: FrameType | None) -> None:
+        lightning_handler = signal.getsignal(signal.SIGTERM)
+        if self.signum is not None or not callable(lightning_handler):
+            raise KeyboardInterrupt  # second Ctrl-C, or no graceful path: stop now
+        self.signum = signum
+        print("\nCtrl-C: saving at the end of this step (press again to stop at once)", flush=True)
+        lightning_handler(signal.SIGTERM, frame)
+
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
+        if isinstance(exception, SIGTERMException):
+            if self.signum is None:
+                self.signum = int(signal.SIGTERM)
+            self._save(trainer)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.signum is not None:  # the signal came during the last step: training ended normally
+            self._save(trainer)
+
+    def _save(self, trainer: L.Trainer) -> None:
+        if trainer.sanity_checking or trainer.global_step == 0:
+            return  # nothing trained yet: the run restarts from the beginning
+        self.checkpoint = os.path.abspath(self._last_path(trainer))
+        trainer.save_checkpoint(self.checkpoint)  # every rank calls it; rank 0 writes
+
+    def _last_path(self, trainer: L.Trainer) -> str:
+        for cb in trainer.callbacks:  # type: ignore[attr-defined]
+            if isinstance(cb, ModelCheckpoint) and cb.dirpath:
+                return os.path.join(cb.dirpath, cb.CHECKPOINT_NAME_LAST + cb.FILE_EXTENSION)
+        return os.path.join(self.run_dir, "checkpoints", "last.ckpt")

@@ -74,6 +74,9 @@ class TrainerConfig:
     accumulate_grad_batches: int = 1
     deterministic: bool = False
     enable_progress_bar: bool = True
+    plugins: list[Any] = field(default_factory=list)
+    """Lightning plugins, each a ``_target_`` node; e.g. a ``SLURMEnvironment`` to change or turn off
+    SLURM auto-requeue (docs/scale.md)."""
 
     def __post_init__(self) -> None:
         require(
@@ -99,6 +102,7 @@ class TrainerConfig:
             str(self.precision) in PRECISIONS, "trainer.precision", f"one of {PRECISIONS}", self.precision
         )
         require(self.max_steps >= 1, "trainer.max_steps", ">= 1", self.max_steps)
+        require(isinstance(self.plugins, list), "trainer.plugins", "a list of _target_ nodes", self.plugins)
         require(self.log_every_n_steps >= 1, "trainer.log_every_n_steps", ">= 1", self.log_every_n_steps)
         require(
             self.accumulate_grad_batches >= 1,
@@ -130,6 +134,7 @@ class TrainerConfig:
             "accumulate_grad_batches": self.accumulate_grad_batches,
             "deterministic": self.deterministic,
             "enable_progress_bar": self.enable_progress_bar,
+            "plugins": list(self.plugins) or None,
         }
 
 
@@ -143,17 +148,22 @@ class LoggerConfig:
     project: str = "draftsmith"
     entity: str | None = None
     tags: list[str] = field(default_factory=list)
+    init_timeout: float = 30.0
+    """Seconds W&B may take to start an online run; past it the run logs offline instead."""
 
     def __post_init__(self) -> None:
         require(
             self.offline in ("auto", True, False), "logger.offline", "'auto', true or false", self.offline
         )
         require(bool(self.project), "logger.project", "a non-empty string", self.project)
+        require(self.init_timeout > 0, "logger.init_timeout", "> 0 seconds", self.init_timeout)
 
     def wandb_offline(self) -> bool:
-        """Offline unless forced online or an API key is configured in the environment."""
+        """Offline unless forced online, or (``auto``) unless an API key is configured and
+        ``WANDB_MODE`` does not say offline."""
         if self.offline == "auto":
-            return not os.environ.get("WANDB_API_KEY")
+            mode = os.environ.get("WANDB_MODE", "").lower()
+            return not os.environ.get("WANDB_API_KEY") or mode in ("offline", "dryrun")
         return bool(self.offline)
 
 

@@ -5,6 +5,11 @@ dataclass first (:func:`load_spec`), so a bad value fails before any model or da
 ``Trainer.fit``, a method module that implements :class:`train.report.Finishable` goes through the
 shared finish step on rank 0 (:func:`train.report.finish`: export, evaluation under the run's
 ``eval`` config, report); a module with its own ``finish(trainer, spec)`` (plain pretraining) runs that.
+
+The run directory belongs to one live run (:class:`train.rundir.RunDirLock`, rank 0 only); a run that
+fails before it wrote anything worth keeping removes the directory it made. SIGTERM or SIGINT during
+fit saves the current step, skips the finish step, prints the command that resumes the run and exits
+with 143 or 130 (:class:`train.callbacks.GracefulStop`).
 """
 
 from __future__ import annotations
@@ -12,12 +17,19 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
+import signal
+import sys
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import lightning as L
+from hydra.core.hydra_config import HydraConfig
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
+from train.callbacks import GracefulStop
 from train.config import (
     ConfigError,
     LoggerConfig,
@@ -30,6 +42,7 @@ from train.evaluation import EvalConfig, build_eval_config
 from train.models.loading import load_pair
 from train.models.tiny import build_tiny_pair, ensure_tiny_pair, format_report
 from train.report import Finishable, finish
+from train.rundir import RunDirLock, RunDirLocked, remove_if_unused
 from train.trainer import build_callbacks, build_loggers, build_trainer, close_loggers, resolve_ckpt_path
 
 log = logging.getLogger(__name__)
@@ -93,7 +106,27 @@ def load_spec(cfg: DictConfig) -> RunSpec:
 
 def is_rank_zero() -> bool:
     """Before a Trainer exists: the launcher's environment says which process this is."""
-    return all(os.environ.get(var, "0") == "0" for var in ("RANK", "LOCAL_RANK", "NODE_RANK"))
+    return all(os.environ.get(var, "0") == "0" for var in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID"))
+
+
+def hydra_task() -> tuple[str | None, list[str] | None]:
+    """The run directory Hydra made for this job and the job's command-line overrides (None, None
+    when the config was composed without ``@hydra.main``, as tests do)."""
+    if not HydraConfig.initialized():
+        return None, None
+    hydra_cfg = HydraConfig.get()
+    return hydra_cfg.runtime.output_dir, list(hydra_cfg.overrides.task)
+
+
+def resume_command(checkpoint: str | None) -> str:
+    """The command that continues this run: its overrides plus ``ckpt_path=<checkpoint>`` (in a new
+    run directory; the interrupted one keeps its logs as they are)."""
+    _, overrides = hydra_task()
+    kept = [o for o in overrides or [] if o.lstrip("+~").split("=", 1)[0] != "ckpt_path"]
+    if checkpoint:
+        kept.append(f"ckpt_path={checkpoint}")
+    script = sys.argv[0] if overrides is not None else "train.py"
+    return shlex.join(["python", script, *kept])
 
 
 def write_json(path: str, payload: Any) -> None:
@@ -121,8 +154,32 @@ def build_tiny_pair_run(spec: RunSpec) -> dict[str, Any]:
 
 def main(cfg: DictConfig) -> Any:
     """Run one experiment end to end; returns what the finish step returns (the report)."""
-    spec = load_spec(cfg)
+    hydra_dir, _ = hydra_task()
+    try:
+        spec = load_spec(cfg)
+    except Exception:
+        if hydra_dir and is_rank_zero() and remove_if_unused(hydra_dir):
+            log.info(
+                "Removed the run directory %s: the config was rejected before anything was written", hydra_dir
+            )
+        raise
+    made_here = not os.path.isdir(spec.run_dir)
     os.makedirs(spec.run_dir, exist_ok=True)
+    # Only rank 0 holds the lock: the other ranks of a DDP run share its directory.
+    lock: AbstractContextManager[Any] = RunDirLock(spec.run_dir) if is_rank_zero() else nullcontext()
+    try:
+        with lock:
+            return run(spec, cfg)
+    except RunDirLocked:
+        raise
+    except Exception:
+        if is_rank_zero() and remove_if_unused(spec.run_dir, created_by_us=made_here):
+            log.info("Removed the run directory %s: the run failed before writing anything", spec.run_dir)
+        raise
+
+
+def run(spec: RunSpec, cfg: DictConfig) -> Any:
+    """The run itself, with the run directory held."""
     if is_rank_zero():
         OmegaConf.save(spec.cfg, os.path.join(spec.run_dir, "config.yaml"))
     L.seed_everything(spec.seed, workers=True)
@@ -142,9 +199,16 @@ def fit(spec: RunSpec) -> Any:
     module, datamodule = spec.method.build(pair, spec)
     config: dict[str, Any] = OmegaConf.to_container(spec.cfg, resolve=True)  # type: ignore[assignment]
     loggers = build_loggers(spec.logger, spec.run_dir, spec.name, config=config)
-    trainer = build_trainer(spec.trainer, build_callbacks(spec.callbacks), loggers, spec.run_dir)
+    stop = GracefulStop(spec.run_dir)
+    trainer = build_trainer(spec.trainer, [*build_callbacks(spec.callbacks), stop], loggers, spec.run_dir)
     try:
-        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt)
+        try:
+            trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt)
+        except SIGTERMException:
+            if stop.signum is None:
+                raise
+        if stop.signum is not None:
+            stopped(stop, trainer.global_step, trainer.is_global_zero)
         if isinstance(module, Finishable):
             if not trainer.is_global_zero:
                 return None
@@ -165,3 +229,19 @@ def fit(spec: RunSpec) -> Any:
         return own_finish(trainer, spec) if own_finish is not None else None
     finally:
         close_loggers(loggers)
+
+
+def stopped(stop: GracefulStop, step: int, is_global_zero: bool) -> None:
+    """After a signal ended fit: say where the run stands and how to resume it, then exit 128 + signum
+    (143 for SIGTERM, 130 for SIGINT) without the finish step."""
+    signum = stop.signum
+    assert signum is not None
+    if is_global_zero:
+        name = signal.Signals(signum).name
+        saved = f"saved {stop.checkpoint}" if stop.checkpoint else "nothing trained yet, nothing saved"
+        print(
+            f"{name} at global step {step}: {saved}; the finish step was skipped. Resume with:\n"
+            f"  {resume_command(stop.checkpoint)}",
+            flush=True,
+        )
+    raise SystemExit(128 + signum)

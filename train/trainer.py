@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import logging
 import os
 from typing import Any
 
@@ -14,28 +15,54 @@ from omegaconf import DictConfig
 
 from train.config import LoggerConfig, TrainerConfig
 
+log = logging.getLogger(__name__)
+
 
 def build_loggers(
     cfg: LoggerConfig, run_dir: str, name: str, config: dict[str, Any] | None = None
 ) -> list[Logger]:
-    """CSV logs under ``run_dir/csv``; W&B (offline by default) under ``run_dir/wandb``."""
+    """CSV logs under ``run_dir/csv``; W&B (offline by default) under ``run_dir/wandb``.
+
+    Tracking never stops training: when an online W&B run cannot start within ``cfg.init_timeout``
+    (no network, service down, bad key), the run logs offline and says how to upload it later.
+    """
     loggers: list[Logger] = []
     if cfg.csv:
         loggers.append(CSVLogger(save_dir=run_dir, name="csv", version=""))
     if cfg.wandb:
         os.makedirs(run_dir, exist_ok=True)
-        wandb_logger = WandbLogger(
-            project=cfg.project,
-            entity=cfg.entity,
-            name=f"{name}-{os.path.basename(os.path.normpath(run_dir))}",
-            save_dir=run_dir,
-            offline=cfg.wandb_offline(),
-            tags=list(cfg.tags),
-        )
+        offline = cfg.wandb_offline()
+        wandb_logger = _wandb_logger(cfg, run_dir, name, offline)
+        if not offline:
+            try:
+                wandb_logger.experiment  # noqa: B018 -- start the run now, where a failure can be caught
+            except Exception as err:  # wandb raises CommError, UsageError, timeouts, ...
+                wandb_logger = _wandb_logger(cfg, run_dir, name, offline=True)
+                log.warning(
+                    "W&B could not start online (%s: %s); logging offline instead. Upload later with: "
+                    "wandb sync %s",
+                    type(err).__name__,
+                    str(err).splitlines()[0] if str(err) else "",
+                    os.path.join(run_dir, "wandb", "offline-run-*"),
+                )
         if config is not None:
             wandb_logger.log_hyperparams(config)
         loggers.append(wandb_logger)
     return loggers
+
+
+def _wandb_logger(cfg: LoggerConfig, run_dir: str, name: str, offline: bool) -> WandbLogger:
+    import wandb
+
+    return WandbLogger(
+        project=cfg.project,
+        entity=cfg.entity,
+        name=f"{name}-{os.path.basename(os.path.normpath(run_dir))}",
+        save_dir=run_dir,
+        offline=offline,
+        tags=list(cfg.tags),
+        settings=wandb.Settings(init_timeout=cfg.init_timeout),
+    )
 
 
 def build_callbacks(cfg: DictConfig | dict | None) -> list[L.Callback]:
