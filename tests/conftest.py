@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -70,3 +71,12 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def text_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small local JSONL corpus of Python-like text (60 documents) for run tests."""
+    path = tmp_path_factory.mktemp("text") / "docs.jsonl"
+    rows = [{"text": f"def f{i}(x):\n    return x * {i} + {i % 7}  # line {i}\n" * 6} for i in range(60)]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return path

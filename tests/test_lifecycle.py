@@ -32,14 +32,6 @@ from train.rundir import LOCK_NAME, RunDirLock, RunDirLocked, remove_if_unused
 from train.trainer import build_loggers, close_loggers
 
 
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("text") / "docs.jsonl"
-    rows = [{"text": f"def f{i}(x):\n    return x * {i} + {i % 7}  # line {i}\n" * 6} for i in range(60)]
-    path.write_text("\n".join(json.dumps(r) for r in rows))
-    return path
-
-
 class SignalAtStep(L.Callback):
     """Test helper: the process sends itself ``signum`` once ``step`` optimizer steps are done."""
 

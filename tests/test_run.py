@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import json
 from pathlib import Path
 
 import pytest
@@ -15,14 +14,6 @@ from omegaconf import DictConfig, open_dict
 from tests.conftest import CONF_DIR
 from train.callbacks import NonFiniteLossError
 from train.run import main
-
-
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("text") / "docs.jsonl"
-    rows = [{"text": f"def f{i}(x):\n    return x * {i} + {i % 7}  # line {i}\n" * 6} for i in range(60)]
-    path.write_text("\n".join(json.dumps(r) for r in rows))
-    return path
 
 
 def run_cfg(tmp_path: Path, pair: Path, data: Path, run: str, extra: list[str] | None = None) -> DictConfig:
