@@ -2,18 +2,28 @@
 
 A thin Hydra app over conf/eval.yaml; the work is :func:`train.evaluation.cli.main`.
 ``python scripts/evaluate.py eval.decoders=[sd,sd_g2]`` compares several decoder configs in one table.
+Errors a user can fix print as one line (``HYDRA_FULL_ERROR=1`` shows the traceback).
 """
+
+import os
+import sys
 
 import hydra
 from omegaconf import DictConfig
 
+CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="eval")
 def main(cfg: DictConfig) -> None:
+    from train.cli import report_errors
     from train.evaluation.cli import main as evaluate_main
 
-    evaluate_main(cfg)
+    report_errors(evaluate_main, cfg)
 
 
 if __name__ == "__main__":
+    from train.cli import check_overrides
+
+    check_overrides(CONF_DIR, "eval", sys.argv[1:])
     main()

@@ -13,7 +13,7 @@ from omegaconf import DictConfig, open_dict
 
 from tests.conftest import CONF_DIR
 from train.callbacks import NonFiniteLossError
-from train.run import main
+from train.run import FinishedRunError, main
 
 
 def run_cfg(tmp_path: Path, pair: Path, data: Path, run: str, extra: list[str] | None = None) -> DictConfig:
@@ -119,3 +119,10 @@ def test_non_finite_loss_stops_naming_the_step(
         weights_only=False,
     )
     assert all(torch.isfinite(t).all() for t in state["state_dict"].values())
+
+
+def test_resuming_a_finished_run_says_so_and_stops(tmp_path: Path, tiny_pair_dir: Path, text_file: Path) -> None:
+    main(run_cfg(tmp_path, tiny_pair_dir, text_file, "done", ["logger=csv"]))
+    with pytest.raises(FinishedRunError, match=r"global step 4, and trainer.max_steps=4.*already finished"):
+        main(run_cfg(tmp_path, tiny_pair_dir, text_file, "again", ["logger=csv", "ckpt_path=last"]))
+    assert not (tmp_path / "checkpoints" / "unit" / "again").exists()  # nothing half-made left behind

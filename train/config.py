@@ -7,13 +7,16 @@ loads. Errors name the config key (``trainer.devices``) and the allowed range.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.errors import InstantiationException
-from hydra.utils import instantiate
+from hydra.utils import get_class, instantiate
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
@@ -215,6 +218,27 @@ class PathsConfig:
             require(bool(getattr(self, key)), f"paths.{key}", "a non-empty path", getattr(self, key))
 
 
+_UNEXPECTED_KEYWORD = re.compile(r"unexpected keyword argument '(\w+)'")
+
+
+def unknown_key_message(key: str, valid: Iterable[str]) -> str:
+    """``key`` (dotted, e.g. ``method.divergance``) is not one of ``valid`` (the keys of its parent):
+    a message naming the closest key and all of them."""
+    parent, _, leaf = key.rpartition(".")
+    keys = sorted(valid)
+    close = difflib.get_close_matches(leaf, keys, n=1)
+    hint = f"; did you mean {parent + '.' if parent else ''}{close[0]}?" if close else ""
+    return f"{key} is not a setting of {parent or 'the config'}{hint} Valid keys: {', '.join(keys)}"
+
+
+def _settings_of(node: Any) -> list[str]:
+    """The fields of the dataclass a group node builds (its ``_target_``), else the node's keys."""
+    try:
+        return [f.name for f in dataclasses.fields(get_class(node["_target_"]))]
+    except Exception:
+        return [str(k) for k in node if not str(k).startswith("_")]
+
+
 def instantiate_group(cfg: Any, key: str) -> Any:
     """Build one config group's dataclass, prefixing any validation error with the group's key.
 
@@ -230,6 +254,9 @@ def instantiate_group(cfg: Any, key: str) -> Any:
         message = str(cause)
         if isinstance(cause, ConfigError) or message.startswith(f"{key}."):
             raise ConfigError(message) from None
+        unknown = _UNEXPECTED_KEYWORD.search(message)
+        if isinstance(cause, TypeError) and unknown:
+            raise ConfigError(unknown_key_message(f"{key}.{unknown.group(1)}", _settings_of(node))) from None
         raise ConfigError(f"{key}: {message}") from None
     except Exception as err:  # interpolation or missing-value errors from OmegaConf
         raise ConfigError(f"{key}: {err}") from None

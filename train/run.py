@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import lightning as L
+import torch
 from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
@@ -194,9 +195,13 @@ def fit(spec: RunSpec) -> Any:
     """Build the method's module and data, fit (resuming if asked), then the finish step."""
     ckpt = resolve_ckpt_path(spec.ckpt_path, spec.experiment_dir, spec.run_dir)
     if ckpt:
+        refuse_finished(ckpt, spec.ckpt_path, spec.trainer.max_steps)
         log.info("Resuming from %s", ckpt)
     pair = load_pair(spec.model)
     module, datamodule = spec.method.build(pair, spec)
+    # Data problems (an empty file, a missing column) surface here, before loggers and checkpoints
+    # make the run directory worth keeping; Lightning's own setup call later finds the data ready.
+    datamodule.setup("fit")
     config: dict[str, Any] = OmegaConf.to_container(spec.cfg, resolve=True)  # type: ignore[assignment]
     loggers = build_loggers(spec.logger, spec.run_dir, spec.name, config=config)
     stop = GracefulStop(spec.run_dir)
@@ -229,6 +234,23 @@ def fit(spec: RunSpec) -> Any:
         return own_finish(trainer, spec) if own_finish is not None else None
     finally:
         close_loggers(loggers)
+
+
+class FinishedRunError(ConfigError):
+    """``ckpt_path`` points at a run that already reached ``trainer.max_steps``."""
+
+
+def refuse_finished(ckpt: str, requested: str | None, max_steps: int) -> None:
+    """Resuming a checkpoint that already reached ``max_steps`` would train nothing and redo the finish
+    step: say so and stop, naming the two ways on (a fresh run, or more steps)."""
+    state = torch.load(ckpt, map_location="cpu", weights_only=False, mmap=True)
+    step = int(state.get("global_step", 0))
+    if step >= max_steps:
+        raise FinishedRunError(
+            f"ckpt_path={requested}: {ckpt} is at global step {step}, and trainer.max_steps={max_steps}: "
+            "that run already finished, there is nothing to resume. Drop ckpt_path to start a fresh run, "
+            f"or raise trainer.max_steps above {step} to train it further."
+        )
 
 
 def stopped(stop: GracefulStop, step: int, is_global_zero: bool) -> None:

@@ -8,6 +8,8 @@ import functools
 import json
 import os
 import re
+import signal
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -16,10 +18,11 @@ import torch
 from datasets import Dataset
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import open_dict
 
 from tests.conftest import CONF_DIR, REPO_ROOT, make_tokenizer, tiny_llama
-from train.callbacks import NonFiniteLossError, NonFiniteLossGuard
+from train.callbacks import GracefulStop, NonFiniteLossError, NonFiniteLossGuard
 from train.config import ConfigError
 from train.data.datamodule import PromptDataModule
 from train.methods.distillspec import DATA_SOURCES, DistillSpecConfig, DistillSpecModule
@@ -195,7 +198,7 @@ def test_mixture_draws_on_policy_batches_with_probability_lambda():
     assert picks == [module.pick_source(s) for s in range(2000)]  # reproducible on resume
 
 
-def _trainer(tmp_path: Path, max_steps: int, **kw) -> L.Trainer:
+def _trainer(tmp_path: Path, max_steps: int, callbacks_extra: list[L.Callback] = (), **kw) -> L.Trainer:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     ckpt = ModelCheckpoint(
@@ -210,7 +213,7 @@ def _trainer(tmp_path: Path, max_steps: int, **kw) -> L.Trainer:
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        callbacks=[ckpt, NonFiniteLossGuard()],
+        callbacks=[ckpt, NonFiniteLossGuard(), *callbacks_extra],
         default_root_dir=tmp_path,
         **kw,
     )
@@ -356,3 +359,40 @@ def test_main_job_end_to_end_builds_a_micro_pair_on_first_use(tmp_path):
     assert "| after |" in (run_dir / "drafter" / "README.md").read_text()
     assert str(run_dir) in proc.stdout
     assert json.loads((tmp_path / "tiny" / "manifest.json").read_text())["parameters"]["verifier"] > 0
+
+
+class _SigtermAtStep(L.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+@pytest.mark.parametrize("stop_at", [3, 6])  # 4 batches per epoch: mid-epoch 1 and mid-epoch 2
+def test_interrupted_and_resumed_run_ends_with_the_same_weights(tmp_path, stop_at):
+    """SIGTERM mid-epoch, then resume from the checkpoint GracefulStop wrote: data order (the shuffling
+    generator across epochs), teacher continuations (cached in the checkpoint), on-policy draws and
+    the optimizer all continue where they stopped, so the weights equal an uninterrupted run's."""
+    cfg = dict(data_source="mixed_teacher", lmbda=0.5, num_prompts=16, batch_size=4)
+    module, data = _module(_cfg(**cfg))
+    _trainer(tmp_path / "straight", 8).fit(module, datamodule=data)
+    straight = module.student.state_dict()
+
+    module1, data1 = _module(_cfg(**cfg))
+    stop = GracefulStop(str(tmp_path / "cut"))
+    trainer = _trainer(tmp_path / "cut", 8, callbacks_extra=[stop, _SigtermAtStep(stop_at)])
+    with pytest.raises(SIGTERMException):
+        trainer.fit(module1, datamodule=data1)
+    assert stop.checkpoint and torch.load(stop.checkpoint, weights_only=False)["global_step"] == stop_at
+
+    module2, data2 = _module(_cfg(**cfg))
+    resumed = _trainer(tmp_path / "resumed", 8)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*dataloader is not resumable.*")
+        resumed.fit(module2, datamodule=data2, ckpt_path=stop.checkpoint)
+    assert resumed.global_step == 8
+    after = module2.student.state_dict()
+    for name, value in straight.items():
+        torch.testing.assert_close(after[name], value, rtol=1e-5, atol=1e-6, msg=name)

@@ -3,6 +3,11 @@
 Both take the splits either prepared (a ``DatasetDict`` / mapping of split -> ``Dataset``) or as
 a zero-argument callable returning them (called once, in ``setup``), and a tokenizer object or
 a path to a saved one.
+
+Loaders are ``torchdata``'s :class:`StatefulDataLoader`: Lightning saves its state (the shuffling
+generator, the batches already yielded this epoch) in every checkpoint, so a run resumed mid-epoch
+sees exactly the batches the uninterrupted run would have seen; the training order is a pure function
+of (seed, epoch) (:class:`~train.data.samplers.EpochShuffleSampler`).
 """
 
 from __future__ import annotations
@@ -13,11 +18,11 @@ from functools import partial
 from typing import Any
 
 import lightning as L
-import torch
 from datasets import Dataset
-from torch.utils.data import DataLoader
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from train.data.lm import collate_left_pad, make_prompts, pack_sequences
+from train.data.samplers import EpochShuffleSampler
 
 __all__ = ["LMDataModule", "PromptDataModule"]
 
@@ -38,6 +43,10 @@ def _resolve_splits(splits: SplitsArg) -> Splits:
     if "train" not in resolved:
         raise ValueError(f"splits need a 'train' split, got {sorted(resolved)}")
     return resolved
+
+
+def _shuffler(ds: Dataset, seed: int) -> EpochShuffleSampler:
+    return EpochShuffleSampler(len(ds), seed)
 
 
 def _val_split(splits: Splits) -> Dataset | None:
@@ -89,29 +98,27 @@ class LMDataModule(L.LightningDataModule):
         self.val_dataset = pack(val) if val is not None else None
         self.test_dataset = pack(splits["test"]) if "test" in splits else None
 
-    def _loader(self, ds: Dataset | None, train: bool) -> DataLoader[Any]:
+    def _loader(self, ds: Dataset | None, train: bool) -> StatefulDataLoader:
         if ds is None:
             raise RuntimeError("this split is not available")
-        generator = torch.Generator().manual_seed(self.seed) if train and self.shuffle else None
-        return DataLoader(
+        return StatefulDataLoader(
             ds,  # type: ignore[arg-type]
             batch_size=self.batch_size,
-            shuffle=train and self.shuffle,
+            sampler=_shuffler(ds, self.seed) if train and self.shuffle else None,
             num_workers=self.num_workers,
             drop_last=train and self.drop_last,
-            generator=generator,
             persistent_workers=self.num_workers > 0,
         )
 
-    def train_dataloader(self) -> DataLoader[Any]:
+    def train_dataloader(self) -> StatefulDataLoader:
         self.setup()
         return self._loader(self.train_dataset, train=True)
 
-    def val_dataloader(self) -> DataLoader[Any]:
+    def val_dataloader(self) -> StatefulDataLoader:
         self.setup()
         return self._loader(self.val_dataset, train=False)
 
-    def test_dataloader(self) -> DataLoader[Any]:
+    def test_dataloader(self) -> StatefulDataLoader:
         self.setup()
         return self._loader(self.test_dataset, train=False)
 
@@ -181,24 +188,22 @@ class PromptDataModule(L.LightningDataModule):
         val = _val_split(splits)
         self.val_dataset = self._prompts(val, self.max_val_prompts) if val is not None else None
 
-    def _loader(self, ds: Dataset | None, train: bool) -> DataLoader[Any]:
+    def _loader(self, ds: Dataset | None, train: bool) -> StatefulDataLoader:
         if ds is None:
             raise RuntimeError("this split is not available")
-        generator = torch.Generator().manual_seed(self.seed) if train and self.shuffle else None
-        return DataLoader(
+        return StatefulDataLoader(
             ds,  # type: ignore[arg-type]
             batch_size=self.batch_size,
-            shuffle=train and self.shuffle,
+            sampler=_shuffler(ds, self.seed) if train and self.shuffle else None,
             num_workers=self.num_workers,
             collate_fn=partial(collate_left_pad, pad_id=self.pad_id),
-            generator=generator,
             persistent_workers=self.num_workers > 0,
         )
 
-    def train_dataloader(self) -> DataLoader[Any]:
+    def train_dataloader(self) -> StatefulDataLoader:
         self.setup()
         return self._loader(self.train_dataset, train=True)
 
-    def val_dataloader(self) -> DataLoader[Any]:
+    def val_dataloader(self) -> StatefulDataLoader:
         self.setup()
         return self._loader(self.val_dataset, train=False)

@@ -33,6 +33,7 @@ from train.data.corpus import DEFAULT_CORPUS_DIR, build_corpus
 
 __all__ = [
     "LOCAL_FORMATS",
+    "DataError",
     "SPLIT_ALIASES",
     "SPLIT_NAMES",
     "DataSourceConfig",
@@ -180,10 +181,34 @@ def _data_files_arg(files: DataFiles | None) -> Any:
     return files
 
 
+class DataError(ValueError):
+    """A data source loaded nothing usable: an empty file, no rows, no text."""
+
+
+def _check_local_files(files: DataFiles | None) -> None:
+    """An empty local data file is named before ``datasets`` fails on it with a bare StopIteration."""
+    if files is None:
+        return
+    paths = [
+        p for group in (files.values() if isinstance(files, Mapping) else [files]) for p in _paths(group)
+    ]
+    for path in paths:
+        local = os.path.expanduser(path)
+        if os.path.isfile(local) and os.path.getsize(local) == 0:
+            raise DataError(
+                f"data.data_files: {path} is empty; point data.data_files at a file with documents"
+            )
+
+
+def _paths(group: Any) -> list[str]:
+    return [group] if isinstance(group, str) else [str(p) for p in group]
+
+
 def _load_raw(source: DataSourceConfig) -> dict[str, Dataset]:
     """Load the source's splits, keyed by canonical name (validation/test may be missing)."""
     if source.kind == "stdlib":
         return dict(build_corpus(source.corpus_dir))
+    _check_local_files(source.data_files)
     path = LOCAL_FORMATS.get(source.name, source.name)
     kwargs: dict[str, Any] = dict(source.load_kwargs)
     if source.data_files is not None:
@@ -302,7 +327,13 @@ def load_text_dataset(source: DataSourceConfig, tokenizer: Any = None) -> Datase
     """
     if not isinstance(source, DataSourceConfig):
         raise TypeError(f"source must be a DataSourceConfig, got {type(source).__name__}")
-    splits = _carve(_load_raw(source), source)
+    try:
+        raw = _load_raw(source)
+    except StopIteration as err:  # what `datasets` raises on a file with no rows
+        raise DataError(f"data source {source.name!r} ({source.data_files}) has no rows") from err
+    if "train" in raw and len(raw["train"]) == 0:
+        raise DataError(f"data source {source.name!r} ({source.data_files}): the train split has no rows")
+    splits = _carve(raw, source)
     out = {}
     for name in SPLIT_NAMES:
         ds = _normalise(splits[name], source, tokenizer, name)

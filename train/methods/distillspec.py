@@ -206,6 +206,19 @@ class DistillSpecModule(L.LightningModule):
         self.teacher.to(self.device)
         self.student.train()  # from_pretrained returns eval mode; the teacher stays in eval mode
 
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """The teacher continuations generated so far travel with the checkpoint: a resumed run reuses
+        them instead of sampling different ones at a later step (exact resume)."""
+        checkpoint["teacher_cache"] = {
+            "prompts": list(self._teacher_cache),
+            "continuations": list(self._teacher_cache.values()),
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        saved = checkpoint.get("teacher_cache")
+        if saved:
+            self._teacher_cache = dict(zip(saved["prompts"], saved["continuations"], strict=True))
+
     def configure_optimizers(self) -> Any:
         params = [p for p in self.student.parameters() if p.requires_grad]
         return configure_optimizers(params, self.cfg.optimizer, self.cfg.scheduler)

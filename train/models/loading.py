@@ -7,11 +7,15 @@ logits are compared over the common vocabulary: the first ``common_vocab_size`` 
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import huggingface_hub
 import torch
+from huggingface_hub import constants as hf_constants
+from huggingface_hub.errors import HfHubHTTPError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from train.config import ModelConfig, looks_local
@@ -23,6 +27,32 @@ class TokenizerMismatchError(ValueError):
 
 class ModelNotFoundError(FileNotFoundError):
     """A model path or Hub id could not be loaded."""
+
+
+class CorruptModelError(ValueError):
+    """A model folder's weights file is truncated or not a valid safetensors/PyTorch file."""
+
+
+def check_weight_files(folder: str) -> None:
+    """Open every ``*.safetensors`` file in ``folder`` (header and tensor table, not the data) and raise
+    :class:`CorruptModelError` naming the first one that does not parse (truncated copy, interrupted
+    save or download)."""
+    from safetensors import safe_open
+
+    for name in sorted(os.listdir(folder)):
+        if not name.endswith(".safetensors"):
+            continue
+        path = os.path.join(folder, name)
+        try:
+            with safe_open(path, framework="pt") as f:
+                names = list(f.keys())
+                for key in names[-1:]:  # reading the last tensor checks the file reaches its declared end
+                    f.get_slice(key)
+        except Exception as err:
+            raise CorruptModelError(
+                f"{path} is truncated or corrupt ({str(err).splitlines()[0]}); re-copy or re-export it "
+                "(a tiny pair under checkpoints/tiny is rebuilt by deleting that folder)"
+            ) from err
 
 
 def torch_dtype(name: str | None) -> Any:
@@ -42,33 +72,68 @@ def freeze(model: ModelT) -> ModelT:
     return model
 
 
+@functools.lru_cache(maxsize=32)
+def check_hub_reachable(repo_id: str, role: str) -> None:
+    """Fail in well under a second, naming ``role``, when ``repo_id`` is neither in the local Hugging
+    Face cache nor reachable (no network): ``from_pretrained`` would retry for about 50 s first.
+
+    Only connection failures count; a private, gated or missing repository is left to
+    ``from_pretrained``'s own message. Offline mode (``HF_HUB_OFFLINE=1``) skips the probe.
+    """
+    if hf_constants.HF_HUB_OFFLINE:
+        return
+    if isinstance(huggingface_hub.try_to_load_from_cache(repo_id, "config.json"), str):
+        return
+    try:
+        huggingface_hub.model_info(repo_id, timeout=10)
+    except HfHubHTTPError:
+        return  # the Hub answered: from_pretrained reports gated, private or missing repositories itself
+    except Exception as err:  # connection refused, no DNS, timeout
+        raise ModelNotFoundError(
+            f"{role}: cannot reach the Hugging Face Hub for {repo_id!r} ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else 'no detail'}) and it is not in the local cache; "
+            "check the network, or download it where there is one and use its local path"
+        ) from err
+
+
 def load_model(
     source: str,
     dtype: str | None = "float32",
     attn_implementation: str | None = "sdpa",
     trust_remote_code: bool = False,
+    role: str = "model",
 ) -> PreTrainedModel:
-    """Load a causal LM, with a precise error when the source does not exist."""
+    """Load a causal LM, with a precise error (naming ``role``, the config key) when the source does
+    not exist or its weights file is corrupt."""
     path = os.path.expanduser(source)
     if looks_local(source) and not os.path.isdir(path):
-        raise ModelNotFoundError(f"no model folder at {source!r}")
+        raise ModelNotFoundError(f"{role}: no model folder at {source!r}")
     kwargs: dict[str, Any] = {"dtype": torch_dtype(dtype), "trust_remote_code": trust_remote_code}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
+    if os.path.isdir(path):
+        check_weight_files(path)
+    elif not looks_local(source):
+        check_hub_reachable(source, role)
     try:
         return AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except OSError as err:
-        raise ModelNotFoundError(f"could not load a model from {source!r}: {err}") from err
+        raise ModelNotFoundError(f"{role}: could not load a model from {source!r}: {err}") from err
 
 
-def load_tokenizer(source: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+def load_tokenizer(
+    source: str, trust_remote_code: bool = False, role: str = "tokenizer"
+) -> PreTrainedTokenizerBase:
+    """The tokenizer at ``source``; ``role`` names the config key it came from in errors."""
     path = os.path.expanduser(source)
     if looks_local(source) and not os.path.isdir(path):
-        raise ModelNotFoundError(f"no tokenizer folder at {source!r}")
+        raise ModelNotFoundError(f"{role}: no folder at {source!r} (its tokenizer is loaded from there)")
+    if not looks_local(source):
+        check_hub_reachable(source, role)
     try:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except OSError as err:
-        raise ModelNotFoundError(f"could not load a tokenizer from {source!r}: {err}") from err
+        raise ModelNotFoundError(f"{role}: could not load a tokenizer from {source!r}: {err}") from err
 
 
 _PROBE = "def f(x):\n    return x ** 2  # héllo, 世界!\n<|eos|> The quick brown fox."
@@ -132,21 +197,32 @@ def drafter_tokenizer_source(drafter: str) -> str | None:
     path = os.path.expanduser(drafter)
     if os.path.isdir(path):
         return path if os.path.exists(os.path.join(path, "tokenizer_config.json")) else None
+    if looks_local(drafter):
+        raise ModelNotFoundError(f"model.drafter: no model folder at {drafter!r}")
     return drafter
 
 
 def load_pair(cfg: ModelConfig, freeze_drafter: bool = False) -> ModelPair:
     """Verifier (frozen), drafter (trainable unless ``freeze_drafter``) and the shared tokenizer."""
-    tokenizer = load_tokenizer(cfg.tokenizer_source, cfg.trust_remote_code)
+    tokenizer_key = "model.tokenizer" if cfg.tokenizer else "model.verifier"
+    tokenizer = load_tokenizer(cfg.tokenizer_source, cfg.trust_remote_code, tokenizer_key)
     drafter_tok_source = drafter_tokenizer_source(cfg.drafter)
     if drafter_tok_source is not None and drafter_tok_source != cfg.tokenizer_source:
-        check_same_tokenizer(tokenizer, load_tokenizer(drafter_tok_source, cfg.trust_remote_code))
+        check_same_tokenizer(
+            tokenizer, load_tokenizer(drafter_tok_source, cfg.trust_remote_code, "model.drafter")
+        )
     verifier = freeze(
         load_model(
-            cfg.verifier, cfg.verifier_dtype or cfg.dtype, cfg.attn_implementation, cfg.trust_remote_code
+            cfg.verifier,
+            cfg.verifier_dtype or cfg.dtype,
+            cfg.attn_implementation,
+            cfg.trust_remote_code,
+            "model.verifier",
         )
     )
-    drafter = load_model(cfg.drafter, cfg.dtype, cfg.attn_implementation, cfg.trust_remote_code)
+    drafter = load_model(
+        cfg.drafter, cfg.dtype, cfg.attn_implementation, cfg.trust_remote_code, "model.drafter"
+    )
     if freeze_drafter:
         freeze(drafter)
     check_vocab_covers_tokenizer(tokenizer, verifier, drafter)

@@ -1,0 +1,105 @@
+"""What the command-line entry points (``train.py``, ``scripts/*.py``) share: errors a user can fix
+print as one line, and an override naming a key the config does not have lists the keys it does.
+
+An expected error (a bad value, a missing or corrupt file, a mismatched pair, a held run directory,
+a non-finite loss) prints ``error: <message>`` on stderr and exits 2 (configuration) or 1 (anything
+else); its traceback goes to the run's ``train.log`` only. ``HYDRA_FULL_ERROR=1`` or
+``DRAFTSMITH_DEBUG=1`` re-raises it with the full traceback. Any other exception is a bug and keeps its
+traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn, TypeVar
+
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf import DictConfig, OmegaConf
+
+from train.callbacks import NonFiniteLossError
+from train.config import ConfigError, unknown_key_message
+from train.data.sources import DataError
+from train.models.loading import CorruptModelError, TokenizerMismatchError
+from train.rundir import RunDirLocked
+
+__all__ = ["USER_ERRORS", "check_overrides", "debugging", "fail", "report_errors"]
+
+log = logging.getLogger(__name__)
+
+#: Errors whose message says what is wrong and what to do: printed as one line.
+USER_ERRORS: tuple[type[BaseException], ...] = (
+    ConfigError,
+    FileNotFoundError,
+    DataError,
+    CorruptModelError,
+    TokenizerMismatchError,
+    RunDirLocked,
+    NonFiniteLossError,
+)
+DEBUG_VARIABLES = ("HYDRA_FULL_ERROR", "DRAFTSMITH_DEBUG")
+
+T = TypeVar("T")
+
+
+def debugging() -> bool:
+    return any(os.environ.get(var, "") not in ("", "0") for var in DEBUG_VARIABLES)
+
+
+def report_errors(fn: Callable[..., T], *args: Any) -> T:
+    """Call ``fn(*args)``; an expected error becomes one line on stderr and an exit status."""
+    try:
+        return fn(*args)
+    except USER_ERRORS as err:
+        if debugging():
+            raise
+        _log_to_files_only(err)
+        fail(str(err), 2 if isinstance(err, ConfigError) else 1)
+
+
+def fail(message: str, status: int = 1) -> NoReturn:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(status)
+
+
+def _log_to_files_only(err: BaseException) -> None:
+    """The traceback goes to the job's log file (Hydra's ``train.log``), not to the terminal."""
+    record = log.makeRecord(
+        log.name, logging.ERROR, __file__, 0, "run failed: %s", (err,), (type(err), err, err.__traceback__)
+    )
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+
+
+def check_overrides(config_dir: str, config_name: str, argv: Sequence[str]) -> None:
+    """Before Hydra starts the job: an override of a key the config lacks (a typo such as
+    ``method.divergance=fkl``) exits 2 naming the valid keys, instead of Hydra's advice to append it
+    with ``+``. Only plain single runs are checked (no ``-m`` sweeps or Hydra flags); any other
+    composition problem is left to Hydra's own report."""
+    if any(a.startswith("-") for a in argv):
+        return
+    overrides = [a for a in argv if not a.lstrip("+~").startswith("hydra.")]
+    try:
+        with initialize_config_dir(config_dir=os.path.abspath(config_dir), version_base="1.3"):
+            compose(config_name=config_name, overrides=overrides)
+    except ConfigCompositionException as err:
+        key = getattr(err.__cause__, "full_key", None)
+        if not key or "not in struct" not in str(err.__cause__) and "Could not override" not in str(err):
+            return
+        culprit = [o for o in overrides if o.split("=", 1)[0] == key]
+        rest = [o for o in overrides if o not in culprit]
+        try:
+            with initialize_config_dir(config_dir=os.path.abspath(config_dir), version_base="1.3"):
+                cfg = compose(config_name=config_name, overrides=rest)
+        except Exception:
+            return
+        parent = key.rpartition(".")[0]
+        node = OmegaConf.select(cfg, parent) if parent else cfg
+        if node is not None and not isinstance(node, DictConfig):
+            return
+        valid = [str(k) for k in node if not str(k).startswith("_")] if node is not None else []
+        fail(unknown_key_message(key, valid), 2)
