@@ -1,0 +1,35 @@
+"""Where the project's default paths resolve, whatever the working directory.
+
+``paths.root_dir`` (conf/paths/default.yaml) is ``${draftsmith_root:}``: the ``DRAFTSMITH_ROOT``
+environment variable when set, else the checkout that holds this package (the folder with
+``train.py`` and ``conf/``). Data, the tiny pair and run directories live under it, so
+``python /path/to/draftsmith/scripts/evaluate.py`` from any directory finds the cached pair instead of
+rebuilding it under the current directory. Paths given on the command line (``model.drafter=./x``)
+keep their usual meaning, relative to the current directory.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+__all__ = ["PROJECT_ROOT", "project_root", "register_resolvers"]
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+ROOT_VARIABLE = "DRAFTSMITH_ROOT"
+
+
+def project_root() -> str:
+    """``$DRAFTSMITH_ROOT`` if set, else the checkout holding the ``train`` package."""
+    return os.environ.get(ROOT_VARIABLE) or str(PROJECT_ROOT)
+
+
+def register_resolvers() -> None:
+    """Make ``${draftsmith_root:}`` available to every config (idempotent)."""
+    if not OmegaConf.has_resolver("draftsmith_root"):
+        OmegaConf.register_new_resolver("draftsmith_root", project_root)
+
+
+register_resolvers()
