@@ -14,10 +14,10 @@ CONF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf")
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> None:
-    from train.cli import report_errors
+    from train.cli import run_command
     from train.run import main as run_main
 
-    report_errors(run_main, cfg)
+    run_command(run_main, cfg)
 
 
 if __name__ == "__main__":

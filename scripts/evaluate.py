@@ -16,10 +16,10 @@ CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="eval")
 def main(cfg: DictConfig) -> None:
-    from train.cli import report_errors
+    from train.cli import run_command
     from train.evaluation.cli import main as evaluate_main
 
-    report_errors(evaluate_main, cfg)
+    run_command(evaluate_main, cfg)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from omegaconf import DictConfig, open_dict
 
 from tests.conftest import CONF_DIR
 from train.callbacks import NonFiniteLossError
+from train.progress import short_metric_name
 from train.run import FinishedRunError, main
 
 
@@ -121,8 +122,33 @@ def test_non_finite_loss_stops_naming_the_step(
     assert all(torch.isfinite(t).all() for t in state["state_dict"].values())
 
 
-def test_resuming_a_finished_run_says_so_and_stops(tmp_path: Path, tiny_pair_dir: Path, text_file: Path) -> None:
+def test_resuming_a_finished_run_says_so_and_stops(
+    tmp_path: Path, tiny_pair_dir: Path, text_file: Path
+) -> None:
     main(run_cfg(tmp_path, tiny_pair_dir, text_file, "done", ["logger=csv"]))
     with pytest.raises(FinishedRunError, match=r"global step 4, and trainer.max_steps=4.*already finished"):
         main(run_cfg(tmp_path, tiny_pair_dir, text_file, "again", ["logger=csv", "ckpt_path=last"]))
     assert not (tmp_path / "checkpoints" / "unit" / "again").exists()  # nothing half-made left behind
+
+
+def test_terminal_shows_the_plan_a_step_bar_and_the_run_directory(
+    tmp_path: Path, tiny_pair_dir: Path, text_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = run_cfg(
+        tmp_path, tiny_pair_dir, text_file, "bar", ["logger=csv", "trainer.enable_progress_bar=true"]
+    )
+    with open_dict(cfg):
+        cfg.callbacks.progress_bar = {"_target_": "train.progress.StepProgressBar"}
+    main(cfg)
+    out = capsys.readouterr().out
+    run_dir = tmp_path / "checkpoints" / "unit" / "bar"
+    assert out.startswith("unit: PretrainConfig on DataSourceConfig data, 4 steps on 1 cpu device (seed 0)")
+    assert f"Run directory: {run_dir}" in out
+    assert "4/4" in out and "Epoch" not in out and "v_num" not in out  # one bar over max_steps
+
+
+def test_short_metric_names() -> None:
+    assert short_metric_name("train/loss") == "loss"
+    assert short_metric_name("train/expected_acceptance") == "accept"
+    assert short_metric_name("val/expected_acceptance") == "val_accept"
+    assert short_metric_name("val/perplexity") == "val_perplexity"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn, TypeVar
 
@@ -26,7 +27,15 @@ from train.data.sources import DataError
 from train.models.loading import CorruptModelError, TokenizerMismatchError
 from train.rundir import RunDirLocked
 
-__all__ = ["USER_ERRORS", "check_overrides", "debugging", "fail", "report_errors"]
+__all__ = [
+    "USER_ERRORS",
+    "check_overrides",
+    "debugging",
+    "fail",
+    "quiet_console",
+    "report_errors",
+    "run_command",
+]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +52,41 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
 DEBUG_VARIABLES = ("HYDRA_FULL_ERROR", "DRAFTSMITH_DEBUG")
 
 T = TypeVar("T")
+
+
+#: Third-party warnings that say nothing to a user of draftsmith (deprecations inside libraries).
+KNOWN_NOISE = (
+    r".*'set_vital' is deprecated.*",  # torchdata's StatefulDataLoader on torch >= 2.9
+    r".*isinstance\(treespec, LeafSpec\)` is deprecated.*",  # Lightning's _pytree on recent torch
+)
+
+
+def quiet_console() -> None:
+    """Keep the terminal to what a user needs (the plan, progress bars, results, errors): Lightning's
+    INFO lines go through the root logger (Hydra's ``train.log``; the console handler shows warnings
+    and up, conf/hydra/default.yaml), library progress bars for loading and saving weights are off,
+    and known library deprecation warnings are dropped."""
+    import datasets
+    import huggingface_hub
+    import transformers
+
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        logger = logging.getLogger(name)
+        for handler in list(logger.handlers):
+            if type(handler) is logging.StreamHandler:
+                logger.removeHandler(handler)
+        logger.propagate = True
+    transformers.utils.logging.disable_progress_bar()
+    huggingface_hub.utils.disable_progress_bars()
+    datasets.disable_progress_bars()
+    for pattern in KNOWN_NOISE:
+        warnings.filterwarnings("ignore", message=pattern)
+
+
+def run_command(fn: Callable[..., T], *args: Any) -> T:
+    """What every entry point does with its Hydra config: a quiet console, then :func:`report_errors`."""
+    quiet_console()
+    return report_errors(fn, *args)
 
 
 def debugging() -> bool:

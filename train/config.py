@@ -137,6 +137,7 @@ class TrainerConfig:
             "accumulate_grad_batches": self.accumulate_grad_batches,
             "deterministic": self.deterministic,
             "enable_progress_bar": self.enable_progress_bar,
+            "enable_model_summary": False,  # run.fit logs the summary to train.log instead
             "plugins": list(self.plugins) or None,
         }
 

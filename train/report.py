@@ -139,8 +139,7 @@ def finish(
     (run / "report.md").write_text(text, encoding="utf-8")
     if results is not None:
         write_model_card(drafter_dir, config=config, results=results)
-    print(text)
-    print(f"run directory: {run.resolve()}")
+    print(terminal_summary(report, run.resolve()), flush=True)
     return report
 
 
@@ -254,7 +253,14 @@ def report_markdown(report: Mapping[str, Any], results: Mapping[str, Any] | None
     if results is None:
         parts.append("No evaluation was run (no `eval` config, or the method names no drafter to evaluate).")
         return "\n\n".join(parts) + "\n"
-    parts += ["## Evaluation", results_table(results).rstrip()]
+    parts += ["## Evaluation", results_table(results).rstrip(), *summary_sections(report)]
+    return "\n\n".join(parts) + "\n"
+
+
+def summary_sections(report: Mapping[str, Any]) -> list[str]:
+    """The best decoder per drafter and temperature, and the ratios to the reference drafter: the end
+    of ``report.md`` and what the terminal shows after a run."""
+    parts: list[str] = []
     best_rows = [
         [
             name,
@@ -264,7 +270,7 @@ def report_markdown(report: Mapping[str, Any], results: Mapping[str, Any] | None
             format_metric(b["speedup"], 2),
             format_metric(b["block_efficiency"], 2),
         ]
-        for name, per_t in report["best"].items()
+        for name, per_t in report.get("best", {}).items()
         for t, b in per_t.items()
     ]
     if best_rows:
@@ -276,7 +282,7 @@ def report_markdown(report: Mapping[str, Any], results: Mapping[str, Any] | None
         ]
     ratio_rows = [
         [name, label, t, *(r[m] for m in RATIO_METRICS)]
-        for name, by_decoder in report["ratios"].items()
+        for name, by_decoder in report.get("ratios", {}).items()
         for label, per_t in by_decoder.items()
         for t, r in per_t.items()
     ]
@@ -289,7 +295,17 @@ def report_markdown(report: Mapping[str, Any], results: Mapping[str, Any] | None
                 ["drafter", "decoder", "T", *(f"{m} ratio" for m in RATIO_METRICS)], ratio_rows, "lllrr"
             ).rstrip(),
         ]
-    return "\n\n".join(parts) + "\n"
+    return parts
+
+
+def terminal_summary(report: Mapping[str, Any], run: Path) -> str:
+    """What a finished run prints: the summary tables and where everything is."""
+    parts = summary_sections(report) or ["No evaluation was run."]
+    parts.append(
+        f"Drafter: {report['drafter_dir']}\nFull report (every decoder, metric legend): {run / 'report.md'}"
+        f"\nRun directory: {run}"
+    )
+    return "\n\n".join(parts)
 
 
 def _write_json(path: Path, payload: Mapping[str, Any]) -> None:

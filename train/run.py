@@ -28,6 +28,7 @@ import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.model_summary import ModelSummary
 from omegaconf import DictConfig, OmegaConf
 
 from train.callbacks import GracefulStop
@@ -179,11 +180,33 @@ def main(cfg: DictConfig) -> Any:
         raise
 
 
+def plan(spec: RunSpec) -> str:
+    """The one line a run prints first: what it trains, for how long, what follows, where it writes."""
+    choices = HydraConfig.get().runtime.choices if HydraConfig.initialized() else {}
+    method = choices.get("method") or type(spec.method).__name__
+    data = choices.get("data") or type(spec.data).__name__
+    t = spec.trainer
+    devices = f"{t.devices} {t.accelerator} device{'s' if t.devices != 1 else ''}"
+    line = f"{spec.name}: {method} on {data} data, {t.max_steps} steps on {devices} (seed {spec.seed})"
+    if spec.ckpt_path:
+        line += f", resuming from ckpt_path={spec.ckpt_path}"
+    ev = spec.eval
+    if ev is not None:
+        temps = ",".join(f"{x:g}" for x in ev.temperatures)
+        line += (
+            f"; then export and evaluate (T={temps}, {len(ev.seeds)} seeds, {ev.num_prompts} prompts x "
+            f"{ev.max_new_tokens} tokens)"
+        )
+    return f"{line}\nRun directory: {os.path.abspath(spec.run_dir)} (full log: train.log)"
+
+
 def run(spec: RunSpec, cfg: DictConfig) -> Any:
     """The run itself, with the run directory held."""
     if is_rank_zero():
         OmegaConf.save(spec.cfg, os.path.join(spec.run_dir, "config.yaml"))
-    L.seed_everything(spec.seed, workers=True)
+        if not cfg.get("build_tiny_pair"):
+            print(plan(spec), flush=True)
+    L.seed_everything(spec.seed, workers=True, verbose=False)
     if cfg.get("build_tiny_pair"):
         return build_tiny_pair_run(spec)
     if spec.model.tiny is not None:
@@ -204,6 +227,7 @@ def fit(spec: RunSpec) -> Any:
     datamodule.setup("fit")
     config: dict[str, Any] = OmegaConf.to_container(spec.cfg, resolve=True)  # type: ignore[assignment]
     loggers = build_loggers(spec.logger, spec.run_dir, spec.name, config=config)
+    log.info("Model summary:\n%s", ModelSummary(module, max_depth=1))
     stop = GracefulStop(spec.run_dir)
     trainer = build_trainer(spec.trainer, [*build_callbacks(spec.callbacks), stop], loggers, spec.run_dir)
     try:

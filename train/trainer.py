@@ -54,7 +54,7 @@ def build_loggers(
 def _wandb_logger(cfg: LoggerConfig, run_dir: str, name: str, offline: bool) -> WandbLogger:
     import wandb
 
-    return WandbLogger(
+    logger = WandbLogger(
         project=cfg.project,
         entity=cfg.entity,
         name=f"{name}-{os.path.basename(os.path.normpath(run_dir))}",
@@ -63,6 +63,9 @@ def _wandb_logger(cfg: LoggerConfig, run_dir: str, name: str, offline: bool) -> 
         tags=list(cfg.tags),
         settings=wandb.Settings(init_timeout=cfg.init_timeout),
     )
+    # Lightning passes anonymous=None, which wandb now answers with a deprecation warning on every run.
+    logger._wandb_init.pop("anonymous", None)
+    return logger
 
 
 def build_callbacks(cfg: DictConfig | dict | None) -> list[L.Callback]:

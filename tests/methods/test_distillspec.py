@@ -358,6 +358,19 @@ def test_main_job_end_to_end_builds_a_micro_pair_on_first_use(tmp_path):
     assert (run_dir / "report.md").exists() and (run_dir / "drafter" / "config.json").exists()
     assert "| after |" in (run_dir / "drafter" / "README.md").read_text()
     assert str(run_dir) in proc.stdout
+    out = proc.stdout + proc.stderr  # short: the plan, progress bars, the summary, where things are
+    for noise in (
+        "INFO",
+        "wandb:",
+        "Epoch ",
+        "v_num",
+        "Loading weights",
+        "Writing model",
+        "Tip:",
+        "Traceback",
+    ):
+        assert noise not in out, (noise, out[-3000:])
+    assert "Full report (every decoder, metric legend)" in proc.stdout
     assert json.loads((tmp_path / "tiny" / "manifest.json").read_text())["parameters"]["verifier"] > 0
 
 

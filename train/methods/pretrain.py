@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,10 +68,12 @@ class PretrainModule(L.LightningModule):
         return loss
 
     def on_train_end(self) -> None:
-        # One line per process, so a distributed run shows that every rank trained.
-        print(
-            f"rank {self.global_rank}/{self.trainer.world_size}: trained {self.global_step} steps", flush=True
+        # One line per process, so a distributed run shows that every rank trained; one write call
+        # with its newline, so lines of concurrent ranks never run into each other.
+        sys.stdout.write(
+            f"rank {self.global_rank}/{self.trainer.world_size}: trained {self.global_step} steps\n"
         )
+        sys.stdout.flush()
 
     def on_validation_epoch_start(self) -> None:
         self._val_nll, self._val_tokens = 0.0, 0
@@ -95,4 +98,5 @@ class PretrainModule(L.LightningModule):
             return None
         out = os.path.join(spec.run_dir, "model")
         self.model.save_pretrained(out)
+        print(f"Model: {os.path.abspath(out)}\nRun directory: {os.path.abspath(spec.run_dir)}", flush=True)
         return out
