@@ -77,7 +77,9 @@ def test_card_front_matter_table_and_config(exported):
     assert "assistant_model=drafter" in card and 'from_pretrained("org/verifier")' in card
     config_block = card.split("```yaml\n")[1].split("```")[0]
     assert yaml.safe_load(config_block)["method"] == {"divergence": "fkl", "lmbda": 1.0}
-    assert "SECRET" not in card and "token" not in config_block
+    assert "SECRET" not in card
+    config = yaml.safe_load(config_block)
+    assert config["hub"]["token"] == "<redacted>" and config["logger"]["wandb_api_key"] == "<redacted>"
 
 
 def test_card_variants():
@@ -144,3 +146,106 @@ def test_push_rejects_bad_folders_and_ids(tmp_path, exported):
     with pytest.raises(ConfigError, match="no drafter/ folder"):
         drafter_folder(tmp_path / "empty")
     assert drafter_folder(exported.parent) == exported
+
+
+WANDB_KEY = "0123456789abcdef0123456789abcdef01234567"
+
+
+def test_secrets_are_filtered_by_exact_key_and_by_value_settings_survive(monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "my-own-token-value")
+    config = {
+        "name": "run",
+        "method": {"max_new_tokens": 32, "pad_token_id": 0, "num_tokens": 5},
+        "notes": {
+            "anything": "hf_abcdefghijklmnopqrstuvwxyz123456",
+            "other": WANDB_KEY,
+            "env": "my-own-token-value",
+        },
+        "hub": {"revision": "0123456789abcdef0123456789abcdef01234567", "access_token": "x"},
+    }
+    config_block = model_card("d", config=config).split("```yaml\n")[1].split("```")[0]
+    kept = yaml.safe_load(config_block)
+    assert kept["method"] == {"max_new_tokens": 32, "pad_token_id": 0, "num_tokens": 5}
+    assert set(kept["notes"].values()) == {"<redacted>"}  # an hf_ token, a W&B key, $HF_TOKEN's value
+    assert kept["hub"]["access_token"] == "<redacted>"
+    assert kept["hub"]["revision"] == WANDB_KEY  # a commit hash under a revision key is not a secret
+
+
+def test_card_has_a_license_names_local_models_plainly_and_no_absolute_path(pair, results, tmp_path):
+    _, drafter, tok = pair
+    root = tmp_path / "project"
+    run_dir = root / "checkpoints" / "distillspec" / "2026-01-01_00-00-00"
+    config = {
+        "name": "distillspec",
+        "paths": {
+            "root_dir": str(root),
+            "run_dir": str(run_dir),
+            "tiny_dir": str(root / "checkpoints" / "tiny"),
+        },
+        "model": {
+            "verifier": str(root / "checkpoints/tiny/verifier"),
+            "drafter": str(root / "checkpoints/tiny/drafter"),
+        },
+        "callbacks": {"model_checkpoint": {"dirpath": str(run_dir / "checkpoints")}},
+        "data": {"corpus_dir": "/usr/lib/python3.11"},
+        "license": "mit",
+    }
+    out = export_drafter(drafter, tok, run_dir / "drafter", config=config, results=results)
+    card = (out / "README.md").read_text()
+    front = yaml.safe_load(card.split("---\n")[1])
+    assert front["license"] == "mit" and "base_model" not in front
+    assert "- verifier (target): local folder `checkpoints/tiny/verifier` (not on the Hub; draftsmith's embedded tiny pair" in card
+    assert 'from_pretrained("PATH_TO_THE_VERIFIER")' in card
+    for name in ("README.md", "eval_results.json", "config.json", "tokenizer_config.json"):
+        text = (out / name).read_text()
+        assert str(tmp_path) not in text and "/usr/lib" not in text, name
+    config_block = yaml.safe_load(card.split("```yaml\n")[1].split("```")[0])
+    assert (
+        config_block["paths"]["run_dir"] == "."
+        and config_block["data"]["corpus_dir"] == "<local>/lib/python3.11"
+    )
+    assert config_block["callbacks"]["model_checkpoint"]["dirpath"] == "./checkpoints"
+    assert yaml.safe_load(model_card("d").split("---\n")[1])["license"] == "apache-2.0"  # the default
+
+
+def test_dry_run_loads_what_it_would_push_and_rejects_a_corrupt_file(pair, tmp_path, monkeypatch):
+    from train.models.loading import CorruptModelError
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    _, drafter, tok = pair
+    out = export_drafter(drafter, tok, tmp_path / "drafter", config=CONFIG)
+    assert push_to_hub(out, "me/x", dry_run=True)["files"]
+    weights = out / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])  # truncated: an interrupted copy
+    with pytest.raises(CorruptModelError, match=rf"{weights} is truncated or corrupt"):
+        push_to_hub(out, "me/x", dry_run=True)
+    with pytest.raises(CorruptModelError, match=str(weights)):
+        push_to_hub(out, "me/x")  # a real push checks first, before the token or the network
+
+
+def test_export_script_dry_run_names_a_corrupt_file_in_one_line(pair, tmp_path):
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT
+
+    _, drafter, tok = pair
+    out = export_drafter(drafter, tok, tmp_path / "run" / "drafter", config=CONFIG)
+    (out / "model.safetensors").write_bytes(b"not safetensors")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "scripts/export.py",
+            f"run={tmp_path / 'run'}",
+            "hub.repo_id=me/x",
+            "hub.dry_run=true",
+            f"hydra.run.dir={tmp_path / 'hydra'}",
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith(f"error: {out / 'model.safetensors'} is truncated or corrupt")

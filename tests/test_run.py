@@ -59,7 +59,7 @@ def test_run_writes_config_checkpoints_csv_and_offline_wandb(
     main(run_cfg(tmp_path, tiny_pair_dir, text_file, "a"))
     run_dir = tmp_path / "checkpoints" / "unit" / "a"
     assert (run_dir / "config.yaml").is_file()
-    assert (run_dir / "checkpoints" / "last.ckpt").is_file()
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["last.ckpt"]  # retention: one file
     assert (run_dir / "model" / "config.json").is_file()
     rows = read_metrics(run_dir)
     assert any(r.get("train/loss") for r in rows) and any(r.get("val/loss") for r in rows)

@@ -24,13 +24,19 @@ from typing import Any
 
 from train.config import ConfigError, instantiate_group, require
 from train.evaluation import METRIC_LEGEND, results_table, to_jsonable
+from train.models.loading import CorruptModelError, check_weight_files
 from train.models.lora import merge_lora
+from train.paths import project_root
 from train.tables import format_metric, markdown_table
 
 log = logging.getLogger(__name__)
 
 __all__ = [
     "CARD_TAGS",
+    "SECRET_KEYS",
+    "is_secret",
+    "portable",
+    "portable_path",
     "HubConfig",
     "drafter_folder",
     "export_drafter",
@@ -43,21 +49,99 @@ __all__ = [
 CARD_TAGS: tuple[str, ...] = ("speculative-decoding", "draftsmith", "drafter")
 HF_TOKEN_ENV = "HF_TOKEN"
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
-_SECRET_KEY = re.compile(r"token|secret|password|api_?key|credential", re.IGNORECASE)
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+#: Keys whose value is a credential, compared exactly (lower case): ``max_new_tokens`` or
+#: ``pad_token_id`` are settings, not secrets.
+SECRET_KEYS = frozenset(
+    {"token", "hf_token", "hub_token", "access_token", "auth_token", "api_token", "wandb_token", "bearer"}
+)
+#: Words that mark a key as a credential wherever they appear in it (``wandb_api_key``, ``db_password``).
+_SECRET_WORD = re.compile(r"api_?key|password|passwd|secret|credential", re.IGNORECASE)
+#: Values that are credentials whatever their key: Hugging Face tokens, W&B keys (40 hex), OpenAI-style keys.
+_SECRET_VALUE = re.compile(r"^(hf_[A-Za-z0-9]{20,}|[0-9a-f]{40}|sk-[A-Za-z0-9_-]{20,})$")
+_HASH_KEY = re.compile(r"revision|commit|sha|hash|fingerprint", re.IGNORECASE)
+_CREDENTIAL_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "WANDB_API_KEY")
+REDACTED = "<redacted>"
 
 
 def _is_hub_id(source: str | None) -> bool:
     return bool(source) and bool(_REPO_ID.match(str(source))) and not os.path.exists(str(source))
 
 
-def _scrub(value: Any) -> Any:
-    """Drop every key that looks like a credential, at any depth (cards and logs never carry secrets)."""
+def is_secret(key: str, value: Any) -> bool:
+    """A credential by its key name (exactly, or containing a credential word) or by its value."""
+    if str(key).lower() in SECRET_KEYS or _SECRET_WORD.search(str(key)):
+        return True
+    if not isinstance(value, str) or not value:
+        return False
+    if any(value == os.environ.get(var) for var in _CREDENTIAL_ENV):
+        return True
+    return bool(_SECRET_VALUE.match(value)) and not _HASH_KEY.search(str(key))
+
+
+def _scrub(value: Any, key: str = "") -> Any:
+    """Credentials replaced by ``<redacted>`` at any depth (cards and logs never carry secrets)."""
     if isinstance(value, Mapping):
-        return {str(k): _scrub(v) for k, v in value.items() if not _SECRET_KEY.search(str(k))}
+        return {str(k): REDACTED if is_secret(str(k), v) else _scrub(v, str(k)) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_scrub(v) for v in value]
+        return [REDACTED if is_secret(key, v) else _scrub(v, key) for v in value]
     return value
+
+
+def portable_path(path: str, roots: Mapping[str, str]) -> str:
+    """An absolute local path as something that means the same on another machine: relative to the
+    first of ``roots`` (label -> absolute folder) that holds it, ``<label>/rest``; otherwise
+    ``<local>/<last two parts>``. Anything else is returned as it is."""
+    if not isinstance(path, str) or not os.path.isabs(os.path.expanduser(path)):
+        return path
+    full = os.path.normpath(os.path.expanduser(path))
+    for label, root in roots.items():
+        root = os.path.normpath(root)
+        if full == root or full.startswith(root + os.sep):
+            rest = os.path.relpath(full, root)
+            return label if rest == "." else f"{label}/{rest}" if label else rest
+    parts = full.strip(os.sep).split(os.sep)
+    return "<local>/" + "/".join(parts[-2:])
+
+
+def portable(value: Any, roots: Mapping[str, str]) -> Any:
+    """:func:`portable_path` on every string of a nested structure (a config, an evaluation)."""
+    if isinstance(value, Mapping):
+        return {k: portable(v, roots) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [portable(v, roots) for v in value]
+    return portable_path(value, roots) if isinstance(value, str) else value
+
+
+def path_roots(
+    config: Mapping[str, Any] | None, out_dir: str | os.PathLike[str] | None = None
+) -> dict[str, str]:
+    """Where a card's paths are made relative to: the run directory (``.``), then the project root
+    (paths relative to the checkout, e.g. ``checkpoints/tiny/verifier``)."""
+    roots: dict[str, str] = {}
+    paths = (config or {}).get("paths") if isinstance(config, Mapping) else None
+    run_dir = paths.get("run_dir") if isinstance(paths, Mapping) else None
+    if not run_dir and out_dir is not None:
+        run_dir = os.path.dirname(os.path.abspath(out_dir))
+    if run_dir:
+        roots["."] = os.path.abspath(str(run_dir))
+    root = paths.get("root_dir") if isinstance(paths, Mapping) else None
+    roots[""] = os.path.abspath(str(root)) if root else project_root()
+    return roots
+
+
+def describe_source(source: str | None, roots: Mapping[str, str], tiny_dir: str | None = None) -> str:
+    """How the card names a model: its Hub id, or plainly a local folder that is not on the Hub (the
+    embedded tiny pair says how to rebuild it)."""
+    if not source:
+        return "unknown"
+    if _is_hub_id(source):
+        return f"`{source}` (Hugging Face Hub)"
+    full = os.path.abspath(os.path.expanduser(source))
+    where = f"local folder `{portable_path(full, roots)}` (not on the Hub"
+    if tiny_dir and full.startswith(os.path.abspath(tiny_dir) + os.sep):
+        where += "; draftsmith's embedded tiny pair, rebuilt by `python train.py experiment=tiny_pair`"
+    return where + ")"
 
 
 def _yaml(value: Any) -> str:
@@ -107,17 +191,28 @@ def model_card(
     results: Mapping[str, Any] | str | None = None,
     base_model: str | None = None,
     verifier: str | None = None,
+    license: str | None = None,
+    roots: Mapping[str, str] | None = None,
 ) -> str:
-    """The README.md of an exported drafter (see :func:`export_drafter` for the arguments)."""
+    """The README.md of an exported drafter (see :func:`export_drafter` for the arguments).
+
+    Models are named by Hub id when they came from the Hub, else plainly as local folders; no
+    absolute local path appears (``roots``: see :func:`path_roots`); credentials are redacted.
+    """
+    roots = roots if roots is not None else path_roots(config)
     front: dict[str, Any] = {
         "library_name": "transformers",
+        "license": license or card_license(config),
         "pipeline_tag": "text-generation",
         "tags": list(CARD_TAGS),
     }
-    # The Hub validates base_model as a repo id; local paths are named in the text instead.
+    # The Hub validates base_model as a repo id; local folders are named in the text instead.
     if _is_hub_id(base_model):
         front["base_model"] = base_model
-    verifier_ref = verifier or "VERIFIER"
+    verifier_ref = verifier if _is_hub_id(verifier) else "PATH_TO_THE_VERIFIER"
+    paths = (config or {}).get("paths") if isinstance(config, Mapping) else None
+    tiny_dir = paths.get("tiny_dir") if isinstance(paths, Mapping) else None
+    target = f"the verifier `{verifier}`" if _is_hub_id(verifier) else "its verifier (below)"
     lines = [
         "---",
         _yaml(front).rstrip(),
@@ -126,11 +221,11 @@ def model_card(
         f"# {name}",
         "",
         "A drafter for speculative decoding trained with draftsmith: a small model that "
-        f"proposes tokens for the verifier `{verifier_ref}` to check in one forward pass. Lossless speculative "
+        f"proposes tokens for {target} to check in one forward pass. Lossless speculative "
         "decoding returns exactly the verifier's output distribution; the drafter only changes the speed.",
         "",
-        f"- verifier (target): `{verifier or 'unknown'}`",
-        f"- initialised from: `{base_model or 'unknown'}`",
+        f"- verifier (target): {describe_source(verifier, roots, tiny_dir)}",
+        f"- initialised from: {describe_source(base_model, roots, tiny_dir)}",
         "",
         "## Use it as an assistant model",
         "",
@@ -154,7 +249,7 @@ def model_card(
         "## Evaluation",
         "",
     ]
-    table = _results_markdown(results)
+    table = _results_markdown(portable(results, roots) if isinstance(results, Mapping) else results)
     if table is None:
         lines += ["No evaluation was attached to this export.", ""]
     else:
@@ -163,10 +258,19 @@ def model_card(
             lines += [METRIC_LEGEND, ""]
     lines += ["## Training configuration", ""]
     if config:
-        lines += ["```yaml", _yaml(_scrub(config)).rstrip(), "```", ""]
+        lines += ["```yaml", _yaml(portable(_scrub(config), roots)).rstrip(), "```", ""]
     else:
         lines += ["Not recorded.", ""]
     return "\n".join(lines)
+
+
+DEFAULT_LICENSE = "apache-2.0"
+
+
+def card_license(config: Mapping[str, Any] | None) -> str:
+    """The card's ``license``: the run config's top-level ``license`` (conf/train.yaml), else Apache-2.0."""
+    value = (config or {}).get("license") if isinstance(config, Mapping) else None
+    return str(value) if value else DEFAULT_LICENSE
 
 
 def export_drafter(
@@ -228,9 +332,13 @@ def write_model_card(
     if name is None:
         run_name = (config or {}).get("name") if isinstance(config, Mapping) else None
         name = f"{run_name} drafter" if run_name else out.name
+    roots = path_roots(config, out)
     if isinstance(results, Mapping) and results:
-        (out / "eval_results.json").write_text(json.dumps(to_jsonable(dict(results)), indent=2) + "\n")
-    card = model_card(name, config=config, results=results, base_model=base_model, verifier=verifier)
+        payload = portable(to_jsonable(dict(results)), roots)
+        (out / "eval_results.json").write_text(json.dumps(payload, indent=2) + "\n")
+    card = model_card(
+        name, config=config, results=results, base_model=base_model, verifier=verifier, roots=roots
+    )
     path = out / "README.md"
     path.write_text(card, encoding="utf-8")
     return path
@@ -276,7 +384,35 @@ def _check_folder(folder: Path) -> list[str]:
         raise FileNotFoundError(
             f"{folder} has no model card (README.md); export it with train.export.export_drafter"
         )
+    verify_export(folder, transformers_folder=has_hf_weights)
     return files
+
+
+#: Exports up to this size are loaded in full by :func:`verify_export`; larger ones get header checks.
+FULL_LOAD_LIMIT_BYTES = 4 << 30
+
+
+def verify_export(folder: Path, transformers_folder: bool = True) -> None:
+    """What a push would upload must load: every safetensors file parses to its declared end
+    (:func:`train.models.loading.check_weight_files`), and a transformers folder up to
+    :data:`FULL_LOAD_LIMIT_BYTES` loads with ``AutoModelForCausalLM`` (larger: its config loads).
+    Raises :class:`~train.models.loading.CorruptModelError` naming the file or folder."""
+    check_weight_files(str(folder))
+    if not transformers_folder:
+        return
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    size = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+    try:
+        if size <= FULL_LOAD_LIMIT_BYTES:
+            AutoModelForCausalLM.from_pretrained(str(folder))
+        else:
+            AutoConfig.from_pretrained(str(folder))
+    except Exception as err:
+        raise CorruptModelError(
+            f"{folder} does not load as a model ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
+            "re-export it from the run (its checkpoints/last.ckpt) before pushing"
+        ) from err
 
 
 def push_to_hub(
@@ -290,7 +426,8 @@ def push_to_hub(
     """Upload an exported folder to the Hub repository ``repo_id`` (created if missing).
 
     The token is read from ``$HF_TOKEN`` only (never from a config, never written). ``dry_run``
-    validates the folder and the repo id and lists the files without any network access.
+    loads and checks the folder (:func:`verify_export`) and the repo id and lists the files without
+    any network access; a real push runs the same checks first.
     Returns ``{"repo_id", "files", "dry_run", "url"}``.
     """
     HubConfig(
