@@ -75,7 +75,8 @@ def test_perfect_drafter_accepts_everything(verifier, prompts, tmp_path):
     ):
         assert key in on_disk, key
     assert on_disk["timing"]["order"] == ["ar", "copy/sd"]
-    assert on_disk["files"]["plots"] == ["block_efficiency_vs_gamma.png", "per_position_acceptance.png"]
+    # One gamma: bars, not a one-column curve over gamma (a gamma sweep gets the curve: tests/scripts).
+    assert on_disk["files"]["plots"] == ["block_efficiency.png", "per_position_acceptance.png"]
     for name in on_disk["files"]["plots"]:
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = (tmp_path / "results.md").read_text()

@@ -36,5 +36,5 @@ def test_loggers_receive_scalars_table_and_images(verifier, drafter, prompts, tm
     import wandb
 
     assert isinstance(payload["eval/results"], wandb.Table)
-    assert isinstance(payload["eval/block_efficiency_vs_gamma"], wandb.Image)
+    assert isinstance(payload["eval/block_efficiency"], wandb.Image)  # one gamma: the bar chart
     assert isinstance(payload["eval/per_position_acceptance"], wandb.Image)
