@@ -275,7 +275,7 @@ def test_failed_start_leaves_no_run_directory_through_train_py(tmp_path: Path, t
     env = os.environ | {"DRAFTSMITH_ROOT": str(tmp_path), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "train.py", "name=bad", "trainer.max_steps=0"]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 1 and "trainer.max_steps must be >= 1" in proc.stderr, proc.stderr[-2000:]
+    assert proc.returncode == 2 and "trainer.max_steps must be >= 1" in proc.stderr, proc.stderr[-2000:]
     assert not [p for p in (tmp_path / "checkpoints" / "bad").iterdir()]  # Hydra made one; it is gone
     # After validation: config.yaml written, the log has lines, then resuming finds no checkpoint.
     cmd = [sys.executable, "train.py", "name=bad", "ckpt_path=last", "model.tiny=null"]

@@ -14,6 +14,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 from omegaconf import DictConfig
 
 from train.config import LoggerConfig, TrainerConfig
+from train.progress import StepProgressBar
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,8 @@ def build_trainer(
         callbacks = [cb for cb in callbacks if not isinstance(cb, LearningRateMonitor)]
     if not kwargs["enable_progress_bar"]:  # Lightning refuses a progress-bar callback when bars are off
         callbacks = [cb for cb in callbacks if not isinstance(cb, ProgressBar)]
+    elif not any(isinstance(cb, ProgressBar) for cb in callbacks):  # not Lightning's "Epoch 0/-2" default
+        callbacks = [*callbacks, StepProgressBar()]
     return L.Trainer(
         default_root_dir=run_dir,
         callbacks=callbacks,

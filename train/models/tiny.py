@@ -22,7 +22,6 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel, get_cosine_schedule_with_warmup
@@ -33,6 +32,7 @@ from train.data.lm import pack_sequences
 from train.data.tokenizer import train_tokenizer
 from train.losses import expected_acceptance
 from train.methods.pretrain import PretrainConfig, PretrainModule
+from train.progress import StepProgressBar
 
 log = logging.getLogger(__name__)
 
@@ -184,10 +184,11 @@ def _fit(
         max_steps=spec.max_steps,
         limit_val_batches=0,
         logger=CSVLogger(save_dir=log_dir, name=role, version=""),
-        callbacks=[RichProgressBar()],
+        callbacks=[StepProgressBar()],
         enable_checkpointing=False,
+        enable_model_summary=False,
         gradient_clip_val=1.0,
-        log_every_n_steps=10,
+        log_every_n_steps=min(10, spec.max_steps),
         default_root_dir=log_dir,
     )
     trainer.fit(module, train_dataloaders=loader)
