@@ -3,8 +3,9 @@
 Parts, each in its own file: ``cache`` (crop, keep positions compacted), ``model_call`` (one timed
 forward), ``draft`` (a chain or tree of draft tokens), ``proposers`` (the drafting side),
 ``verification`` (pure rules), ``loop`` (the synchronous schedule), ``sampling`` (warping and draws),
-``metrics`` (the metric contract). ``AutoregressiveDecoder`` and ``SpeculativeDecoder`` are thin
-compositions of them.
+``metrics`` (the metric contract), ``tree`` (tree attention and verification) and ``tree_proposers``
+(SpecInfer / RSD-C / RSD-S trees). ``AutoregressiveDecoder``, ``SpeculativeDecoder`` and
+``TreeSpeculativeDecoder`` are thin compositions of them.
 """
 
 from .autoregressive import AutoregressiveDecoder
@@ -34,6 +35,7 @@ from .model_call import CallResult, TimedModel, input_vocab_size, model_device, 
 from .proposers import ModelProposer, Proposer
 from .sampling import SamplingParams, residual, sample, warp
 from .speculative import SpeculativeDecoder
+from .tree_decoder import TreeSpeculativeDecoder
 from .verification import accepted_length, chain_rejection, greedy_chain, recursive_rejection
 
 __all__ = [
@@ -47,6 +49,7 @@ __all__ = [
     "SamplingParams",
     "SpeculativeDecoder",
     "TimedModel",
+    "TreeSpeculativeDecoder",
     "accepted_length",
     "accepted_per_block",
     "acceptance_rate",

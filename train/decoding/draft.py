@@ -7,6 +7,8 @@ replacement: the parent's distribution before any sibling was removed; the verif
 removal). ``q is None`` means the tokens are deterministic choices (greedy drafting, top-k heads):
 the rule then treats each node's proposal as a point mass on its token. ``rank[i]`` is node ``i``'s
 place in the draw order among its siblings (0 = drawn first), which the recursive rule follows.
+``kind`` says how siblings were drawn from their q: ``iid`` (SpecInfer) or ``without_replacement``
+(RSD); a chain has no siblings and ignores it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class Draft:
     parents: list[int] = field(default_factory=list)
     q: torch.Tensor | None = None
     rank: list[int] = field(default_factory=list)
+    kind: str = "iid"
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
@@ -49,6 +52,7 @@ class Draft:
         draft = cls.__new__(cls)
         draft.tokens, draft.parents, draft.q = list(tokens), list(range(-1, len(tokens) - 1)), q
         draft.rank = [0] * len(tokens)
+        draft.kind = "iid"
         if q is not None and q.shape[0] != len(tokens):
             raise ValueError(f"q has {q.shape[0]} rows for {len(tokens)} draft tokens")
         return draft

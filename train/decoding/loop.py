@@ -15,6 +15,11 @@ generation), so a block never overshoots ``max_new_tokens``; this changes no out
 An accepted EOS ends generation without a bonus token. With no proposer (``gamma == 0``) the same loop
 is plain autoregressive decoding.
 
+A tree draft (:mod:`train.decoding.tree`) goes through the same block: the verifier scores every node
+in one forward with a tree mask, :func:`~train.decoding.tree.verify_tree` walks it, and both caches
+keep the committed prefix plus the accepted path, compacted (``keep_positions``). ``gamma`` is then
+the tree's depth.
+
 The asynchronous schedule (AMUSD) replaces this loop and reuses the proposers and rules unchanged.
 """
 
@@ -24,12 +29,13 @@ import time
 
 import torch
 
-from .cache import crop_cache
+from .cache import crop_cache, keep_positions
 from .draft import Draft
 from .metrics import DecodeResult, DecodeStats
 from .model_call import TimedModel
 from .proposers import Proposer
 from .sampling import SamplingParams, expected_acceptance_per_position, sample_with_uniform, uniforms, warp
+from .tree import tree_attention_mask, tree_position_ids, verify_tree
 from .verification import chain_rejection, greedy_chain
 
 __all__ = ["ChainVerdict", "run_synchronous", "verify_chain"]
@@ -112,9 +118,21 @@ def run_synchronous(
             if budget > 0:
                 draft = proposer.propose(seq, budget, params, generator, eos, stats)
         k = len(draft)
+        tree = k > 1 and not draft.is_chain
         # ---- verify: one forward over the uncached committed token(s) and the drafts
-        feed = seq[v_len:] + draft.tokens
-        out = verifier(feed, v_cache, logits_to_keep=k + 1)
+        context = seq[v_len:]
+        feed = context + draft.tokens
+        if tree:
+            depths = draft.depths()
+            out = verifier(
+                feed,
+                v_cache,
+                position_ids=tree_position_ids(v_len, len(context), depths),
+                attention_mask=tree_attention_mask(v_len, len(context), draft.parents, verifier.mask_dtype),
+                logits_to_keep=k + 1,
+            )
+        else:
+            out = verifier(feed, v_cache, logits_to_keep=k + 1)
         if v_cache is None:
             stats.verifier_prefill_calls += 1
             stats.verifier_prefill_time += out.seconds
@@ -123,21 +141,33 @@ def run_synchronous(
         stats.verifier_calls += 1
         stats.verifier_time += out.seconds
         stats.verifier_tokens += k + 1
-        verdict = verify_chain(out.logits, draft, params, generator, lenience, eps)  # (k + 1, V)
-        n = verdict.accepted
-        # ---- bookkeeping
+        if tree:  # (k + 1, V): after the context, after each node
+            tv = verify_tree(out.logits, draft, params, generator, eos)
+            path, next_token, tested, expected = tv.path, tv.next, tv.tested, tv.expected
+            drafted = max(depths)
+        else:
+            verdict = verify_chain(out.logits, draft, params, generator, lenience, eps)
+            path, tested, expected, drafted = (
+                list(range(verdict.accepted)),
+                verdict.tested,
+                verdict.expected,
+                k,
+            )
+            next_token = None if (verdict.accepted == k and k and draft.tokens[-1] in eos) else verdict.next
+        n = len(path)
+        # ---- bookkeeping (a tree counts its depth as drafted positions; its other nodes are discarded)
         if k:
-            stats.drafted += k
+            stats.drafted += drafted
             stats.accepted += n
-            stats.tested += verdict.tested
-            stats.sum_expected_acceptance += verdict.expected
-            stats.count_depths(k, verdict.tested, n)
-            stats.discarded += k - verdict.tested
-            if n < k:
+            stats.tested += tested
+            stats.sum_expected_acceptance += expected
+            stats.count_depths(drafted, tested, n)
+            stats.discarded += k - n if tree else k - tested
+            if n < drafted:
                 stats.rollbacks += 1
-        new = draft.tokens[:n]
-        if not (n == k and k and draft.tokens[-1] in eos):  # an accepted EOS gets no bonus token
-            new.append(verdict.next)
+        new = [draft.tokens[i] for i in path]
+        if next_token is not None:  # None: an accepted EOS, which gets no bonus token
+            new.append(next_token)
         for j, x in enumerate(new):
             if x in eos:
                 new = new[: j + 1]
@@ -150,13 +180,15 @@ def run_synchronous(
         seq.extend(new)
         if done:
             break
-        # ---- crop both caches to the accepted prefix (the last emitted token stays uncached)
+        # ---- keep the accepted prefix in both caches (the last emitted token stays uncached)
         keep = n_seq + n
-        if v_len > keep:
+        if tree:
+            v_len = keep_positions(v_cache, [*range(n_seq), *(n_seq + i for i in path)], v_len)
+        elif v_len > keep:
             crop_cache(v_cache, keep, v_len)
             v_len = keep
         if proposer is not None:
-            proposer.commit(keep)
+            proposer.commit(keep, path)
     stats.new_tokens = len(seq) - len(prompt)
     stats.wall_time = time.perf_counter() - t_start
     return DecodeResult(torch.tensor(seq[len(prompt) :], dtype=torch.long), stats)

@@ -94,6 +94,11 @@ class TimedModel:
         self.vocab_size = output_vocab_size(model)
         self.embed_size = input_vocab_size(model)
         self.supports_logits_to_keep = supports_logits_to_keep(model)
+        dtype = getattr(model, "dtype", None)
+        #: The dtype of additive attention masks for this model (its floating dtype; float32 for fakes).
+        self.mask_dtype = (
+            dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
+        )
         self._sync = self.device.type == "cuda"
 
     def synchronize(self) -> None:

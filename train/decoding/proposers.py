@@ -21,6 +21,7 @@ drafters, trees) are new proposers; the schedule and the verification rules stay
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
@@ -52,8 +53,9 @@ class Proposer(Protocol):
         """A draft of at most ``budget`` tokens continuing ``sequence`` (prompt + committed tokens)."""
         ...
 
-    def commit(self, length: int) -> None:
-        """The first ``length`` tokens of the sequence are final; anything cached past them is stale."""
+    def commit(self, length: int, path: Sequence[int] | None = None) -> None:
+        """The first ``length`` tokens of the sequence are final; anything cached past them is stale.
+        ``path``: the accepted draft nodes (indices into the last draft), from the top."""
 
 
 class ModelProposer:
@@ -120,7 +122,7 @@ class ModelProposer:
         q_all = torch.stack(qs) if qs else None
         return Draft.chain(tokens, q_all)
 
-    def commit(self, length: int) -> None:
+    def commit(self, length: int, path: Sequence[int] | None = None) -> None:
         if self._length > length:
             crop_cache(self._cache, length, self._length)
             self._length = length

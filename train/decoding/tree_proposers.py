@@ -1,0 +1,268 @@
+"""Tree proposers: a drafter expands a draft tree level by level, one forward per depth.
+
+Three ways to choose the children of a node (ALGORITHMS.md section 5):
+
+- ``specinfer`` (Miao et al.): ``branching[d]`` children of every depth-d node drawn i.i.d. from the
+  drafter's q (duplicates possible), verified with the multi-round rule with replacement;
+- ``rsd_c`` (Jeon et al., RSD with constant branching): ``branching[d]`` distinct children by
+  Gumbel-top-k (top-b of log q + Gumbel noise), i.e. sampled without replacement, in draw order;
+- ``rsd_s`` (RSD with stochastic beam search, Kool et al. 2019): ``beam_width`` sequences kept per depth
+  by their perturbed log-probabilities, over ``depth`` levels; a node's children are again a
+  without-replacement sample of its q.
+
+At temperature 0 every method keeps the drafter's top children (top-b; beam search for ``rsd_s``),
+deterministically. Each node's ``q`` row is the distribution it was drawn from (its parent's, before
+any sibling was removed); ``rank`` is its draw order among its siblings.
+
+Cache: like :class:`~train.decoding.proposers.ModelProposer`, the drafter's cache holds a prefix of the
+committed tokens; a block first feeds what it has not seen, then one forward per depth feeds that
+depth's nodes with a tree mask. :meth:`TreeProposer.commit` keeps the committed prefix plus the cache
+entries of the accepted path (compacted) and drops the rest of the tree.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .cache import crop_cache, keep_positions
+from .draft import Draft
+from .metrics import DecodeStats
+from .model_call import TimedModel
+from .proposers import ModelProposer
+from .sampling import SamplingParams, sample_with_uniform, uniforms
+from .tree import ancestors
+
+__all__ = ["TREE_METHODS", "TreeProposer", "gumbel_top_k", "sbs_children"]
+
+#: Tree builders and the candidate kind their verification uses at T > 0.
+TREE_METHODS: dict[str, str] = {
+    "specinfer": "iid",
+    "rsd_c": "without_replacement",
+    "rsd_s": "without_replacement",
+}
+
+
+def gumbel_top_k(log_q: torch.Tensor, k: int, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top ``k`` of ``log_q + Gumbel`` (Gumbel = -log(-log u)): ``k`` tokens sampled without
+    replacement from q, in draw order, and their perturbed scores. Tokens with q = 0 are never picked
+    (fewer than ``k`` come back when q has fewer non-zero entries). log_q, u: (V,)."""
+    perturbed = log_q.double() - torch.log(-torch.log(u.double().clamp_min(1e-300)))
+    k = min(k, int(torch.isfinite(log_q).sum()))
+    scores, tokens = perturbed.topk(k)
+    return tokens, scores
+
+
+def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x <= 0, stably."""
+    return torch.where(x > -math.log(2.0), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def sbs_children(
+    parent_score: float, log_phi: torch.Tensor, u: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stochastic beam search's perturbed scores of a node's children (Kool et al. 2019, eq. 23 with
+    their stable form): Gumbels with locations ``log_phi`` (the children's sequence log-probabilities)
+    conditioned on their maximum being the parent's perturbed score. Returns (tokens with finite
+    log_phi, their conditioned scores), sorted by score, best first."""
+    finite = torch.isfinite(log_phi)
+    tokens = finite.nonzero().squeeze(-1)
+    g_hat = log_phi[tokens].double() - torch.log(-torch.log(u[tokens].double().clamp_min(1e-300)))
+    z = g_hat.max()
+    v = parent_score - g_hat + _log1mexp(g_hat - z)
+    scores = parent_score - v.clamp_min(0) - torch.log1p(torch.exp(-v.abs()))
+    order = scores.argsort(descending=True)
+    return tokens[order], scores[order]
+
+
+class TreeProposer(ModelProposer):
+    """A draft tree from a causal LM drafter (see the module docstring).
+
+    method: one of :data:`TREE_METHODS`. branching: children per node at each depth (``specinfer``,
+    ``rsd_c``); depth and beam_width: the beam search of ``rsd_s``. A block's budget caps the depth.
+    """
+
+    def __init__(
+        self,
+        drafter: TimedModel,
+        vocab_size: int,
+        method: str,
+        branching: Sequence[int] = (),
+        depth: int = 0,
+        beam_width: int = 0,
+    ) -> None:
+        super().__init__(drafter, vocab_size)
+        if method not in TREE_METHODS:
+            raise ValueError(f"method must be one of {sorted(TREE_METHODS)}, got {method!r}")
+        self.method = method
+        self.branching = tuple(int(b) for b in branching)
+        self.depth = len(self.branching) if method != "rsd_s" else int(depth)
+        self.beam_width = int(beam_width)
+        self._fed: list[int] = []  # tree nodes fed this block, in cache order after the prefix
+
+    @property
+    def kind(self) -> str:
+        """How siblings were drawn (:data:`~train.decoding.verification.CANDIDATE_KINDS`)."""
+        return TREE_METHODS[self.method]
+
+    def start(self) -> None:
+        super().start()
+        self._fed = []
+
+    # ------------------------------------------------------------------ drafting
+
+    def propose(
+        self,
+        sequence: list[int],
+        budget: int,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        eos: frozenset[int],
+        stats: DecodeStats,
+    ) -> Draft:
+        depth = min(self.depth, budget)
+        tokens: list[int] = []
+        parents: list[int] = []
+        ranks: list[int] = []
+        qs: list[torch.Tensor] = []
+        # scores: the rsd_s beam's perturbed scores and sequence log-probabilities per node
+        score: dict[int, float] = {-1: 0.0}
+        logp: dict[int, float] = {-1: 0.0}
+        self._fed = []
+        out = self._call(self._embeddable(sequence[self._length :]), None, None, stats)
+        self._length = len(sequence)
+        frontier: list[int] = [-1]  # nodes whose children are drawn next
+        frontier_logits = out.logits[-1:]
+        for level in range(depth):
+            chosen: list[
+                tuple[int, int, torch.Tensor | None, float, float]
+            ] = []  # parent, token, q, score, logp
+            if self.method == "rsd_s":
+                chosen = self._beam_step(frontier, frontier_logits, params, generator, score, logp)
+            else:
+                width = self.branching[level]
+                for row, parent in enumerate(frontier):
+                    for tok, q in self._children(frontier_logits[row], width, params, generator):
+                        chosen.append((parent, tok, q, 0.0, 0.0))
+            if not chosen:
+                break
+            start = len(tokens)
+            rank_of: dict[int, int] = {}
+            for parent, tok, q, sc, lp in chosen:
+                node = len(tokens)
+                tokens.append(tok)
+                parents.append(parent)
+                ranks.append(rank_of.get(parent, 0))
+                rank_of[parent] = ranks[-1] + 1
+                if q is not None:
+                    qs.append(q)
+                score[node], logp[node] = sc, lp
+            expand = [i for i in range(start, len(tokens)) if tokens[i] not in eos]
+            if level + 1 == depth or not expand:
+                break
+            frontier = expand
+            frontier_logits = self._feed_level(expand, tokens, parents, stats)
+        q_all = torch.stack(qs) if qs and not params.greedy else None
+        return Draft(tokens, parents, q_all, ranks, kind=self.kind)
+
+    def _call(self, feed: list[int], position_ids: Any, mask: Any, stats: DecodeStats) -> Any:
+        prefill = self._cache is None
+        out = self.drafter(
+            feed,
+            self._cache,
+            position_ids=position_ids,
+            attention_mask=mask,
+            logits_to_keep=None if mask is not None else 1,
+        )
+        self._cache = out.cache
+        stats.drafter_calls += 1
+        stats.drafter_time += out.seconds
+        if prefill:
+            stats.drafter_prefill_calls += 1
+            stats.drafter_prefill_time += out.seconds
+        return out
+
+    def _feed_level(
+        self, nodes: list[int], tokens: list[int], parents: list[int], stats: DecodeStats
+    ) -> torch.Tensor:
+        """One forward over ``nodes`` (one depth of the tree) after the prefix and the nodes fed before;
+        returns their logits (len(nodes), V)."""
+        cached = self._length + len(self._fed)
+        slot = {node: j for j, node in enumerate(self._fed)}
+        lines = ancestors(parents)
+        allowed = torch.zeros(len(nodes), cached + len(nodes), dtype=torch.bool)
+        allowed[:, : self._length] = True
+        depth = len(lines[nodes[0]]) + 1
+        for r, node in enumerate(nodes):
+            for a in lines[node]:
+                allowed[r, self._length + slot[a]] = True
+            allowed[r, cached + r] = True
+        mask = torch.zeros(1, 1, len(nodes), cached + len(nodes), dtype=self.drafter.mask_dtype)
+        mask = mask.masked_fill(~allowed, torch.finfo(self.drafter.mask_dtype).min)
+        positions = torch.full((1, len(nodes)), self._length - 1 + depth, dtype=torch.long)
+        out = self._call(self._embeddable([tokens[n] for n in nodes]), positions, mask, stats)
+        self._fed.extend(nodes)
+        return out.logits
+
+    def _children(
+        self, logits: torch.Tensor, width: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> list[tuple[int, torch.Tensor | None]]:
+        """``width`` children of one node: top-b at T = 0; i.i.d. (specinfer) or Gumbel-top-k (rsd_c)."""
+        shared = logits[: self._shared] if self._slice else logits
+        if params.greedy:
+            return [(int(t), None) for t in shared.topk(min(width, shared.shape[-1])).indices.tolist()]
+        q = self._distribution(logits, params)
+        if self.method == "specinfer":
+            u = uniforms(width, generator, q.device)
+            return [(int(sample_with_uniform(q, u[j])), q) for j in range(width)]
+        picked, _ = gumbel_top_k(torch.log(q), width, uniforms(q.shape[-1], generator, q.device))
+        return [(int(t), q) for t in picked.tolist()]
+
+    def _beam_step(
+        self,
+        frontier: list[int],
+        logits: torch.Tensor,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        score: dict[int, float],
+        logp: dict[int, float],
+    ) -> list[tuple[int, int, torch.Tensor | None, float, float]]:
+        """One level of (stochastic) beam search: the ``beam_width`` best children over the frontier."""
+        candidates: list[tuple[float, int, int, torch.Tensor | None, float]] = []
+        for row, parent in enumerate(frontier):
+            if params.greedy:
+                shared = logits[row][: self._shared] if self._slice else logits[row]
+                lp = torch.log_softmax(shared.double(), dim=-1)
+                top = lp.topk(min(self.beam_width, lp.shape[-1]))
+                for value, tok in zip(top.values.tolist(), top.indices.tolist(), strict=True):
+                    candidates.append((logp[parent] + value, parent, int(tok), None, logp[parent] + value))
+                continue
+            q = self._distribution(logits[row], params)
+            log_phi = logp[parent] + torch.log(q.double())
+            toks, scores = sbs_children(score[parent], log_phi, uniforms(q.shape[-1], generator, q.device))
+            for tok, sc in zip(
+                toks[: self.beam_width].tolist(), scores[: self.beam_width].tolist(), strict=True
+            ):
+                candidates.append((sc, parent, int(tok), q, float(log_phi[tok])))
+        candidates.sort(key=lambda c: -c[0])
+        kept = candidates[: self.beam_width]
+        kept.sort(key=lambda c: (frontier.index(c[1]), -c[0]))  # siblings together, in draw order
+        return [(parent, tok, q, sc, lp) for sc, parent, tok, q, lp in kept]
+
+    # ------------------------------------------------------------------ after verification
+
+    def commit(self, length: int, path: Sequence[int] | None = None) -> None:
+        """Keep the committed prefix and the accepted ``path``'s fed nodes (compacted); ``length`` is
+        the committed length the verifier keeps (prefix + path)."""
+        fed = [self._length + self._fed.index(n) for n in (path or ()) if n in self._fed]
+        held = self._length + len(self._fed)
+        if self._cache is not None and held:
+            if fed:
+                self._length = keep_positions(self._cache, [*range(self._length), *fed], held)
+            else:
+                crop_cache(self._cache, min(self._length, length), held)
+                self._length = min(self._length, length)
+        self._fed = []
