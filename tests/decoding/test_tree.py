@@ -35,7 +35,7 @@ from train.decoding import (
 )
 from train.decoding import verification as rules
 from train.decoding.tree import tree_attention_mask, tree_position_ids
-from train.decoding.tree_proposers import TreeProposer, gumbel_top_k, sbs_children
+from train.decoding.tree_proposers import TreeProposer, gumbel_scores, gumbel_top_k, sbs_scores
 
 from .decoding_helpers import build, hf_greedy, tiny_config
 from .spec_reference import chi2_critical, chi_square, peaked_table_lm, run_many, table_next, verifier_joint
@@ -188,14 +188,17 @@ def test_gumbel_top_k_draws_without_replacement_with_the_right_first_draw():
     torch.testing.assert_close(second / n, expected.float(), atol=0.015, rtol=0)
 
 
-def test_sbs_children_order_is_the_gumbel_order():
-    log_phi = torch.log(torch.tensor([0.5, 0.3, 0.2, 0.0], dtype=torch.float64))
-    u = torch.tensor([0.3, 0.9, 0.6, 0.5], dtype=torch.float64)
-    tokens, scores = sbs_children(0.0, log_phi, u)
-    plain, _ = gumbel_top_k(log_phi, 3, u)
-    assert tokens.tolist() == plain.tolist()
-    assert abs(float(scores[0])) < 1e-12  # the best child keeps the parent's perturbed score
-    assert bool((scores[1:] < scores[:-1]).all())
+def test_sbs_scores_keep_the_gumbel_order_and_the_parents_maximum():
+    log_phi = torch.log(torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.1, 0.1, 0.4, 0.4]], dtype=torch.float64))
+    u = torch.tensor([[0.3, 0.9, 0.6, 0.5], [0.2, 0.7, 0.4, 0.9]], dtype=torch.float64)
+    parents = torch.tensor([0.0, -1.5], dtype=torch.float64)
+    scores = sbs_scores(parents, log_phi, u)
+    plain = gumbel_scores(log_phi, u)
+    for row in range(2):
+        finite = torch.isfinite(plain[row])
+        assert scores[row][finite].argsort().tolist() == plain[row][finite].argsort().tolist()
+        assert abs(float(scores[row].max()) - float(parents[row])) < 1e-12  # the best child keeps it
+    assert scores[0, 3] == -float("inf")  # q = 0: never a child
 
 
 @pytest.mark.parametrize("method", ["rsd_c", "rsd_s"])

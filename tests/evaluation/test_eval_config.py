@@ -63,6 +63,12 @@ def test_decoder_configs_build_as_partials():
     decoders = build_decoders(verifier, drafter, EvalConfig(decoders=["sd", "sd_g2"]))
     assert isinstance(decoders["sd"], SpeculativeDecoder) and decoders["sd"].gamma == 4
     assert decoders["sd_g2"].gamma == 2 and decoders["sd_g2"].drafter is drafter
+    trees = build_decoders(verifier, drafter, EvalConfig(decoders=["specinfer", "rsd_c", "rsd_s"]))
+    assert {name: (d.method, d.max_tree_tokens) for name, d in trees.items()} == {
+        "specinfer": ("specinfer", 10),
+        "rsd_c": ("rsd_c", 10),
+        "rsd_s": ("rsd_s", 9),
+    }
     # each conf/decoding/*.yaml is a partial in its own right: factory(verifier, drafter)
     for name in known_decoder_configs():
         factory = instantiate(_compose("eval", [f"decoding={name}"]).decoding)

@@ -36,7 +36,7 @@ from .proposers import ModelProposer
 from .sampling import SamplingParams, sample_with_uniform, uniforms
 from .tree import ancestors
 
-__all__ = ["TREE_METHODS", "TreeProposer", "gumbel_top_k", "sbs_children"]
+__all__ = ["TREE_METHODS", "TreeProposer", "gumbel_scores", "gumbel_top_k", "sbs_scores"]
 
 #: Tree builders and the candidate kind their verification uses at T > 0.
 TREE_METHODS: dict[str, str] = {
@@ -46,13 +46,16 @@ TREE_METHODS: dict[str, str] = {
 }
 
 
+def gumbel_scores(log_q: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """log q + Gumbel noise (Gumbel = -log(-log u)), float64; -inf where q = 0. Any shape."""
+    return log_q.double() - torch.log(-torch.log(u.double().clamp_min(1e-300)))
+
+
 def gumbel_top_k(log_q: torch.Tensor, k: int, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The top ``k`` of ``log_q + Gumbel`` (Gumbel = -log(-log u)): ``k`` tokens sampled without
-    replacement from q, in draw order, and their perturbed scores. Tokens with q = 0 are never picked
-    (fewer than ``k`` come back when q has fewer non-zero entries). log_q, u: (V,)."""
-    perturbed = log_q.double() - torch.log(-torch.log(u.double().clamp_min(1e-300)))
-    k = min(k, int(torch.isfinite(log_q).sum()))
-    scores, tokens = perturbed.topk(k)
+    """The top ``k`` of ``log_q + Gumbel`` per row: ``k`` tokens sampled without replacement from q, in
+    draw order, and their perturbed scores (-inf marks a slot past q's support, where fewer than ``k``
+    tokens have q > 0). log_q, u: (*, V); returns (*, k) tokens and scores."""
+    scores, tokens = gumbel_scores(log_q, u).topk(min(k, log_q.shape[-1]), dim=-1)
     return tokens, scores
 
 
@@ -61,21 +64,18 @@ def _log1mexp(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x > -math.log(2.0), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
 
 
-def sbs_children(
-    parent_score: float, log_phi: torch.Tensor, u: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stochastic beam search's perturbed scores of a node's children (Kool et al. 2019, eq. 23 with
-    their stable form): Gumbels with locations ``log_phi`` (the children's sequence log-probabilities)
-    conditioned on their maximum being the parent's perturbed score. Returns (tokens with finite
-    log_phi, their conditioned scores), sorted by score, best first."""
-    finite = torch.isfinite(log_phi)
-    tokens = finite.nonzero().squeeze(-1)
-    g_hat = log_phi[tokens].double() - torch.log(-torch.log(u[tokens].double().clamp_min(1e-300)))
-    z = g_hat.max()
-    v = parent_score - g_hat + _log1mexp(g_hat - z)
-    scores = parent_score - v.clamp_min(0) - torch.log1p(torch.exp(-v.abs()))
-    order = scores.argsort(descending=True)
-    return tokens[order], scores[order]
+def sbs_scores(parent_scores: torch.Tensor, log_phi: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Stochastic beam search's perturbed scores of every child (Kool et al. 2019, eq. 23 in their stable
+    form): Gumbels with locations ``log_phi`` (the children's sequence log-probabilities) conditioned
+    on their maximum being the parent's perturbed score. parent_scores: (n,); log_phi, u: (n, V).
+    Returns (n, V), -inf where log_phi is -inf. Within a parent the order is that of log_phi + Gumbel,
+    so the kept children of a node are a without-replacement sample of its q."""
+    g_hat = gumbel_scores(log_phi, u)
+    z = g_hat.max(dim=-1, keepdim=True).values
+    parent = parent_scores.double().unsqueeze(-1)
+    v = parent - g_hat + _log1mexp((g_hat - z).clamp_max(0.0))
+    scores = parent - v.clamp_min(0) - torch.log1p(torch.exp(-v.abs()))
+    return torch.where(torch.isfinite(g_hat), scores, torch.full_like(scores, -math.inf))
 
 
 class TreeProposer(ModelProposer):
@@ -144,9 +144,8 @@ class TreeProposer(ModelProposer):
                 chosen = self._beam_step(frontier, frontier_logits, params, generator, score, logp)
             else:
                 width = self.branching[level]
-                for row, parent in enumerate(frontier):
-                    for tok, q in self._children(frontier_logits[row], width, params, generator):
-                        chosen.append((parent, tok, q, 0.0, 0.0))
+                for row, kids in enumerate(self._children(frontier_logits, width, params, generator)):
+                    chosen += [(frontier[row], tok, q, 0.0, 0.0) for tok, q in kids]
             if not chosen:
                 break
             start = len(tokens)
@@ -209,17 +208,25 @@ class TreeProposer(ModelProposer):
 
     def _children(
         self, logits: torch.Tensor, width: int, params: SamplingParams, generator: torch.Generator | None
-    ) -> list[tuple[int, torch.Tensor | None]]:
-        """``width`` children of one node: top-b at T = 0; i.i.d. (specinfer) or Gumbel-top-k (rsd_c)."""
-        shared = logits[: self._shared] if self._slice else logits
+    ) -> list[list[tuple[int, torch.Tensor | None]]]:
+        """``width`` children for each row of ``logits`` (one depth's nodes, (n, V)), drawn for all rows
+        at once: top-b at T = 0; i.i.d. (specinfer) or Gumbel-top-k (rsd_c) from each row's q."""
+        shared = logits[:, : self._shared] if self._slice else logits
+        n = logits.shape[0]
         if params.greedy:
-            return [(int(t), None) for t in shared.topk(min(width, shared.shape[-1])).indices.tolist()]
-        q = self._distribution(logits, params)
+            top = shared.topk(min(width, shared.shape[-1]), dim=-1).indices.tolist()
+            return [[(t, None) for t in row] for row in top]
+        q = self._distribution(logits, params)  # (n, V)
         if self.method == "specinfer":
-            u = uniforms(width, generator, q.device)
-            return [(int(sample_with_uniform(q, u[j])), q) for j in range(width)]
-        picked, _ = gumbel_top_k(torch.log(q), width, uniforms(q.shape[-1], generator, q.device))
-        return [(int(t), q) for t in picked.tolist()]
+            u = uniforms((n, width), generator, q.device)
+            drawn = sample_with_uniform(q.unsqueeze(1).expand(n, width, q.shape[-1]), u).tolist()
+        else:
+            tokens, scores = gumbel_top_k(torch.log(q), width, uniforms(tuple(q.shape), generator, q.device))
+            drawn = [
+                [t for t, sc in zip(row_t, row_s, strict=True) if sc > -math.inf]
+                for row_t, row_s in zip(tokens.tolist(), scores.tolist(), strict=True)
+            ]
+        return [[(t, q[row]) for t in drawn[row]] for row in range(n)]
 
     def _beam_step(
         self,
@@ -230,27 +237,30 @@ class TreeProposer(ModelProposer):
         score: dict[int, float],
         logp: dict[int, float],
     ) -> list[tuple[int, int, torch.Tensor | None, float, float]]:
-        """One level of (stochastic) beam search: the ``beam_width`` best children over the frontier."""
-        candidates: list[tuple[float, int, int, torch.Tensor | None, float]] = []
-        for row, parent in enumerate(frontier):
-            if params.greedy:
-                shared = logits[row][: self._shared] if self._slice else logits[row]
-                lp = torch.log_softmax(shared.double(), dim=-1)
-                top = lp.topk(min(self.beam_width, lp.shape[-1]))
-                for value, tok in zip(top.values.tolist(), top.indices.tolist(), strict=True):
-                    candidates.append((logp[parent] + value, parent, int(tok), None, logp[parent] + value))
-                continue
-            q = self._distribution(logits[row], params)
-            log_phi = logp[parent] + torch.log(q.double())
-            toks, scores = sbs_children(score[parent], log_phi, uniforms(q.shape[-1], generator, q.device))
-            for tok, sc in zip(
-                toks[: self.beam_width].tolist(), scores[: self.beam_width].tolist(), strict=True
-            ):
-                candidates.append((sc, parent, int(tok), q, float(log_phi[tok])))
-        candidates.sort(key=lambda c: -c[0])
-        kept = candidates[: self.beam_width]
-        kept.sort(key=lambda c: (frontier.index(c[1]), -c[0]))  # siblings together, in draw order
-        return [(parent, tok, q, sc, lp) for sc, parent, tok, q, lp in kept]
+        """One level of (stochastic) beam search: the ``beam_width`` best children over the frontier,
+        grouped by parent, siblings in draw order."""
+        parent_logp = torch.tensor([logp[p] for p in frontier], dtype=torch.float64, device=logits.device)
+        if params.greedy:
+            shared = logits[:, : self._shared] if self._slice else logits
+            ranked = parent_logp.unsqueeze(-1) + torch.log_softmax(shared.double(), dim=-1)
+            log_phi, q = ranked, None
+        else:
+            q = self._distribution(logits, params)
+            log_phi = parent_logp.unsqueeze(-1) + torch.log(q.double())
+            parent_scores = torch.tensor([score[p] for p in frontier], dtype=torch.float64, device=q.device)
+            ranked = sbs_scores(parent_scores, log_phi, uniforms(tuple(q.shape), generator, q.device))
+        width = ranked.shape[-1]
+        values, flat = ranked.flatten().topk(min(self.beam_width, ranked.numel()))
+        kept = [
+            (int(i) // width, int(i) % width, float(v))
+            for i, v in zip(flat.tolist(), values.tolist(), strict=True)
+            if v > -math.inf
+        ]
+        kept.sort(key=lambda c: (c[0], -c[2]))  # siblings together, in draw order
+        return [
+            (frontier[row], tok, None if q is None else q[row], sc, float(log_phi[row, tok]))
+            for row, tok, sc in kept
+        ]
 
     # ------------------------------------------------------------------ after verification
 
