@@ -192,6 +192,40 @@ def verifier_cost(verifier: Any, prefix_len: int = 64, reps: int = 15) -> str:
 
 
 @torch.inference_mode()
+def sibling_duplicate_rate(
+    drafter: Any, prompts: list[torch.Tensor], branching: tuple[int, ...] = (2, 2, 1)
+) -> str:
+    """How often SpecInfer's i.i.d. siblings repeat a token at T = 1 (what RSD's sampling without
+    replacement avoids): each prompt cut at 6 points, one SpecInfer tree per cut."""
+    from types import SimpleNamespace
+
+    from train.decoding import SamplingParams
+    from train.decoding.tree_proposers import TreeProposer
+
+    proposer = TreeProposer(TimedModel(drafter), drafter.config.vocab_size, "specinfer", branching=branching)
+    stats = SimpleNamespace(
+        drafter_calls=0, drafter_time=0.0, drafter_prefill_calls=0, drafter_prefill_time=0.0
+    )
+    generator = torch.Generator().manual_seed(0)
+    pairs = same = 0
+    for ids in prompts:
+        seq = ids[0].tolist()
+        for cut in range(len(seq) - 24, len(seq), 4):
+            proposer.start()
+            draft = proposer.propose(
+                seq[:cut], len(branching), SamplingParams(1.0), generator, frozenset(), stats
+            )
+            for node in [-1, *range(len(draft))]:
+                kids = [draft.tokens[c] for c in draft.children(node)]
+                pairs += len(kids) * (len(kids) - 1) // 2
+                same += sum(a == b for i, a in enumerate(kids) for b in kids[i + 1 :])
+    return (
+        f"SpecInfer {list(branching)} at T = 1 drew the same token for {same} of {pairs} sibling pairs "
+        f"({same / max(pairs, 1):.1%}; {len(prompts)} prompts x 6 cuts)."
+    )
+
+
+@torch.inference_mode()
 def bench_pair_overhead(prompts: int = 3, new_tokens: int = 96) -> str:
     """Loop overhead (wall / model forward time - 1) of each decoder on the benchmark pair of
     ``scripts/bench.py decoding`` (random-weight Llama, 33.7M / 2.6M parameters, sharing a bigram
@@ -245,6 +279,7 @@ def main() -> None:
     best_table, all_table, budget_raw = fixed_budget(pair, args)
     cost_table = verifier_cost(verifier)
     overhead_table = bench_pair_overhead()
+    duplicates = sibling_duplicate_rate(drafter, prompts)
     elapsed = time.time() - started
     command = "python scripts/trees.py" + (
         ""
@@ -260,7 +295,14 @@ def main() -> None:
         "threads": torch.get_num_threads(),
     }
     text = render(
-        summary, depth_table, best_table, all_table, cost_table, overhead_table, kept_analysis(args.out)
+        summary,
+        depth_table,
+        best_table,
+        all_table,
+        cost_table,
+        overhead_table,
+        duplicates,
+        kept_analysis(args.out),
     )
     with open(args.out, "w", encoding="utf-8") as f:
         f.write(text)
@@ -293,6 +335,7 @@ def render(
     all_table: str,
     cost_table: str,
     overhead_table: str,
+    duplicates: str,
     analysis: str,
 ) -> str:
     return f"""# Trees: chain SD, SpecInfer, RSD-C and RSD-S on the embedded pair
@@ -314,6 +357,8 @@ Shapes: depth 3 = SpecInfer and RSD-C branching (2, 2, 1) (10 tree tokens), RSD-
 (at most 9); depth 4 = branching (2, 2, 1, 1) (14), RSD-S width 4 (at most 16); chain SD gamma = depth.
 
 {depth_table}
+
+Duplicate siblings: {duplicates}
 
 ## Fixed verifier budget (T = 1)
 
