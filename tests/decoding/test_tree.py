@@ -18,6 +18,7 @@ adds every case at two more seeds.
 
 from __future__ import annotations
 
+import copy
 import functools
 from types import SimpleNamespace
 
@@ -127,6 +128,24 @@ def test_greedy_output_equals_hf_generate(arch, method, tiny_pairs):
         stats = result.stats
         assert stats.new_tokens == n and stats.verifier_calls <= n
         assert stats.verifier_tokens >= stats.verifier_calls  # every call scores its tree and context
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("method", list(METHODS))
+def test_greedy_with_a_drafter_close_to_the_verifier(arch, method, tiny_pairs):
+    """Long accepted paths, some through second children: the compacted caches must hold exactly the
+    accepted path (a crop to the accepted length would keep the wrong tree nodes)."""
+    verifier, _ = tiny_pairs[arch]
+    drafter = copy.deepcopy(verifier)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(1e-3 * torch.randn(p.shape, generator=gen))
+    decoder = TreeSpeculativeDecoder(verifier, drafter, **METHODS[method])
+    ids = torch.tensor([[0, 5, 9, 3, 7]])
+    result = decoder.generate(ids, 40)
+    assert result.tokens.tolist() == hf_greedy(verifier, ids, 40)
+    assert result.stats.accepted >= 20  # the paths were long: the test exercised compaction
 
 
 @pytest.mark.parametrize("method", list(METHODS))
@@ -422,11 +441,22 @@ def test_caches_hold_exactly_the_committed_tokens_between_blocks(method):
         seen.append((list(sequence), d_cache.tokens if d_cache is not None else []))
         return original(sequence, *args)
 
+    verifier_seen: list[list[int]] = []
+    forward = verifier.forward
+
+    def verifier_spy(input_ids, past_key_values=None, **kwargs):
+        verifier_seen.append(past_key_values.tokens if past_key_values is not None else [])
+        return forward(input_ids, past_key_values=past_key_values, **kwargs)
+
     decoder._proposer.propose = spy  # type: ignore[method-assign]
-    decoder.generate(torch.tensor([list(PROMPT)]), 12, T1, generator=torch.Generator().manual_seed(3))
-    assert len(seen) > 2
+    verifier.forward = verifier_spy  # type: ignore[method-assign]
+    out = decoder.generate(torch.tensor([list(PROMPT)]), 12, T1, generator=torch.Generator().manual_seed(3))
+    final = [*PROMPT, *out.tokens.tolist()]
+    assert len(seen) > 2 and len(verifier_seen) > 2
     for sequence, drafter_tokens in seen:
         assert drafter_tokens == sequence[: len(drafter_tokens)]  # a prefix of the committed sequence
+    for cached in verifier_seen:
+        assert cached == final[: len(cached)]  # only committed tokens, in order
 
 
 def test_autoregressive_and_tree_agree_on_stats_contract(tiny_pairs):
