@@ -7,25 +7,13 @@ import pytest
 import torch
 
 from train.decoding import TimedModel, cache_length, keep_positions
+from train.decoding.tree import tree_attention_mask
 
 from .decoding_helpers import build, tiny_config
 
 PREFIX = [3, 4, 5, 6, 7]
 # a small tree after the prefix: a and b continue the prefix, c continues a
 TREE_TOKENS, TREE_PARENTS = [10, 11, 12], [-1, -1, 0]
-
-
-def tree_mask(prefix_len: int, parents: list[int], dtype: torch.dtype) -> torch.Tensor:
-    """(1, 1, n, prefix + n) additive mask: each node sees the prefix, its ancestors and itself."""
-    n = len(parents)
-    allowed = torch.zeros(n, prefix_len + n, dtype=torch.bool)
-    allowed[:, :prefix_len] = True
-    for i in range(n):
-        j = i
-        while j >= 0:
-            allowed[i, prefix_len + j] = True
-            j = parents[j]
-    return torch.zeros(1, 1, n, prefix_len + n, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3", "gpt2"])
@@ -48,7 +36,7 @@ def test_tree_forward_equals_sequential_paths_and_kept_path_equals_fresh(model64
         TREE_TOKENS,
         pre.cache,
         position_ids=pos,
-        attention_mask=tree_mask(n0, TREE_PARENTS, torch.float64),
+        attention_mask=tree_attention_mask(n0, 0, TREE_PARENTS, torch.float64),
         logits_to_keep=None,
     )
     assert out.logits.shape[0] == 3
