@@ -36,7 +36,7 @@ from train.decoding import (
 )
 from train.decoding import verification as rules
 from train.decoding.tree import tree_attention_mask, tree_position_ids
-from train.decoding.tree_proposers import TreeProposer, gumbel_scores, gumbel_top_k, sbs_scores
+from train.decoding.tree_proposers import TreeProposer, gumbel_scores, gumbel_top_k, sbs_scores, sbs_top
 
 from .decoding_helpers import build, hf_greedy, tiny_config
 from .spec_reference import chi2_critical, chi_square, peaked_table_lm, run_many, table_next, verifier_joint
@@ -218,6 +218,10 @@ def test_sbs_scores_keep_the_gumbel_order_and_the_parents_maximum():
         assert scores[row][finite].argsort().tolist() == plain[row][finite].argsort().tolist()
         assert abs(float(scores[row].max()) - float(parents[row])) < 1e-12  # the best child keeps it
     assert scores[0, 3] == -float("inf")  # q = 0: never a child
+    top, tokens = sbs_top(parents, log_phi, u, 2)  # what the proposer computes: each row's best 2
+    expected, expected_tokens = scores.topk(2, dim=-1)
+    torch.testing.assert_close(top, expected, atol=1e-12, rtol=0)
+    assert torch.equal(tokens, expected_tokens)
 
 
 @pytest.mark.parametrize("method", ["rsd_c", "rsd_s"])

@@ -36,7 +36,7 @@ from .proposers import ModelProposer
 from .sampling import SamplingParams, sample_with_uniform, uniforms
 from .tree import ancestors
 
-__all__ = ["TREE_METHODS", "TreeProposer", "gumbel_scores", "gumbel_top_k", "sbs_scores"]
+__all__ = ["TREE_METHODS", "TreeProposer", "gumbel_scores", "gumbel_top_k", "sbs_scores", "sbs_top"]
 
 #: Tree builders and the candidate kind their verification uses at T > 0.
 TREE_METHODS: dict[str, str] = {
@@ -64,18 +64,34 @@ def _log1mexp(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x > -math.log(2.0), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
 
 
-def sbs_scores(parent_scores: torch.Tensor, log_phi: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Stochastic beam search's perturbed scores of every child (Kool et al. 2019, eq. 23 in their stable
-    form): Gumbels with locations ``log_phi`` (the children's sequence log-probabilities) conditioned
-    on their maximum being the parent's perturbed score. parent_scores: (n,); log_phi, u: (n, V).
-    Returns (n, V), -inf where log_phi is -inf. Within a parent the order is that of log_phi + Gumbel,
-    so the kept children of a node are a without-replacement sample of its q."""
-    g_hat = gumbel_scores(log_phi, u)
-    z = g_hat.max(dim=-1, keepdim=True).values
-    parent = parent_scores.double().unsqueeze(-1)
+def _conditioned(parent: torch.Tensor, g_hat: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """Kool et al.'s eq. 23 in their stable form: Gumbels ``g_hat`` whose row maximum is ``z``,
+    conditioned on a maximum of ``parent`` (n, 1). -inf stays -inf."""
     v = parent - g_hat + _log1mexp((g_hat - z).clamp_max(0.0))
     scores = parent - v.clamp_min(0) - torch.log1p(torch.exp(-v.abs()))
     return torch.where(torch.isfinite(g_hat), scores, torch.full_like(scores, -math.inf))
+
+
+def sbs_scores(parent_scores: torch.Tensor, log_phi: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Stochastic beam search's perturbed scores of every child (Kool et al. 2019): Gumbels with
+    locations ``log_phi`` (the children's sequence log-probabilities) conditioned on their maximum being
+    the parent's perturbed score. parent_scores: (n,); log_phi, u: (n, V). Returns (n, V), -inf where
+    log_phi is -inf. Within a parent the order is that of log_phi + Gumbel, so the kept children of a
+    node are a without-replacement sample of its q."""
+    g_hat = gumbel_scores(log_phi, u)
+    z = g_hat.max(dim=-1, keepdim=True).values
+    return _conditioned(parent_scores.double().unsqueeze(-1), g_hat, z)
+
+
+def sbs_top(
+    parent_scores: torch.Tensor, log_phi: torch.Tensor, u: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` best children of each row by :func:`sbs_scores`, computing the conditioned scores for
+    those only (the transform is increasing within a row). Returns (scores, tokens), both (n, k)."""
+    g_hat = gumbel_scores(log_phi, u)
+    z = g_hat.max(dim=-1, keepdim=True).values
+    top, tokens = g_hat.topk(min(k, g_hat.shape[-1]), dim=-1)
+    return _conditioned(parent_scores.double().unsqueeze(-1), top, z), tokens
 
 
 class TreeProposer(ModelProposer):
@@ -242,17 +258,19 @@ class TreeProposer(ModelProposer):
         parent_logp = torch.tensor([logp[p] for p in frontier], dtype=torch.float64, device=logits.device)
         if params.greedy:
             shared = logits[:, : self._shared] if self._slice else logits
-            ranked = parent_logp.unsqueeze(-1) + torch.log_softmax(shared.double(), dim=-1)
-            log_phi, q = ranked, None
+            log_phi, q = parent_logp.unsqueeze(-1) + torch.log_softmax(shared.double(), dim=-1), None
+            ranked, tokens = log_phi.topk(min(self.beam_width, log_phi.shape[-1]), dim=-1)
         else:
             q = self._distribution(logits, params)
             log_phi = parent_logp.unsqueeze(-1) + torch.log(q.double())
             parent_scores = torch.tensor([score[p] for p in frontier], dtype=torch.float64, device=q.device)
-            ranked = sbs_scores(parent_scores, log_phi, uniforms(tuple(q.shape), generator, q.device))
+            u = uniforms(tuple(q.shape), generator, q.device)
+            ranked, tokens = sbs_top(parent_scores, log_phi, u, self.beam_width)
         width = ranked.shape[-1]
         values, flat = ranked.flatten().topk(min(self.beam_width, ranked.numel()))
+        token_ids = tokens.flatten().tolist()
         kept = [
-            (int(i) // width, int(i) % width, float(v))
+            (int(i) // width, token_ids[int(i)], float(v))
             for i, v in zip(flat.tolist(), values.tolist(), strict=True)
             if v > -math.inf
         ]
