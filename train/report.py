@@ -355,7 +355,7 @@ def write_heads_report(
             "top1 / top5: the head's top guesses against the corpus token it predicts; agrees: its top-1 equals "
             "the verifier's argmax for that token. Simulated block efficiency of the blockwise top-1 chain "
             f"(1 + leading heads agreeing, teacher-forced on corpus prefixes): {format_value(tau, 2)}. "
-            "Decoding with the heads is not built yet, so no measured speedup.",
+            "Measure the heads' decoding with `python scripts/medusa_eval.py --heads HEADS_DIR`.",
         ]
     )
     (run / "report.md").write_text(text + "\n", encoding="utf-8")

@@ -11,6 +11,7 @@ forward), ``draft`` (a chain or tree of draft tokens), ``proposers`` (the drafti
 from .autoregressive import AutoregressiveDecoder
 from .cache import cache_length, crop_cache, keep_positions
 from .draft import Draft
+from .heads import HeadsProposer, MedusaDecoder, chain_choices
 from .metrics import (
     DecodeResult,
     DecodeStats,
@@ -43,6 +44,8 @@ __all__ = [
     "CallResult",
     "DecodeResult",
     "DecodeStats",
+    "HeadsProposer",
+    "MedusaDecoder",
     "Draft",
     "ModelProposer",
     "Proposer",
@@ -56,6 +59,7 @@ __all__ = [
     "aggregate",
     "block_efficiency",
     "cache_length",
+    "chain_choices",
     "chain_rejection",
     "cost_ratio",
     "crop_cache",

@@ -18,7 +18,8 @@ is plain autoregressive decoding.
 A tree draft (:mod:`train.decoding.tree`) goes through the same block: the verifier scores every node
 in one forward with a tree mask, :func:`~train.decoding.tree.verify_tree` walks it, and both caches
 keep the committed prefix plus the accepted path, compacted (``keep_positions``). ``gamma`` is then
-the tree's depth.
+the tree's depth. A proposer with a ``hidden_layer`` (prediction heads) gets that layer's hidden state
+at the last accepted position of every verifier forward (``observe``), at no extra forward.
 
 The asynchronous schedule (AMUSD) replaces this loop and reuses the proposers and rules unchanged.
 """
@@ -107,6 +108,8 @@ def run_synchronous(
     limit = len(prompt) + max_new_tokens
     v_cache = None
     v_len = 0
+    # A proposer that drafts from the verifier's own hidden states (prediction heads) names the layer.
+    hidden_layer = getattr(proposer, "hidden_layer", None)
     if proposer is not None:
         proposer.start()
     done = max_new_tokens == 0
@@ -119,6 +122,7 @@ def run_synchronous(
                 draft = proposer.propose(seq, budget, params, generator, eos, stats)
         k = len(draft)
         tree = k > 1 and not draft.is_chain
+        layers = None if hidden_layer is None else [hidden_layer]
         # ---- verify: one forward over the uncached committed token(s) and the drafts
         context = seq[v_len:]
         feed = context + draft.tokens
@@ -130,9 +134,10 @@ def run_synchronous(
                 position_ids=tree_position_ids(v_len, len(context), depths),
                 attention_mask=tree_attention_mask(v_len, len(context), draft.parents, verifier.mask_dtype),
                 logits_to_keep=k + 1,
+                hidden_layers=layers,
             )
         else:
-            out = verifier(feed, v_cache, logits_to_keep=k + 1)
+            out = verifier(feed, v_cache, logits_to_keep=k + 1, hidden_layers=layers)
         if v_cache is None:
             stats.verifier_prefill_calls += 1
             stats.verifier_prefill_time += out.seconds
@@ -189,6 +194,9 @@ def run_synchronous(
             v_len = keep
         if proposer is not None:
             proposer.commit(keep, path)
+            if hidden_layer is not None and out.hidden is not None:  # heads read the last accepted state
+                last = len(context) + path[-1] if path else len(context) - 1
+                proposer.observe(out.hidden[hidden_layer][last])  # type: ignore[attr-defined]
     stats.new_tokens = len(seq) - len(prompt)
     stats.wall_time = time.perf_counter() - t_start
     return DecodeResult(torch.tensor(seq[len(prompt) :], dtype=torch.long), stats)

@@ -115,6 +115,8 @@ def verify_tree(
             rule = "deterministic" if q is None else draft.kind
             if q is not None:
                 expected += float(expected_acceptance_per_position(p[None], q[None]).sum())
+            else:  # a point-mass candidate is accepted with probability p(x)
+                expected += float(p[candidates[0]])
             choice, token = recursive_rejection(p, candidates, q, rule, u[: len(kids)], u[len(kids)])
             if int(choice) < 0:
                 return TreeVerdict(path, int(token), len(path) + 1, expected)

@@ -12,8 +12,8 @@ approximation: real decoding continues from the verifier's own tokens).
 The verifier stays outside the module's registered children (never in a checkpoint or an
 optimizer). ``finish`` exports the heads (``heads/`` and the vLLM layout ``heads_vllm/``, through
 :mod:`train.export_heads`) and writes ``report.json`` / ``report.md`` with the final validation
-figures (:func:`train.report.write_heads_report`). Decoding with the heads (``MedusaDecoder``, tree
-verification) is not built yet.
+figures (:func:`train.report.write_heads_report`). ``scripts/medusa_eval.py`` then measures the heads
+with :class:`train.decoding.MedusaDecoder`.
 """
 
 from __future__ import annotations
