@@ -23,8 +23,9 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from train.data.lm import collate_left_pad, make_prompts, pack_sequences
 from train.data.samplers import EpochShuffleSampler
+from train.data.sources import load_text_dataset
 
-__all__ = ["LMDataModule", "PromptDataModule"]
+__all__ = ["LMDataModule", "PromptDataModule", "packed_corpus"]
 
 Splits = Mapping[str, Dataset]
 SplitsArg = Splits | Callable[[], Splits]
@@ -121,6 +122,19 @@ class LMDataModule(L.LightningDataModule):
     def test_dataloader(self) -> StatefulDataLoader:
         self.setup()
         return self._loader(self.test_dataset, train=False)
+
+
+def packed_corpus(source: Any, tokenizer: Any, seq_len: int, batch_size: int, seed: int) -> LMDataModule:
+    """Packed ``seq_len`` blocks of a data config's text (loaded in ``setup``), full batches only: what
+    the methods that train on plain text (pretraining, prediction heads) read."""
+    return LMDataModule(
+        lambda: load_text_dataset(source, tokenizer),
+        tokenizer,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        seed=seed,
+        drop_last=True,
+    )
 
 
 class PromptDataModule(L.LightningDataModule):

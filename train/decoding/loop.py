@@ -110,6 +110,7 @@ def run_synchronous(
     v_len = 0
     # A proposer that drafts from the verifier's own hidden states (prediction heads) names the layer.
     hidden_layer = getattr(proposer, "hidden_layer", None)
+    layers = None if hidden_layer is None else [hidden_layer]
     if proposer is not None:
         proposer.start()
     done = max_new_tokens == 0
@@ -122,7 +123,6 @@ def run_synchronous(
                 draft = proposer.propose(seq, budget, params, generator, eos, stats)
         k = len(draft)
         tree = k > 1 and not draft.is_chain
-        layers = None if hidden_layer is None else [hidden_layer]
         # ---- verify: one forward over the uncached committed token(s) and the drafts
         context = seq[v_len:]
         feed = context + draft.tokens

@@ -29,7 +29,7 @@ import torch
 from .cache import crop_cache
 from .draft import Draft
 from .metrics import DecodeStats
-from .model_call import TimedModel
+from .model_call import CallResult, TimedModel
 from .sampling import SamplingParams, sample_with_uniform, uniforms, warp
 
 __all__ = ["ModelProposer", "Proposer"]
@@ -85,6 +85,31 @@ class ModelProposer:
             q = torch.nn.functional.pad(q, (0, self.vocab_size - self._shared))
         return q
 
+    def _call(
+        self,
+        feed: list[int],
+        stats: DecodeStats,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        logits_to_keep: int | None = 1,
+    ) -> CallResult:
+        """One drafter forward on top of its cache, recorded in ``stats`` (the first one as prefill)."""
+        prefill = self._cache is None
+        out = self.drafter(
+            feed,
+            self._cache,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            logits_to_keep=logits_to_keep,
+        )
+        self._cache = out.cache
+        stats.drafter_calls += 1
+        stats.drafter_time += out.seconds
+        if prefill:
+            stats.drafter_prefill_calls += 1
+            stats.drafter_prefill_time += out.seconds
+        return out
+
     def propose(
         self,
         sequence: list[int],
@@ -99,15 +124,8 @@ class ModelProposer:
         greedy = params.greedy
         feed = self._embeddable(sequence[self._length :])
         for _ in range(budget):
-            prefill = self._cache is None
-            out = self.drafter(feed, self._cache, logits_to_keep=1)
-            self._cache = out.cache
+            out = self._call(feed, stats)
             self._length += len(feed)
-            stats.drafter_calls += 1
-            stats.drafter_time += out.seconds
-            if prefill:
-                stats.drafter_prefill_calls += 1
-                stats.drafter_prefill_time += out.seconds
             logits = out.logits[-1]
             if greedy:
                 x = int((logits[: self._shared] if self._slice else logits).argmax())

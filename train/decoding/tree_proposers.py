@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
@@ -148,7 +147,7 @@ class TreeProposer(ModelProposer):
         score: dict[int, float] = {-1: 0.0}
         logp: dict[int, float] = {-1: 0.0}
         self._fed = []
-        out = self._call(self._embeddable(sequence[self._length :]), None, None, stats)
+        out = self._call(self._embeddable(sequence[self._length :]), stats)
         self._length = len(sequence)
         frontier: list[int] = [-1]  # nodes whose children are drawn next
         frontier_logits = out.logits[-1:]
@@ -183,23 +182,6 @@ class TreeProposer(ModelProposer):
         q_all = torch.stack(qs) if qs and not params.greedy else None
         return Draft(tokens, parents, q_all, ranks, kind=self.kind)
 
-    def _call(self, feed: list[int], position_ids: Any, mask: Any, stats: DecodeStats) -> Any:
-        prefill = self._cache is None
-        out = self.drafter(
-            feed,
-            self._cache,
-            position_ids=position_ids,
-            attention_mask=mask,
-            logits_to_keep=None if mask is not None else 1,
-        )
-        self._cache = out.cache
-        stats.drafter_calls += 1
-        stats.drafter_time += out.seconds
-        if prefill:
-            stats.drafter_prefill_calls += 1
-            stats.drafter_prefill_time += out.seconds
-        return out
-
     def _feed_level(
         self, nodes: list[int], tokens: list[int], parents: list[int], stats: DecodeStats
     ) -> torch.Tensor:
@@ -218,7 +200,9 @@ class TreeProposer(ModelProposer):
         mask = torch.zeros(1, 1, len(nodes), cached + len(nodes), dtype=self.drafter.mask_dtype)
         mask = mask.masked_fill(~allowed, torch.finfo(self.drafter.mask_dtype).min)
         positions = torch.full((1, len(nodes)), self._length - 1 + depth, dtype=torch.long)
-        out = self._call(self._embeddable([tokens[n] for n in nodes]), positions, mask, stats)
+        out = self._call(
+            self._embeddable([tokens[n] for n in nodes]), stats, positions, mask, logits_to_keep=None
+        )
         self._fed.extend(nodes)
         return out.logits
 

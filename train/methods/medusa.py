@@ -27,8 +27,7 @@ import lightning as L
 import torch
 
 from train.config import require
-from train.data.datamodule import LMDataModule
-from train.data.sources import load_text_dataset
+from train.data.datamodule import packed_corpus
 from train.export_heads import export_heads
 from train.models.heads import MedusaHeads, medusa_loss, shifted_targets
 from train.optim import check_optimizer, configure_optimizers
@@ -70,14 +69,7 @@ class MedusaConfig:
 
     def build(self, pair: Any, spec: Any) -> tuple[MedusaModule, L.LightningDataModule]:
         """Heads initialised from the pair's verifier (its lm_head), trained on packed ``spec.data`` blocks."""
-        data = LMDataModule(
-            lambda: load_text_dataset(spec.data, pair.tokenizer),
-            pair.tokenizer,
-            seq_len=self.seq_len,
-            batch_size=self.batch_size,
-            seed=spec.seed,
-            drop_last=True,
-        )
+        data = packed_corpus(spec.data, pair.tokenizer, self.seq_len, self.batch_size, spec.seed)
         heads = MedusaHeads.from_verifier(pair.verifier, self.num_heads, self.num_layers)
         return MedusaModule(pair.verifier, heads, self), data
 

@@ -13,8 +13,7 @@ import torch
 from transformers import PreTrainedModel
 
 from train.config import require
-from train.data.datamodule import LMDataModule
-from train.data.sources import load_text_dataset
+from train.data.datamodule import packed_corpus
 from train.optim import check_optimizer, configure_optimizers
 
 
@@ -34,14 +33,7 @@ class PretrainConfig:
 
     def build(self, pair: Any, spec: Any) -> tuple[PretrainModule, L.LightningDataModule]:
         """Continued pretraining of the pair's drafter on ``spec.data`` (packed blocks)."""
-        data = LMDataModule(
-            lambda: load_text_dataset(spec.data, pair.tokenizer),
-            pair.tokenizer,
-            seq_len=self.seq_len,
-            batch_size=self.batch_size,
-            seed=spec.seed,
-            drop_last=True,
-        )
+        data = packed_corpus(spec.data, pair.tokenizer, self.seq_len, self.batch_size, spec.seed)
         return PretrainModule(pair.drafter, self), data
 
 
