@@ -53,6 +53,7 @@ __all__ = [
     "Finishable",
     "build_report",
     "finish",
+    "heads_section",
     "report_markdown",
 ]
 
@@ -72,9 +73,21 @@ class Finishable(Protocol):
     """The label in :meth:`drafters_to_evaluate` that ratios are taken against (e.g. ``"before"``);
     None: no ratios."""
 
+    artifact_dir: str
+    """The run-directory folder the artifact is exported to (``drafter``, ``heads``)."""
+
+    card_base: str
+    """Which model of the run's ``model`` config the artifact is built on (``drafter`` or ``verifier``):
+    the model card's ``base_model``."""
+
     def drafters_to_evaluate(self) -> Mapping[str, torch.nn.Module]:
         """``{label: drafter}`` to measure against the verifier, e.g. ``{"before": d0, "after": d1}``;
         empty: nothing is evaluated."""
+        ...
+
+    def evaluation_verifier(self, verifier: torch.nn.Module) -> torch.nn.Module:
+        """The verifier the drafters are measured against: the run's own ``verifier``, or one the method
+        trained (Medusa-2)."""
         ...
 
     def export(self, out_dir: str) -> str | os.PathLike[str]:
@@ -83,6 +96,11 @@ class Finishable(Protocol):
 
     def report_summary(self) -> dict[str, Any]:
         """The method's settings as they should appear in ``report.json`` (plain values)."""
+        ...
+
+    def report_sections(self) -> list[str]:
+        """Markdown sections of the method's own (e.g. per-head accuracy) for ``report.md`` and the
+        terminal summary; may be empty."""
         ...
 
 
@@ -110,21 +128,25 @@ def finish(
     """
     run = Path(run_dir)
     run.mkdir(parents=True, exist_ok=True)
-    drafter_dir = Path(module.export(str(run / "drafter")))
-    write_model_card(drafter_dir, config=config)
-    log.info("Exported the trained drafter to %s", drafter_dir)
+    drafter_dir = Path(module.export(str(run / module.artifact_dir)))
+    model_section = (config or {}).get("model") if isinstance(config, Mapping) else None
+    base_model = model_section.get(module.card_base) if isinstance(model_section, Mapping) else None
+    write_model_card(drafter_dir, config=config, base_model=base_model)
+    log.info("Exported the trained %s to %s", module.artifact_dir, drafter_dir)
     report: dict[str, Any] = {
         "schema": REPORT_SCHEMA,
         "name": name,
         "method": module.report_summary(),
         "drafter_dir": str(drafter_dir),
     }
+    sections = module.report_sections()
     drafters = dict(module.drafters_to_evaluate()) if eval_cfg is not None else {}
     results = None
     if drafters:
         assert eval_cfg is not None
         try:
-            results = _evaluate(verifier, tokenizer, drafters, eval_cfg, data, seed, run, loggers, step)
+            target = module.evaluation_verifier(verifier)
+            results = _evaluate(target, tokenizer, drafters, eval_cfg, data, seed, run, loggers, step)
         except Exception as err:
             report["evaluation_error"] = f"{type(err).__name__}: {err}"
             _write_json(run / "report.json", report)
@@ -135,11 +157,11 @@ def finish(
         report.update(build_report(results, module.reference_drafter))
         report["evaluation_dir"] = str(run / "eval")
     _write_json(run / "report.json", report)
-    text = report_markdown(report, results)
+    text = report_markdown(report, results, sections)
     (run / "report.md").write_text(text, encoding="utf-8")
     if results is not None:
-        write_model_card(drafter_dir, config=config, results=results)
-    print(terminal_summary(report, run.resolve()), flush=True)
+        write_model_card(drafter_dir, config=config, results=results, base_model=base_model)
+    print(terminal_summary(report, run.resolve(), sections), flush=True)
     return report
 
 
@@ -245,11 +267,14 @@ def build_report(results: Mapping[str, Any], reference: str | None = None) -> di
     }
 
 
-def report_markdown(report: Mapping[str, Any], results: Mapping[str, Any] | None = None) -> str:
-    """``report.md``: where the drafter is, the evaluation table, the best decoders and the ratios."""
+def report_markdown(
+    report: Mapping[str, Any], results: Mapping[str, Any] | None = None, sections: Sequence[str] = ()
+) -> str:
+    """``report.md``: where the artifact is, the method's own sections, the evaluation table, the best
+    decoders and the ratios."""
     summary = report.get("method") or {}
     title = f"# {report.get('name', 'run')}: {summary.get('method', 'training run')}"
-    parts = [title, f"The trained drafter is exported to `{report['drafter_dir']}`."]
+    parts = [title, f"The trained artifact is exported to `{report['drafter_dir']}`.", *sections]
     if results is None:
         parts.append("No evaluation was run (no `eval` config, or the method names no drafter to evaluate).")
         return "\n\n".join(parts) + "\n"
@@ -298,11 +323,11 @@ def summary_sections(report: Mapping[str, Any]) -> list[str]:
     return parts
 
 
-def terminal_summary(report: Mapping[str, Any], run: Path) -> str:
-    """What a finished run prints: the summary tables and where everything is."""
-    parts = summary_sections(report) or ["No evaluation was run."]
+def terminal_summary(report: Mapping[str, Any], run: Path, sections: Sequence[str] = ()) -> str:
+    """What a finished run prints: the method's sections, the summary tables and where everything is."""
+    parts = [*sections, *(summary_sections(report) or ["No evaluation was run."])]
     parts.append(
-        f"Drafter: {report['drafter_dir']}\nFull report (every decoder, metric legend): {run / 'report.md'}"
+        f"Exported: {report['drafter_dir']}\nFull report (every decoder, metric legend): {run / 'report.md'}"
         f"\nRun directory: {run}"
     )
     return "\n\n".join(parts)
@@ -312,17 +337,14 @@ def _write_json(path: Path, payload: Mapping[str, Any]) -> None:
     path.write_text(json.dumps(to_jsonable(payload), indent=2, default=str) + "\n", encoding="utf-8")
 
 
-def write_heads_report(
-    run_dir: str,
-    name: str,
-    summary: Mapping[str, Any],
+def heads_section(
     metrics: Mapping[str, float],
-    heads_dir: str,
-    vllm_dir: str,
-) -> dict[str, Any]:
-    """``report.json`` / ``report.md`` of a prediction-heads run (Medusa): where the heads are, and
-    each head's last validation figures; printed as the run's summary. Returns the report."""
-    run = Path(run_dir)
+    tree: Sequence[Sequence[int]] | None,
+    rank_accuracy: Sequence[Sequence[float]] = (),
+    note: str | None = None,
+) -> str:
+    """The Markdown section of a prediction-heads run (Medusa): each head's last validation figures,
+    the simulated block efficiency and the tree built from the measured per-rank accuracies."""
     heads = sorted({int(k.split("/head")[1].split("_")[0]) for k in metrics if k.startswith("val/head")})
     rows = [
         [
@@ -331,37 +353,27 @@ def write_heads_report(
             format_value(metrics.get(f"val/head{k}_top1"), 3),
             format_value(metrics.get(f"val/head{k}_top5"), 3),
             format_value(metrics.get(f"val/head{k}_agree"), 3),
+            ", ".join(format_value(a, 2) for a in rank_accuracy[k][:5]) if k < len(rank_accuracy) else "",
         ]
         for k in heads
     ]
-    table = markdown_table(["head", "predicts", "top1", "top5", "agrees with verifier"], rows, "llrrr")
+    table = markdown_table(
+        ["head", "predicts", "top1", "top5", "agrees with verifier", "rank 0..4 = verifier"], rows, "llrrrl"
+    )
     tau = metrics.get("val/simulated_block_efficiency")
-    report = {
-        "schema": REPORT_SCHEMA,
-        "name": name,
-        "method": dict(summary),
-        "heads_dir": heads_dir,
-        "vllm_dir": vllm_dir,
-        "validation": dict(metrics),
-    }
-    _write_json(run / "report.json", report)
-    text = "\n\n".join(
-        [
-            f"# {name}: {summary.get('method', 'heads')}",
-            f"Heads exported to `{heads_dir}` (`MedusaHeads.from_pretrained`) and, in vLLM's Medusa layout, "
-            f"to `{vllm_dir}`.",
-            "## Validation (last)",
-            table.rstrip(),
-            "top1 / top5: the head's top guesses against the corpus token it predicts; agrees: its top-1 equals "
-            "the verifier's argmax for that token. Simulated block efficiency of the blockwise top-1 chain "
-            f"(1 + leading heads agreeing, teacher-forced on corpus prefixes): {format_value(tau, 2)}. "
-            "Measure the heads' decoding with `python scripts/medusa_eval.py --heads HEADS_DIR`.",
-        ]
-    )
-    (run / "report.md").write_text(text + "\n", encoding="utf-8")
-    print(
-        f"{table.rstrip()}\n\nSimulated block efficiency: {format_value(tau, 2)}\n"
-        f"Heads: {heads_dir}\nvLLM layout: {vllm_dir}\nRun directory: {run.resolve()}",
-        flush=True,
-    )
-    return report
+    parts = [
+        "## Heads (last validation)",
+        table.rstrip(),
+        "top1 / top5: the head's top guesses against the corpus token it predicts; agrees: its top-1 equals "
+        "the verifier's argmax for that token; rank r = verifier: how often its r-th guess is. Simulated "
+        "block efficiency of the blockwise top-1 chain (1 + leading heads agreeing, teacher-forced on "
+        f"corpus prefixes): {format_value(tau, 2)}.",
+    ]
+    if tree:
+        parts.append(
+            f"Tree saved with the heads ({len(tree)} nodes, depth {max(len(p) for p in tree)}; built from the "
+            f"per-rank accuracies, the largest expected accepted length of its size): `{[list(p) for p in tree]}`"
+        )
+    if note:
+        parts.append(note)
+    return "\n\n".join(parts)

@@ -9,8 +9,9 @@ import itertools
 import pytest
 import torch
 
-from train.decoding import MedusaDecoder, SamplingParams, chain_choices, warp
-from train.decoding.heads import DEFAULT_CHOICES
+from train.decoding import Draft, MedusaDecoder, SamplingParams, chain_choices, warp
+from train.decoding.heads import DEFAULT_CHOICES, tree_from_accuracies
+from train.decoding.typical import TypicalAcceptance, typical_bound, verify_typical
 from train.models.heads import MedusaHeads
 
 from .decoding_helpers import build, hf_greedy, tiny_config
@@ -147,3 +148,128 @@ def test_sampling_test_catches_a_residual_drawn_from_p(small_verifier, monkeypat
     )
     stat, df = chi_square(run_many(decoder, prompt, n_new, params, runs, seed=0).counts, law, runs)
     assert stat > chi2_critical(df), (stat, df)
+
+
+# ----------------------------------------------------------------------------- trees from accuracies
+
+
+def _closed_trees(max_depth: int, max_rank: int, size: int):
+    """Every tree of ``size`` paths (ranks < max_rank, depth <= max_depth) that holds each path's parent."""
+    paths = [p for d in range(1, max_depth + 1) for p in itertools.product(range(max_rank), repeat=d)]
+    for combo in itertools.combinations(paths, size):
+        chosen = set(combo)
+        if all(len(p) == 1 or p[:-1] in chosen for p in chosen):
+            yield chosen
+
+
+def _expected_length(tree, acc) -> float:
+    total = 0.0
+    for path in tree:
+        chance = 1.0
+        for depth, rank in enumerate(path):
+            chance *= acc[depth][rank]
+        total += chance
+    return total
+
+
+@pytest.mark.parametrize("size", [1, 3, 5, 7])
+def test_tree_from_accuracies_is_the_best_tree_of_its_size(size):
+    acc = [[0.6, 0.2, 0.1], [0.4, 0.15, 0.05], [0.3, 0.1, 0.02]]
+    tree = tree_from_accuracies(acc, size)
+    assert len(tree) == size and all(len(p) == 1 or p[:-1] in tree for p in tree)
+    best = max(_expected_length(t, acc) for t in _closed_trees(3, 3, size))
+    assert _expected_length(tree, acc) == pytest.approx(best)
+
+
+def test_tree_from_accuracies_by_hand():
+    # head 0 is sure of its top-1, head 1 is split between ranks 0 and 1
+    assert tree_from_accuracies([[0.9, 0.05], [0.45, 0.4]], 3) == ((0,), (0, 0), (0, 1))
+    assert tree_from_accuracies([[0.9, 0.05]], 5) == ((0,), (1,))  # no more paths than heads x ranks
+    with pytest.raises(ValueError):
+        tree_from_accuracies([[0.5]], 0)
+
+
+def test_decoder_takes_the_tree_the_heads_carry_and_refuses_other_verifiers(tiny_pairs, tmp_path):
+    verifier, _ = tiny_pairs["llama"]
+    heads = random_heads(verifier).with_tree([[0], [1], [0, 0]])
+    heads.save_pretrained(tmp_path / "heads")
+    loaded = MedusaHeads.from_pretrained(tmp_path / "heads")
+    assert loaded.tree == [[0], [1], [0, 0]]
+    assert MedusaDecoder(verifier, loaded).tree == [(0,), (1,), (0, 0)]
+    assert MedusaDecoder(verifier, loaded, chain_choices(2)).tree == [(0,), (0, 0)]
+    other, _ = tiny_pairs["qwen3"]
+    if other.config.hidden_size == verifier.config.hidden_size:
+        other = build(tiny_config("llama", hidden=verifier.config.hidden_size * 2), 1)
+    with pytest.raises(ValueError, match="another verifier"):
+        MedusaDecoder(other, heads)
+    with pytest.raises(ValueError, match="5 deep"):
+        MedusaDecoder(verifier, heads, chain_choices(5))
+
+
+# ----------------------------------------------------------------------------- typical acceptance (lossy)
+
+
+def test_typical_bound_and_rule_by_hand():
+    flat = torch.full((4,), 0.25)
+    sure = torch.tensor([0.97, 0.01, 0.01, 0.01])
+    # flat: H = log 4, alpha * exp(-H) = 0.3 / 4 = 0.075 < 0.09; sure: 0.3 * exp(-H) > 0.09
+    assert typical_bound(flat, 0.09, 0.3) == pytest.approx(0.075)
+    assert typical_bound(sure, 0.09, 0.3) == pytest.approx(0.09)
+    # tree: node 0 (token 0) and node 1 (token 3) under the context, node 2 (token 2) under node 1
+    logits = torch.log(torch.stack([sure, flat, flat, sure]))  # rows: context, node 0, node 1, node 2
+    draft = Draft([0, 3, 2], [-1, -1, 1], None, [0, 1, 0])
+    rule = TypicalAcceptance(0.09, 0.3)
+    params = SamplingParams(1.0)
+    g = torch.Generator().manual_seed(0)
+    verdict = verify_typical(logits, draft, params, g, frozenset(), rule)
+    assert verdict.path == [0]  # token 3 has p 0.01 after the context: node 1 and its child are cut
+    assert verdict.next is not None
+    # the next token comes from p after node 0 (flat) restricted to tokens above 0.075: any of the 4
+    # after a sure row only the argmax is above 0.09
+    verdict = verify_typical(logits[[0, 3]], Draft([0], [-1], None, [0]), params, g, frozenset(), rule)
+    assert verdict.path == [0] and verdict.next == 0
+    # an accepted EOS ends the block without a next token
+    verdict = verify_typical(logits, draft, params, g, frozenset({0}), rule)
+    assert verdict.path == [0] and verdict.next is None
+
+
+def test_typical_acceptance_is_greedy_at_t0_and_marked_lossy(tiny_pairs):
+    verifier, _ = tiny_pairs["llama"]
+    decoder = MedusaDecoder(verifier, random_heads(verifier), acceptance="typical")
+    assert not decoder.lossless and MedusaDecoder(verifier, random_heads(verifier)).lossless
+    ids = torch.tensor([[0, 5, 9, 3, 7]])
+    assert decoder.generate(ids, 20).tokens.tolist() == hf_greedy(verifier, ids, 20)
+    with pytest.raises(ValueError, match="acceptance"):
+        MedusaDecoder(verifier, random_heads(verifier), acceptance="greedy")
+
+
+def test_typical_acceptance_changes_the_output_law(small_verifier):
+    """The rule is lossy: its output law differs from the verifier's, and the same chi-square test that
+    passes the lossless rule sees it."""
+    params = SamplingParams(1.0)
+    prompt, n_new, runs = [1, 2], 3, 3000
+    law = exact_law(small_verifier, prompt, n_new, params)
+    decoder = MedusaDecoder(
+        small_verifier,
+        random_heads(small_verifier, seed=3),
+        [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]],
+        acceptance="typical",
+        posterior_threshold=0.3,
+        posterior_alpha=0.9,
+    )
+    stat, df = chi_square(run_many(decoder, prompt, n_new, params, runs, seed=0).counts, law, runs)
+    assert stat > chi2_critical(df), (stat, df)
+
+
+def test_tree_nodes_builds_a_tree_from_the_heads_measured_accuracies(tiny_pairs):
+    verifier, _ = tiny_pairs["llama"]
+    accuracy = [[0.5, 0.2, 0.1], [0.4, 0.1, 0.05], [0.3, 0.1, 0.0], [0.2, 0.1, 0.0]]
+    heads = random_heads(verifier).with_tree(None, accuracy)
+    for n in (1, 4, 9):
+        assert MedusaDecoder(verifier, heads, tree_nodes=n).tree == list(tree_from_accuracies(accuracy, n))
+    ids = torch.tensor([[0, 5, 9, 3, 7]])
+    assert MedusaDecoder(verifier, heads, tree_nodes=9).generate(ids, 12).tokens.tolist() == hf_greedy(
+        verifier, ids, 12
+    )
+    with pytest.raises(ValueError, match="rank accuracies"):
+        MedusaDecoder(verifier, random_heads(verifier), tree_nodes=4)

@@ -208,3 +208,41 @@ def test_export_script_subprocess_dry_run(exported, tmp_path):
     proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Would upload" in proc.stdout and "model.safetensors" in proc.stdout
+
+
+@pytest.fixture(scope="module")
+def heads_dir(tiny_pair_dir, tmp_path_factory) -> Path:
+    from train.models.heads import MedusaHeads
+
+    verifier = AutoModelForCausalLM.from_pretrained(tiny_pair_dir / "verifier")
+    folder = tmp_path_factory.mktemp("medusa_run") / "heads"
+    MedusaHeads.from_verifier(verifier, 2, 1).with_tree([[0], [1], [0, 0]]).save_pretrained(folder)
+    return folder
+
+
+def test_drafter_and_heads_in_one_table(tiny_pair_dir, data_file, heads_dir, tmp_path):
+    """heads=PATH with eval.decoders=[sd,medusa]: sd runs the drafter, medusa the heads, one table."""
+    results = _run_eval_main(
+        tiny_pair_dir,
+        data_file,
+        tmp_path,
+        [f"heads={heads_dir}", "eval.decoders=[sd,medusa]", "eval.temperatures=[0.0]", "eval.plots=false"],
+    )
+    name = "heads"  # the folder's name (a run's <run>/drafter is the only special case)
+    assert [(r["drafter"], r["decoder"]) for r in results["runs"]] == [("drafter", "sd"), (name, "medusa")]
+    assert all(r["greedy_match"] for r in results["runs"])
+    assert results["timing"]["order"] == ["ar", "drafter/sd", f"{name}/medusa"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["decoding=medusa"], "pass heads=PATH"),
+        (["heads=HEADS"], "no decoder in eval.decoders takes heads"),
+        (["decoding=medusa", "heads=/no/such/heads"], "heads: no model folder"),
+    ],
+)
+def test_heads_mistakes_fail_at_start_up(extra, message, tiny_pair_dir, data_file, heads_dir, tmp_path):
+    extra = [e.replace("HEADS", str(heads_dir)) for e in extra]
+    with pytest.raises(ConfigError, match=message):
+        _run_eval_main(tiny_pair_dir, data_file, tmp_path, extra)

@@ -12,8 +12,11 @@ proposals, which samples from p without replacement over the candidates: lossles
 
 from __future__ import annotations
 
+import heapq
+import inspect
 import time
 from collections.abc import Iterable, Sequence
+from typing import ClassVar
 
 import torch
 
@@ -23,8 +26,19 @@ from .loop import run_synchronous
 from .metrics import DecodeResult, DecodeStats
 from .model_call import TimedModel
 from .sampling import SamplingParams
+from .typical import TypicalAcceptance
 
-__all__ = ["DEFAULT_CHOICES", "HeadsProposer", "MedusaDecoder", "chain_choices"]
+__all__ = [
+    "ACCEPTANCES",
+    "DEFAULT_CHOICES",
+    "HeadsProposer",
+    "MedusaDecoder",
+    "chain_choices",
+    "tree_from_accuracies",
+]
+
+#: ``rejection``: lossless (the recursive rule with point-mass candidates); ``typical``: Medusa's lossy rule.
+ACCEPTANCES: tuple[str, ...] = ("rejection", "typical")
 
 #: A small sparse tree (12 nodes, depth 4): the top-3 of head 0, the top-2 of head 1 under its best
 #: two, and a top-1 spine; sized for a 4-head model on a CPU verifier (a tree built from measured per-head
@@ -40,6 +54,34 @@ DEFAULT_CHOICES: tuple[tuple[int, ...], ...] = (
 def chain_choices(depth: int) -> tuple[tuple[int, ...], ...]:
     """The blockwise top-1 chain (Stern et al.): ``[[0], [0, 0], ...]``."""
     return tuple((0,) * d for d in range(1, depth + 1))
+
+
+def tree_from_accuracies(
+    accuracies: Sequence[Sequence[float]], num_nodes: int
+) -> tuple[tuple[int, ...], ...]:
+    """The sparse tree of ``num_nodes`` paths with the largest expected accepted length (the Medusa
+    paper's construction). ``accuracies[k][r]``: how often head k's rank-r candidate is the verifier's
+    token (measured on validation data). Taking heads as independent, a path's chance of being accepted
+    is the product of its ranks' accuracies, and the expected accepted length of a tree is the sum over
+    its paths; a path's chance never exceeds its parent's, so adding the best remaining child greedily
+    gives the best tree of each size. Returns the paths, parents first."""
+    if num_nodes < 1:
+        raise ValueError(f"num_nodes must be >= 1, got {num_nodes}")
+    acc = [[float(a) for a in row] for row in accuracies]
+    if not acc or any(not row for row in acc):
+        raise ValueError("accuracies needs one non-empty row of per-rank accuracies per head")
+    chosen: list[tuple[int, ...]] = []
+    frontier: list[tuple[float, tuple[int, ...]]] = [(-acc[0][0], (0,))]
+    while frontier and len(chosen) < num_nodes:
+        neg, path = heapq.heappop(frontier)
+        chosen.append(path)
+        depth, rank = len(path) - 1, path[-1]
+        if rank + 1 < len(acc[depth]):  # the next sibling
+            parent_chance = -neg / acc[depth][rank] if acc[depth][rank] > 0 else 0.0
+            heapq.heappush(frontier, (-parent_chance * acc[depth][rank + 1], (*path[:-1], rank + 1)))
+        if depth + 1 < len(acc):  # the first child
+            heapq.heappush(frontier, (neg * acc[depth + 1][0], (*path, 0)))
+    return tuple(sorted(chosen, key=lambda p: (len(p), p)))
 
 
 class HeadsProposer:
@@ -61,6 +103,8 @@ class HeadsProposer:
         self.depth = max(len(p) for p in self.paths)
         self.top = max(max(p) for p in self.paths) + 1
         self.vocab_size = vocab_size
+        # heads that can stop early (MedusaHeads) compute only the tree's depth, not every head
+        self._takes_num_heads = "num_heads" in inspect.signature(heads.forward).parameters
         self._hidden: torch.Tensor | None = None
 
     def start(self) -> None:
@@ -85,7 +129,10 @@ class HeadsProposer:
             return Draft()
         param = next(self.heads.parameters())
         start = time.perf_counter()
-        logits = self.heads(self._hidden.to(param.device, param.dtype))[: self.depth, : self.vocab_size]
+        hidden = self._hidden.to(param.device, param.dtype)
+        logits = (self.heads(hidden, num_heads=self.depth) if self._takes_num_heads else self.heads(hidden))[
+            : self.depth, : self.vocab_size
+        ]
         if param.device.type == "cuda":
             torch.cuda.synchronize(param.device)
         stats.drafter_calls += 1  # the heads are the drafter: their forward is its time
@@ -111,21 +158,59 @@ class HeadsProposer:
 class MedusaDecoder:
     """Speculative decoding with prediction heads: ``heads(hidden) -> (K, V)`` on the verifier's last
     hidden state (e.g. :class:`train.models.heads.MedusaHeads`), a sparse tree of their top candidates
-    (``tree``: paths of ranks; None: :data:`DEFAULT_CHOICES`; :func:`chain_choices` for blockwise
-    decoding), verified in one verifier forward per step. Same ``generate`` as the other decoders.
+    verified in one verifier forward per step. Same ``generate`` as the other decoders.
+
+    tree: paths of ranks (Medusa's "choices"); None: the tree the heads carry (``heads.tree``, built from
+    their measured accuracies by :func:`tree_from_accuracies` when they were trained), else
+    :data:`DEFAULT_CHOICES`; :func:`chain_choices` gives blockwise decoding. tree_nodes: instead of a
+    tree, build one of that many nodes from the heads' measured ``rank_accuracy`` (a size sweep).
+    acceptance: ``rejection`` (lossless) or ``typical`` (Medusa's lossy rule at T > 0, with
+    ``posterior_threshold`` and ``posterior_alpha``; :attr:`lossless` is then False).
     """
 
+    drafter_kind: ClassVar[str] = "heads"
+
     def __init__(
-        self, verifier: torch.nn.Module, heads: torch.nn.Module, tree: Sequence[Sequence[int]] | None = None
+        self,
+        verifier: torch.nn.Module,
+        heads: torch.nn.Module,
+        tree: Sequence[Sequence[int]] | None = None,
+        tree_nodes: int | None = None,
+        acceptance: str = "rejection",
+        posterior_threshold: float = 0.09,
+        posterior_alpha: float = 0.3,
     ) -> None:
+        if acceptance not in ACCEPTANCES:
+            raise ValueError(f"acceptance must be one of {list(ACCEPTANCES)}, got {acceptance!r}")
         self.verifier = verifier
         self.heads = heads
         self._verifier = TimedModel(verifier)
-        self._proposer = HeadsProposer(
-            heads, DEFAULT_CHOICES if tree is None else tree, self._verifier.vocab_size
-        )
+        check_heads(verifier, heads, self._verifier.vocab_size)
+        if tree_nodes is not None:
+            accuracy = getattr(heads, "rank_accuracy", None)
+            if tree is not None or not accuracy:
+                raise ValueError(
+                    "tree_nodes builds the tree from the heads' measured rank accuracies: give it without "
+                    "a tree, for heads trained by draftsmith (their config holds rank_accuracy)"
+                )
+            tree = tree_from_accuracies(accuracy, tree_nodes)
+        if tree is None:
+            tree = getattr(heads, "tree", None) or DEFAULT_CHOICES
+        self._proposer = HeadsProposer(heads, tree, self._verifier.vocab_size)
+        num_heads = getattr(heads, "num_heads", None)
+        if num_heads is not None and self._proposer.depth > num_heads:
+            raise ValueError(f"the tree is {self._proposer.depth} deep but the heads number {num_heads}")
         self.tree = self._proposer.paths
         self.depth = self._proposer.depth
+        self.acceptance = acceptance
+        self._typical = (
+            TypicalAcceptance(posterior_threshold, posterior_alpha) if acceptance == "typical" else None
+        )
+
+    @property
+    def lossless(self) -> bool:
+        """Whether the output follows the verifier's distribution exactly (always so at T = 0)."""
+        return self._typical is None
 
     @torch.inference_mode()
     def generate(
@@ -147,4 +232,23 @@ class MedusaDecoder:
             params,
             eos_set(eos_token_id),
             generator,
+            typical=self._typical,
+        )
+
+
+def check_heads(verifier: torch.nn.Module, heads: torch.nn.Module, vocab_size: int) -> None:
+    """Refuse heads made for another verifier: their hidden size and vocabulary must match its own."""
+    config = getattr(verifier, "config", None)
+    hidden = getattr(config, "hidden_size", None)
+    heads_hidden = getattr(heads, "hidden_size", None)
+    if hidden is not None and heads_hidden is not None and int(hidden) != int(heads_hidden):
+        raise ValueError(
+            f"the heads read hidden states of size {heads_hidden}, but the verifier's are {hidden}: "
+            "they were trained on another verifier"
+        )
+    heads_vocab = getattr(heads, "vocab_size", None)
+    if heads_vocab is not None and int(heads_vocab) < vocab_size:
+        raise ValueError(
+            f"the heads predict {heads_vocab} tokens, but the verifier's vocabulary has {vocab_size}: "
+            "they were trained on another verifier"
         )

@@ -37,6 +37,7 @@ from .model_call import TimedModel
 from .proposers import Proposer
 from .sampling import SamplingParams, expected_acceptance_per_position, sample_with_uniform, uniforms, warp
 from .tree import tree_attention_mask, tree_position_ids, verify_tree
+from .typical import TypicalAcceptance, verify_typical
 from .verification import chain_rejection, greedy_chain
 
 __all__ = ["ChainVerdict", "run_synchronous", "verify_chain"]
@@ -100,8 +101,10 @@ def run_synchronous(
     generator: torch.Generator | None,
     lenience: str | None = None,
     eps: float = 1.0,
+    typical: TypicalAcceptance | None = None,
 ) -> DecodeResult:
-    """Decode up to ``max_new_tokens`` after ``prompt``; see the module docstring."""
+    """Decode up to ``max_new_tokens`` after ``prompt``; see the module docstring. ``typical``: Medusa's
+    lossy typical acceptance for every draft at T > 0 (:mod:`train.decoding.typical`)."""
     t_start = time.perf_counter()
     stats = DecodeStats(gamma=gamma if proposer is not None else 0)
     seq = list(prompt)
@@ -146,7 +149,11 @@ def run_synchronous(
         stats.verifier_calls += 1
         stats.verifier_time += out.seconds
         stats.verifier_tokens += k + 1
-        if tree:  # (k + 1, V): after the context, after each node
+        if k and typical is not None and not params.greedy:
+            tv = verify_typical(out.logits, draft, params, generator, eos, typical)
+            path, next_token, tested, expected = tv.path, tv.next, tv.tested, tv.expected
+            drafted = max(draft.depths())
+        elif tree:  # (k + 1, V): after the context, after each node
             tv = verify_tree(out.logits, draft, params, generator, eos)
             path, next_token, tested, expected = tv.path, tv.next, tv.tested, tv.expected
             drafted = max(depths)

@@ -58,6 +58,11 @@ class SpeculativeDecoder:
         self._proposer = ModelProposer(TimedModel(drafter), self._verifier.vocab_size)
         self.vocab_size = self._verifier.vocab_size
 
+    @property
+    def lossless(self) -> bool:
+        """False with a lenient (lossy) acceptance test at T > 0; T = 0 is greedy either way."""
+        return self.lenience is None
+
     @torch.inference_mode()
     def generate(
         self,

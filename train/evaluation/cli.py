@@ -1,6 +1,8 @@
 """The body of ``scripts/evaluate.py`` (conf/eval.yaml): validate, load the pair, evaluate, write the run.
 
-Top-level shortcuts of conf/eval.yaml: ``drafter=PATH`` replaces ``model.drafter``; ``decoding=<name>``
+Top-level shortcuts of conf/eval.yaml: ``drafter=PATH`` replaces ``model.drafter``; ``heads=PATH``
+(a folder or Hub id of :class:`~train.models.heads.MedusaHeads`) adds prediction heads, which the
+decoders that take heads (``decoding=medusa``) run while the others run the drafter; ``decoding=<name>``
 picks the decoder config that ``eval.decoders`` holds by default (labelled by that name);
 ``gamma=N`` sets that config's draft length; ``gammas=[...]`` is ``eval.gammas``.
 """
@@ -17,7 +19,8 @@ from train.config import ConfigError, check_model_source, instantiate_group, req
 from train.evaluation.config import EvalConfig, build_eval_config
 from train.evaluation.prompts import build_prompts
 from train.evaluation.results import results_table
-from train.evaluation.runner import evaluate_drafters
+from train.evaluation.runner import decoder_kinds, evaluate_drafters
+from train.models.heads import MedusaHeads
 from train.models.loading import eos_token_ids, load_pair
 from train.models.tiny import ensure_tiny_pair
 from train.tables import format_value
@@ -96,9 +99,29 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     OmegaConf.save(cfg, os.path.join(run_dir, "config.yaml"))
     if model_cfg.tiny is not None:
         ensure_tiny_pair(model_cfg.tiny)
+    kinds = set(decoder_kinds(eval_cfg).values())
+    heads_source = cfg.get("heads")
+    if "heads" in kinds and heads_source is None:
+        raise ConfigError(
+            "heads: the decoders include one that takes prediction heads (medusa); pass heads=PATH"
+        )
+    if heads_source is not None and "heads" not in kinds:
+        raise ConfigError(
+            "heads: given, but no decoder in eval.decoders takes heads; add decoding=medusa "
+            "(or eval.decoders=[sd,medusa])"
+        )
+    if heads_source is not None:
+        check_model_source("heads", str(heads_source))
     pair = load_pair(model_cfg, freeze_drafter=True)
     drafter_source = cfg.get("drafter")
     name = _drafter_label(str(drafter_source)) if drafter_source is not None else "drafter"
+    drafters: dict[str, Any] = {}
+    if "model" in kinds:
+        drafters[name] = pair.drafter
+    if heads_source is not None:
+        heads = MedusaHeads.from_pretrained(str(heads_source)).eval()
+        heads.to(next(pair.verifier.parameters()).device)
+        drafters[_drafter_label(str(heads_source))] = heads
     prompts = build_prompts(
         pair.tokenizer, data_cfg, eval_cfg.num_prompts, eval_cfg.prompt_len, seed=int(cfg.get("seed", 0))
     )
@@ -108,7 +131,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         loggers = build_loggers(logger_cfg, run_dir, str(cfg.get("name", "eval")), config=config)
     results = evaluate_drafters(
         pair.verifier,
-        {name: pair.drafter},
+        drafters,
         prompts,
         eval_cfg,
         eos_token_id=eos_token_ids(pair.tokenizer, pair.verifier, pair.drafter),

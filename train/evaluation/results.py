@@ -89,8 +89,11 @@ def run_entry(
     per_prompt: list[dict[str, Any]],
     greedy_ties: list[dict[str, Any]],
     greedy_mismatches: list[dict[str, Any]],
+    lossless: bool = True,
 ) -> dict[str, Any]:
-    """One ``results["runs"]`` entry from its per-seed summaries and per-(prompt, seed) figures."""
+    """One ``results["runs"]`` entry from its per-seed summaries and per-(prompt, seed) figures.
+    ``lossless``: False when the decoder's output does not follow the verifier's distribution at this
+    temperature (a lossy acceptance rule); tables then mark the decoder ``(lossy)``."""
     settings = {k: v for k, v in decoder_config.items() if k != "_target_"}
     gamma = settings.get("gamma")
     return {
@@ -99,6 +102,7 @@ def run_entry(
         "decoder_config": dict(decoder_config),
         "gamma": gamma if isinstance(gamma, int) else None,
         "temperature": temperature,
+        "lossless": lossless,
         "n_prompts": n_prompts,
         "seeds": [s["seed"] for s in per_seed],
         "metrics": aggregate(
@@ -216,6 +220,10 @@ def _greedy_cell(run: Mapping[str, Any]) -> str:
     return f"yes ({ties} tie{'' if ties == 1 else 's'})" if ties else "yes"
 
 
+def _decoder_cell(run: Mapping[str, Any]) -> str:
+    return str(run["decoder"]) if run.get("lossless", True) else f"{run['decoder']} (lossy)"
+
+
 def _gamma_cell(run: Mapping[str, Any]) -> str:
     return "-" if run.get("gamma") is None else str(run["gamma"])
 
@@ -280,7 +288,7 @@ def results_table(results: Mapping[str, Any]) -> str:
     rows = [
         [
             r["drafter"],
-            r["decoder"],
+            _decoder_cell(r),
             _gamma_cell(r),
             temperature_key(r["temperature"]),
             *(format_metric(r["metrics"].get(k), d) for k, d in _COLUMNS),
@@ -312,7 +320,7 @@ def results_table(results: Mapping[str, Any]) -> str:
     spread_rows = [
         [
             r["drafter"],
-            r["decoder"],
+            _decoder_cell(r),
             temperature_key(r["temperature"]),
             *(format_metric((r.get("prompt_spread") or {}).get(k), d) for k, d in _SPREAD_COLUMNS),
         ]

@@ -56,7 +56,7 @@ from train.tables import format_value
 
 log = logging.getLogger(__name__)
 
-__all__ = ["build_decoders", "evaluate_drafters", "write_outputs"]
+__all__ = ["build_decoders", "decoder_kinds", "drafter_kind", "evaluate_drafters", "write_outputs"]
 
 
 @dataclass
@@ -72,12 +72,33 @@ class _Entry:
         return "ar" if self.drafter is None else f"{self.drafter}/{self.label}"
 
 
-def build_decoders(verifier: torch.nn.Module, drafter: torch.nn.Module, cfg: EvalConfig) -> dict[str, Any]:
-    """{label: decoder} for one drafter: each decoder config's partial called ``factory(verifier, drafter)``."""
+def drafter_kind(obj: Any) -> str:
+    """What kind of drafter a drafter or a decoder class is or takes: ``model`` (a second language model,
+    the default) or ``heads`` (prediction heads on the verifier), from its ``drafter_kind`` attribute."""
+    return str(getattr(obj, "drafter_kind", "model"))
+
+
+def decoder_kinds(cfg: EvalConfig) -> dict[str, str]:
+    """{label: the kind of drafter that decoder config takes} (:func:`drafter_kind`)."""
     out = {}
     for label, settings in cfg.decoder_configs.items():
         try:
             factory = instantiate({**settings, "_partial_": True})
+        except (TypeError, ValueError) as err:
+            raise ConfigError(f"eval.decoders[{label}]: {err}") from None
+        out[label] = drafter_kind(getattr(factory, "func", factory))
+    return out
+
+
+def build_decoders(verifier: torch.nn.Module, drafter: torch.nn.Module, cfg: EvalConfig) -> dict[str, Any]:
+    """{label: decoder} for one drafter: each decoder config that takes this kind of drafter
+    (:func:`drafter_kind`), its partial called ``factory(verifier, drafter)``."""
+    out = {}
+    for label, settings in cfg.decoder_configs.items():
+        try:
+            factory = instantiate({**settings, "_partial_": True})
+            if drafter_kind(getattr(factory, "func", factory)) != drafter_kind(drafter):
+                continue
             out[label] = factory(verifier, drafter)
         except (TypeError, ValueError) as err:
             raise ConfigError(f"eval.decoders[{label}]: {err}") from None
@@ -262,6 +283,12 @@ def _evaluate(
     entries = [_Entry(None, "ar", AutoregressiveDecoder(verifier))]
     for name, drafter in drafters.items():
         entries += [_Entry(name, label, dec) for label, dec in build_decoders(verifier, drafter, cfg).items()]
+    if len(entries) == 1:
+        kinds = sorted({drafter_kind(d) for d in drafters.values()})
+        raise ConfigError(
+            f"eval.decoders: none of {list(decoder_configs)} takes the drafters given ({kinds}); "
+            "`heads` (Medusa) need decoding=medusa, a drafter model needs sd or a tree decoder"
+        )
     if cfg.warmup:
         warm = prompts[0][:, : min(prompts[0].shape[1], 8)]
         for entry in entries:
@@ -322,6 +349,7 @@ def _evaluate(
             per_prompt[(e, t)],
             ties.get((e, t), []),
             mismatches.get((e, t), []),
+            lossless=t == 0.0 or bool(getattr(entries[e].decoder, "lossless", True)),
         )
         for (e, t), seeds in per_seed.items()
     ]

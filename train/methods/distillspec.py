@@ -167,6 +167,8 @@ class DistillSpecModule(L.LightningModule):
 
     teacher: torch.nn.Module
     reference_drafter: str | None = "before"
+    artifact_dir = "drafter"
+    card_base = "drafter"
 
     def __init__(
         self,
@@ -394,6 +396,13 @@ class DistillSpecModule(L.LightningModule):
         if self.pretrained is not None:
             drafters = {"before": self.pretrained(), **drafters}
         return drafters
+
+    def evaluation_verifier(self, verifier: torch.nn.Module) -> torch.nn.Module:
+        """The pair's verifier, unchanged by distillation."""
+        return verifier
+
+    def report_sections(self) -> list[str]:
+        return []
 
     def export(self, out_dir: str) -> Path:
         """The distilled drafter as a Hugging Face folder (safetensors + tokenizer)."""

@@ -16,12 +16,14 @@ arguments).
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 from huggingface_hub import PyTorchModelHubMixin
 from torch import nn
 
-__all__ = ["MedusaBlock", "MedusaHeads", "medusa_loss", "shifted_targets"]
+__all__ = ["MedusaBlock", "MedusaHeads", "medusa_loss", "shifted_targets", "shifted_teacher"]
 
 
 class MedusaBlock(nn.Module):
@@ -47,9 +49,26 @@ class MedusaHeads(
     library_name="draftsmith",
     tags=["speculative-decoding", "medusa", "draftsmith"],
 ):
-    """K prediction heads: ``forward(hidden) -> (K, *hidden.shape[:-1], vocab_size)`` logits."""
+    """K prediction heads: ``forward(hidden) -> (K, *hidden.shape[:-1], vocab_size)`` logits.
 
-    def __init__(self, hidden_size: int, vocab_size: int, num_heads: int = 4, num_layers: int = 1) -> None:
+    ``tree``: the sparse tree (paths of ranks, Medusa's "choices") these heads were measured to suit,
+    saved in ``config.json``; :class:`train.decoding.MedusaDecoder` uses it when given no tree.
+    ``rank_accuracy[k][r]``: how often head k's rank-r guess was the verifier's token on validation data
+    (saved too), from which ``MedusaDecoder(tree_nodes=N)`` builds a tree of another size.
+    """
+
+    drafter_kind: ClassVar[str] = "heads"
+    """What decoders take this drafter (:class:`train.decoding.MedusaDecoder`), not a second model."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        vocab_size: int,
+        num_heads: int = 4,
+        num_layers: int = 1,
+        tree: list[list[int]] | None = None,
+        rank_accuracy: list[list[float]] | None = None,
+    ) -> None:
         super().__init__()
         for name, value in (
             ("hidden_size", hidden_size),
@@ -62,15 +81,37 @@ class MedusaHeads(
             raise ValueError(f"num_layers must be an integer >= 0, got {num_layers!r}")
         self.hidden_size, self.vocab_size = hidden_size, vocab_size
         self.num_heads, self.num_layers = num_heads, num_layers
+        self.tree = None if tree is None else [[int(r) for r in path] for path in tree]
+        if self.tree is not None and any(not p or len(p) > num_heads for p in self.tree):
+            raise ValueError(f"tree paths must have 1..num_heads ({num_heads}) ranks, got {tree!r}")
+        self.rank_accuracy = None if rank_accuracy is None else [[float(a) for a in r] for r in rank_accuracy]
         self.blocks = nn.ModuleList(MedusaBlock(hidden_size, num_layers) for _ in range(num_heads))
         self.lm_heads = nn.ModuleList(
             nn.Linear(hidden_size, vocab_size, bias=False) for _ in range(num_heads)
         )
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.stack(
-            [head(block(hidden)) for block, head in zip(self.blocks, self.lm_heads, strict=True)]
+    def forward(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+        """Logits of the first ``num_heads`` heads (all by default): a depth-d tree needs only d."""
+        pairs = list(zip(self.blocks, self.lm_heads, strict=True))[:num_heads]
+        return torch.stack([head(block(hidden)) for block, head in pairs])
+
+    def with_tree(
+        self, tree: list[list[int]] | None, rank_accuracy: list[list[float]] | None = None
+    ) -> MedusaHeads:
+        """A copy of these heads (same weights, device and dtype) that records ``tree`` and the measured
+        ``rank_accuracy`` in its config."""
+        out = type(self)(
+            self.hidden_size,
+            self.vocab_size,
+            self.num_heads,
+            self.num_layers,
+            tree=tree,
+            rank_accuracy=rank_accuracy if rank_accuracy is not None else self.rank_accuracy,
         )
+        weight = next(self.parameters())
+        out.to(device=weight.device, dtype=weight.dtype)
+        out.load_state_dict(self.state_dict())
+        return out
 
     @classmethod
     def from_verifier(cls, verifier: nn.Module, num_heads: int = 4, num_layers: int = 1) -> MedusaHeads:
@@ -105,17 +146,28 @@ def shifted_targets(input_ids: torch.Tensor, head: int) -> tuple[torch.Tensor, t
     return targets, valid
 
 
+def shifted_teacher(teacher_logits: torch.Tensor, head: int) -> torch.Tensor:
+    """The verifier's logits for head ``head``'s target at every position t: its row t + head + 1
+    (which predicts token t + head + 2). teacher_logits: (B, T, V); rows past the end wrap around and
+    are invalid exactly where :func:`shifted_targets` says so."""
+    return torch.roll(teacher_logits, -(head + 1), dims=-2)
+
+
 def medusa_loss(
     head_logits: torch.Tensor,
     input_ids: torch.Tensor,
     mask: torch.Tensor | None = None,
     decay: float = 0.8,
+    teacher_logits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Sum over heads of ``decay**k`` x the cross-entropy of head k against labels shifted by k + 2.
+    """Sum over heads of ``decay**k`` x head k's loss against the token k + 2 ahead.
 
+    Hard labels (``teacher_logits`` None): cross-entropy against ``input_ids`` shifted by k + 2.
+    Self-distillation (``teacher_logits`` (B, T, V), the verifier's logits on the same ids): forward
+    KL(p_verifier || q_head) against the verifier's distribution at the shifted position (soft targets).
     head_logits: (K, B, T, V) from :class:`MedusaHeads` on the verifier's last hidden states;
     input_ids: (B, T); mask: (B, T), 1 where a token is real (a target must be real too).
-    Returns (the weighted loss, each head's mean cross-entropy)."""
+    Returns (the weighted loss, each head's mean loss)."""
     real = torch.ones_like(input_ids, dtype=torch.bool) if mask is None else mask.bool()
     total = head_logits.new_zeros((), dtype=torch.float32)
     per_head = []
@@ -126,7 +178,12 @@ def medusa_loss(
         if not bool(keep.any()):
             per_head.append(total.new_zeros(()))
             continue
-        ce = F.cross_entropy(head_logits[k][keep].float(), targets[keep])
-        per_head.append(ce.detach())
-        total = total + (decay**k) * ce
+        log_q = head_logits[k][keep].float().log_softmax(dim=-1)
+        if teacher_logits is None:
+            loss = F.nll_loss(log_q, targets[keep])
+        else:
+            log_p = shifted_teacher(teacher_logits, k)[keep].float().log_softmax(dim=-1)
+            loss = F.kl_div(log_q, log_p, log_target=True, reduction="batchmean")
+        per_head.append(loss.detach())
+        total = total + (decay**k) * loss
     return total, per_head
