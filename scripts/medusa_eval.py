@@ -1,11 +1,13 @@
-"""Evaluate trained Medusa heads with MedusaDecoder against autoregressive decoding (docs/medusa.md).
+"""Tree sizes for trained Medusa heads: MedusaDecoder with trees of N nodes built from the heads'
+measured per-rank accuracies, and the blockwise top-1 chain, against autoregressive decoding
+(docs/medusa.md). Reports tau and the paired wall-clock speedup of each size on this machine.
 
-    python scripts/medusa_eval.py                         # the newest checkpoints/medusa/*/heads
-    python scripts/medusa_eval.py --heads PATH --prompts 8 --tokens 64
+    python scripts/medusa_eval.py                          # the newest checkpoints/medusa/*/heads
+    python scripts/medusa_eval.py --heads PATH --sizes 4 8 16 32 --prompts 8 --tokens 64
 
-Runs the evaluator (``train.evaluation.evaluate_drafters``: same prompts, paired timing, metric
-contract) with the heads as the "drafter" and two trees: the default sparse tree and the blockwise
-top-1 chain of depth 4, at T = 0 and 1, seeds 0 and 1. Prints the results table.
+The evaluator does the measuring (``train.evaluation.evaluate_drafters``: same prompts, paired timing,
+greedy check at T = 0). A single evaluation of saved heads is ``python scripts/evaluate.py
+decoding=medusa heads=PATH``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,11 @@ from train.paths import project_root
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--heads", default=None, help="a heads/ folder (default: the newest medusa run's)")
-    parser.add_argument("--verifier", default=os.path.join(project_root(), "checkpoints", "tiny", "verifier"))
+    parser.add_argument(
+        "--verifier", default=None, help="default: the run's merged verifier/, else the tiny one"
+    )
+    parser.add_argument("--sizes", type=int, nargs="+", default=[4, 8, 16, 32])
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=64)
     args = parser.parse_args()
@@ -34,18 +40,26 @@ def main() -> None:
     )
     if heads_dir is None:
         raise SystemExit("error: no heads found; run `python train.py experiment=medusa` or pass --heads")
+    merged = os.path.join(os.path.dirname(os.path.abspath(heads_dir)), "verifier")
+    verifier_dir = args.verifier or (
+        merged if os.path.isdir(merged) else os.path.join(project_root(), "checkpoints", "tiny", "verifier")
+    )
     torch.set_num_threads(1)
-    tokenizer = load_tokenizer(args.verifier)
-    verifier = load_model(args.verifier).eval()
+    tokenizer = load_tokenizer(verifier_dir)
+    verifier = load_model(verifier_dir).eval()
     heads = MedusaHeads.from_pretrained(heads_dir).eval()
     prompts = build_prompts(tokenizer, num_prompts=args.prompts, prompt_len=64)
-    medusa = {"_target_": "train.decoding.MedusaDecoder", "_partial_": True}
-    decoders = [
-        {"name": "medusa default tree", **medusa},
-        {"name": "blockwise chain 4", **medusa, "tree": [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]},
-    ]
+    medusa = {"_target_": "train.decoding.MedusaDecoder"}
+    decoders = [{"name": f"tree {n}", **medusa, "tree_nodes": n} for n in args.sizes]
+    decoders.append(
+        {
+            "name": f"chain {heads.num_heads}",
+            **medusa,
+            "tree": [[0] * d for d in range(1, heads.num_heads + 1)],
+        }
+    )
     cfg = EvalConfig(
-        temperatures=[0.0, 1.0],
+        temperatures=list(args.temperatures),
         seeds=[0, 1],
         decoders=decoders,
         max_new_tokens=args.tokens,
@@ -53,9 +67,9 @@ def main() -> None:
         plots=False,
     )
     results = evaluate_drafters(
-        verifier, {"medusa-1": heads}, prompts, cfg, eos_token_id=eos_token_ids(tokenizer, verifier)
+        verifier, {"heads": heads}, prompts, cfg, eos_token_id=eos_token_ids(tokenizer, verifier)
     )
-    print(f"heads: {heads_dir}")
+    print(f"heads: {heads_dir}\nverifier: {verifier_dir}")
     print(results_table(results))
 
 

@@ -205,6 +205,7 @@ class MedusaModule(L.LightningModule):
         if cfg.joint:
             verifier.requires_grad_(False)
             self.verifier = apply_lora(verifier, cfg.lora_settings)  # a child: DDP sees the adapters
+            self.verifier.train()  # the pair is loaded in eval mode; the adapters train
             self.strict_loading = False  # checkpoints hold the trainable tensors only
         else:
             object.__setattr__(self, "verifier", verifier)  # not a child: never checkpointed or optimised
