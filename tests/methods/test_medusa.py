@@ -282,3 +282,20 @@ def test_finish_exports_heads_with_their_tree_and_evaluates_medusa(tmp_path, mon
     text = (run / "report.md").read_text()
     assert "## Heads (last validation)" in text and "medusa_typical (lossy)" in text
     assert "base_model: org/verifier" in (run / "heads" / "README.md").read_text()
+
+
+def test_export_saves_ngram_models_of_the_training_split(tmp_path):
+    from train.models.ngram import NGramLM
+
+    verifier = tiny_llama(hidden=32, seed=0)
+    cfg = MedusaConfig(optimizer=ADAMW, num_heads=2, seq_len=24, batch_size=4, ngram_orders=[2, 3])
+    documents = [[5, 6, 7, 5, 6, 8], [6, 7, 5]]
+    module = MedusaModule(verifier, MedusaHeads.from_verifier(verifier, 2, 1), cfg, None, lambda: documents)
+    module.export(str(tmp_path / "heads"))
+    for order in (2, 3):
+        lm = NGramLM.load(tmp_path / "heads" / f"ngram_{order}")
+        want = NGramLM(order, lm.vocab_size).fit(documents)
+        assert lm.order == order and lm.vocab_size == verifier.config.vocab_size
+        assert lm.logprob([[5, 6]], [7]) == pytest.approx(want.logprob([[5, 6]], [7]))
+    with pytest.raises(ConfigError, match="method.ngram_orders"):
+        MedusaConfig(optimizer=ADAMW, ngram_orders=[5])

@@ -217,6 +217,11 @@ def heads_dir(tiny_pair_dir, tmp_path_factory) -> Path:
     verifier = AutoModelForCausalLM.from_pretrained(tiny_pair_dir / "verifier")
     folder = tmp_path_factory.mktemp("medusa_run") / "heads"
     MedusaHeads.from_verifier(verifier, 2, 1).with_tree([[0], [1], [0, 0]]).save_pretrained(folder)
+    from train.models.ngram import NGramLM
+
+    documents = [make_tokenizer()(TEXT * 3, add_special_tokens=False)["input_ids"]]
+    for order in (2, 4):
+        NGramLM(order, verifier.config.vocab_size).fit(documents).save(folder / f"ngram_{order}")
     return folder
 
 
@@ -246,3 +251,22 @@ def test_heads_mistakes_fail_at_start_up(extra, message, tiny_pair_dir, data_fil
     extra = [e.replace("HEADS", str(heads_dir)) for e in extra]
     with pytest.raises(ConfigError, match=message):
         _run_eval_main(tiny_pair_dir, data_file, tmp_path, extra)
+
+
+def test_bpd_decoders_read_the_models_saved_with_the_heads(tiny_pair_dir, data_file, heads_dir, tmp_path):
+    """decoding=bpd* with heads=PATH: the n-gram folders are found through ${heads}, the neural rescorer
+    loads the pair's drafter through ${model.drafter}; every refined decoder keeps greedy output."""
+    decoders = ["bpd_0gram", "bpd_2gram", "bpd", "bpd_neural"]
+    results = _run_eval_main(
+        tiny_pair_dir,
+        data_file,
+        tmp_path,
+        [
+            f"heads={heads_dir}",
+            f"eval.decoders=[{','.join(decoders)}]",
+            "eval.temperatures=[0.0]",
+            "eval.plots=false",
+        ],
+    )
+    assert [r["decoder"] for r in results["runs"]] == decoders
+    assert all(r["greedy_match"] for r in results["runs"])

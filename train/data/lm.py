@@ -4,6 +4,7 @@
   (``datasets.map(batched=True)``), torch-formatted ``input_ids`` for LM pretraining.
 * :func:`make_prompts` - prompts (token ids, each starting with BOS) plus ``continuation_ids``
   (the ground-truth continuation) for distillation rollouts and evaluation.
+* :func:`document_token_ids` - each document's token ids, no special tokens (n-gram estimation).
 * :func:`collate_left_pad` - left-pads prompts into ``input_ids``/``attention_mask`` for batched
   generation (and right-pads continuations when present).
 """
@@ -18,7 +19,7 @@ import torch
 from datasets import Dataset, Features, Value
 from datasets import Sequence as HFSequence
 
-__all__ = ["collate_left_pad", "make_prompts", "pack_sequences"]
+__all__ = ["collate_left_pad", "document_token_ids", "make_prompts", "pack_sequences"]
 
 _PROMPT_FEATURES = Features(
     {
@@ -179,6 +180,17 @@ def _as_list(x: Any) -> list[int]:
     if isinstance(x, torch.Tensor):
         return [int(v) for v in x.reshape(-1).tolist()]
     return [int(v) for v in x]
+
+
+def document_token_ids(dataset: Dataset, tokenizer: Any, text_field: str = "text") -> list[list[int]]:
+    """Every document of ``dataset`` as token ids (no BOS/EOS), batched through ``datasets.map``."""
+    encoded = dataset.map(
+        lambda batch: {"ids": tokenizer(batch[text_field], add_special_tokens=False)["input_ids"]},
+        batched=True,
+        remove_columns=dataset.column_names,
+        desc="tokenize documents",
+    )
+    return [list(ids) for ids in encoded["ids"]]
 
 
 def collate_left_pad(batch: Sequence[Any], pad_id: int) -> dict[str, torch.Tensor]:

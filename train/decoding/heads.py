@@ -25,6 +25,7 @@ from .draft import Draft
 from .loop import run_synchronous
 from .metrics import DecodeResult, DecodeStats
 from .model_call import TimedModel
+from .refine import Refiner
 from .sampling import SamplingParams
 from .typical import TypicalAcceptance
 
@@ -35,6 +36,7 @@ __all__ = [
     "MedusaDecoder",
     "chain_choices",
     "tree_from_accuracies",
+    "trie_draft",
 ]
 
 #: ``rejection``: lossless (the recursive rule with point-mass candidates); ``typical``: Medusa's lossy rule.
@@ -84,12 +86,41 @@ def tree_from_accuracies(
     return tuple(sorted(chosen, key=lambda p: (len(p), p)))
 
 
+def trie_draft(paths: Sequence[Sequence[int]]) -> Draft:
+    """Token paths (best first) merged into one tree of deterministic candidates: shared prefixes become
+    one node; siblings are ranked by the first path that reaches them."""
+    index: dict[tuple[int, ...], int] = {}
+    tokens: list[int] = []
+    parents: list[int] = []
+    ranks: list[int] = []
+    children: dict[int, int] = {}
+    for path in paths:
+        for depth in range(1, len(path) + 1):
+            prefix = tuple(int(t) for t in path[:depth])
+            if prefix in index:
+                continue
+            parent = index[prefix[:-1]] if depth > 1 else -1
+            index[prefix] = len(tokens)
+            tokens.append(prefix[-1])
+            parents.append(parent)
+            ranks.append(children.get(parent, 0))
+            children[parent] = ranks[-1] + 1
+    return Draft(tokens, parents, None, ranks)
+
+
 class HeadsProposer:
     """Deterministic draft trees from prediction heads on the verifier's last hidden state."""
 
     hidden_layer = -1  # hidden_states[-1]: the final (normalised) state the lm_head reads
 
-    def __init__(self, heads: torch.nn.Module, choices: Sequence[Sequence[int]], vocab_size: int) -> None:
+    def __init__(
+        self,
+        heads: torch.nn.Module,
+        choices: Sequence[Sequence[int]],
+        vocab_size: int,
+        refiner: Refiner | None = None,
+        refine_depth: int | None = None,
+    ) -> None:
         paths = [tuple(int(r) for r in c) for c in choices]
         if not paths or any(not p or min(p) < 0 for p in paths):
             raise ValueError(f"choices must be non-empty paths of ranks >= 0, got {choices!r}")
@@ -103,6 +134,12 @@ class HeadsProposer:
         self.depth = max(len(p) for p in self.paths)
         self.top = max(max(p) for p in self.paths) + 1
         self.vocab_size = vocab_size
+        self.refiner = refiner
+        if refiner is not None:  # the lattice's depth replaces the tree's
+            if refine_depth is None or refine_depth < 1:
+                raise ValueError("refined drafting needs the lattice depth (the number of heads to read)")
+            self.depth = refine_depth
+            self.top = int(getattr(refiner, "k", self.top))
         # heads that can stop early (MedusaHeads) compute only the tree's depth, not every head
         self._takes_num_heads = "num_heads" in inspect.signature(heads.forward).parameters
         self._hidden: torch.Tensor | None = None
@@ -125,7 +162,7 @@ class HeadsProposer:
         if self._hidden is None:
             return Draft()
         paths = [p for p in self.paths if len(p) <= budget]
-        if not paths:
+        if not paths and self.refiner is None:
             return Draft()
         param = next(self.heads.parameters())
         start = time.perf_counter()
@@ -133,6 +170,13 @@ class HeadsProposer:
         logits = (self.heads(hidden, num_heads=self.depth) if self._takes_num_heads else self.heads(hidden))[
             : self.depth, : self.vocab_size
         ]
+        if self.refiner is not None:
+            top = logits.float().log_softmax(dim=-1).topk(min(self.top, logits.shape[-1]), dim=-1)
+            lattice_tokens, lattice_logprobs = top.indices.cpu().numpy(), top.values.cpu().numpy()
+            drafts = self.refiner.refine(sequence, lattice_tokens[:budget], lattice_logprobs[:budget])
+            stats.drafter_calls += 1  # the heads and the refiner's model are the drafter
+            stats.drafter_time += time.perf_counter() - start
+            return trie_draft(drafts)
         if param.device.type == "cuda":
             torch.cuda.synchronize(param.device)
         stats.drafter_calls += 1  # the heads are the drafter: their forward is its time
@@ -164,6 +208,8 @@ class MedusaDecoder:
     their measured accuracies by :func:`tree_from_accuracies` when they were trained), else
     :data:`DEFAULT_CHOICES`; :func:`chain_choices` gives blockwise decoding. tree_nodes: instead of a
     tree, build one of that many nodes from the heads' measured ``rank_accuracy`` (a size sweep).
+    refiner: draft from the lattice of the heads' top-k instead of a fixed tree (BPD,
+    :mod:`train.decoding.refine`): its drafts are merged into a trie and verified like a tree.
     acceptance: ``rejection`` (lossless) or ``typical`` (Medusa's lossy rule at T > 0, with
     ``posterior_threshold`` and ``posterior_alpha``; :attr:`lossless` is then False).
     """
@@ -179,6 +225,7 @@ class MedusaDecoder:
         acceptance: str = "rejection",
         posterior_threshold: float = 0.09,
         posterior_alpha: float = 0.3,
+        refiner: Refiner | None = None,
     ) -> None:
         if acceptance not in ACCEPTANCES:
             raise ValueError(f"acceptance must be one of {list(ACCEPTANCES)}, got {acceptance!r}")
@@ -196,8 +243,9 @@ class MedusaDecoder:
             tree = tree_from_accuracies(accuracy, tree_nodes)
         if tree is None:
             tree = getattr(heads, "tree", None) or DEFAULT_CHOICES
-        self._proposer = HeadsProposer(heads, tree, self._verifier.vocab_size)
         num_heads = getattr(heads, "num_heads", None)
+        refine_depth = getattr(refiner, "depth", None) or num_heads
+        self._proposer = HeadsProposer(heads, tree, self._verifier.vocab_size, refiner, refine_depth)
         if num_heads is not None and self._proposer.depth > num_heads:
             raise ValueError(f"the tree is {self._proposer.depth} deep but the heads number {num_heads}")
         self.tree = self._proposer.paths

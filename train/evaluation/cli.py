@@ -16,7 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from train.config import ConfigError, check_model_source, instantiate_group, require
-from train.evaluation.config import EvalConfig, build_eval_config
+from train.evaluation.config import DECODING_CONF_DIR, EvalConfig, build_eval_config, known_decoder_configs
 from train.evaluation.prompts import build_prompts
 from train.evaluation.results import results_table
 from train.evaluation.runner import decoder_kinds, evaluate_drafters
@@ -62,6 +62,13 @@ def apply_shortcuts(cfg: DictConfig) -> None:
     if drafter is not None:
         check_model_source("drafter", str(drafter))
         cfg.model.drafter = str(drafter)
+    if isinstance(entries, list):  # named configs are read here, so their interpolations (${heads},
+        known = known_decoder_configs()  # ${model.drafter}) resolve against this run's config
+        for i, entry in enumerate(entries):
+            if isinstance(entry, str) and entry in known:
+                node = OmegaConf.load(DECODING_CONF_DIR / f"{entry}.yaml")
+                node.name = entry
+                cfg.eval.decoders[i] = node
     label = _decoding_choice(cfg)
     if uses_decoding and label is not None:
         assert isinstance(entries, list)

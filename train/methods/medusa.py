@@ -25,7 +25,8 @@ sparse tree of ``tree_nodes`` paths with the largest expected accepted length fr
 (:func:`train.decoding.heads.tree_from_accuracies`) and saves it with the heads, so
 :class:`train.decoding.MedusaDecoder` uses it by default.
 
-The finish step (:func:`train.report.finish`) exports ``heads/`` (with the tree), vLLM's layout
+The finish step (:func:`train.report.finish`) exports ``heads/`` (with the tree and, with
+``ngram_orders``, n-gram models of the training split for BPD), vLLM's layout
 ``heads_vllm/`` and, for Medusa-2, the merged ``verifier/``; then evaluates ``MedusaDecoder`` under the
 run's ``eval`` config (against the merged verifier for Medusa-2) and writes ``report.json`` / ``.md``.
 """
@@ -33,6 +34,7 @@ run's ``eval`` config (against the merged verifier for Medusa-2) and writes ``re
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,11 +45,14 @@ import torch.nn.functional as F
 
 from train.config import require
 from train.data.datamodule import packed_corpus
+from train.data.lm import document_token_ids
+from train.data.sources import load_text_dataset
 from train.decoding.heads import tree_from_accuracies
 from train.export import export_drafter
 from train.export_heads import export_vllm_medusa
 from train.models.heads import MedusaHeads, medusa_loss, shifted_targets
 from train.models.lora import LoraSettings, apply_lora, merge_lora
+from train.models.ngram import NGramLM
 from train.optim import check_optimizer, configure_optimizers, partial_kwarg
 from train.report import heads_section
 
@@ -88,6 +93,9 @@ class MedusaConfig:
     self_distill_temperature: float = 0.3
     prompt_len: int = 16
     """Self-distillation: the corpus tokens each regenerated block starts from."""
+    ngram_orders: list[int] = field(default_factory=list)
+    """n-gram models over token ids (orders 2..4) estimated from the training split and saved with the
+    heads (``heads/ngram_<n>/``), for BPD's rescoring (train.decoding.refine, docs/bpd.md)."""
     lora_settings: LoraSettings = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -129,6 +137,12 @@ class MedusaConfig:
             f"in [1, seq_len - num_heads - 1) = [1, {self.seq_len - self.num_heads - 1})",
             self.prompt_len,
         )
+        require(
+            all(isinstance(n, int) and 1 <= n <= 4 for n in self.ngram_orders),
+            "method.ngram_orders",
+            "a list of n-gram orders in 1..4",
+            self.ngram_orders,
+        )
         self.lora_settings = LoraSettings.coerce(self.lora)
         require(
             not self.joint or self.lora_settings.enabled,
@@ -150,7 +164,12 @@ class MedusaConfig:
             )
         else:
             heads = MedusaHeads.from_verifier(pair.verifier, self.num_heads, self.num_layers)
-        return MedusaModule(pair.verifier, heads, self, pair.tokenizer), data
+
+        def training_documents() -> list[list[int]]:
+            return document_token_ids(load_text_dataset(spec.data, pair.tokenizer)["train"], pair.tokenizer)
+
+        module = MedusaModule(pair.verifier, heads, self, pair.tokenizer, training_documents)
+        return module, data
 
 
 def head_metrics(
@@ -196,11 +215,17 @@ class MedusaModule(L.LightningModule):
     card_base = "verifier"
 
     def __init__(
-        self, verifier: torch.nn.Module, heads: MedusaHeads, cfg: MedusaConfig, tokenizer: Any = None
+        self,
+        verifier: torch.nn.Module,
+        heads: MedusaHeads,
+        cfg: MedusaConfig,
+        tokenizer: Any = None,
+        training_documents: Callable[[], list[list[int]]] | None = None,
     ) -> None:
         super().__init__()
         self.cfg = cfg
         self.tokenizer = tokenizer
+        self.training_documents = training_documents
         self.heads = heads
         if cfg.joint:
             verifier.requires_grad_(False)
@@ -376,6 +401,15 @@ class MedusaModule(L.LightningModule):
         export_vllm_medusa(heads, out.parent / f"{out.name}_vllm")
         if self.cfg.joint:
             export_drafter(self.verifier, self.tokenizer, out.parent / "verifier", name="Medusa-2 verifier")
+        if self.cfg.ngram_orders:
+            if self.training_documents is None:
+                raise ValueError(
+                    "method.ngram_orders needs the training split, which this module was not given"
+                )
+            documents = self.training_documents()
+            vocab = max(heads.vocab_size, max((max(d) for d in documents if d), default=0) + 1)
+            for order in self.cfg.ngram_orders:
+                NGramLM(order, vocab).fit(documents).save(out / f"ngram_{order}")
         return out
 
     def report_summary(self) -> dict[str, Any]:
