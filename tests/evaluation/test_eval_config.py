@@ -15,6 +15,9 @@ from tests.evaluation.fakes import RecordingDecoder, inline
 from train.config import ConfigError
 from train.decoding import SpeculativeDecoder
 from train.evaluation import EvalConfig, build_decoders, build_eval_config, known_decoder_configs
+from train.evaluation.runner import drafter_kind
+from train.models.heads import MedusaHeads
+from train.models.ngram import NGramLM
 
 SD = "train.decoding.SpeculativeDecoder"
 
@@ -58,7 +61,7 @@ def test_gamma_sweep_expands_configs_with_a_gamma():
     assert [cfg.decoder_configs[f"sd@g{g}"]["gamma"] for g in (1, 2, 4)] == [1, 2, 4]
 
 
-def test_decoder_configs_build_as_partials():
+def test_decoder_configs_build_as_partials(tmp_path):
     verifier, drafter = tiny_llama(seed=0), tiny_llama(seed=1)
     decoders = build_decoders(verifier, drafter, EvalConfig(decoders=["sd", "sd_g2"]))
     assert isinstance(decoders["sd"], SpeculativeDecoder) and decoders["sd"].gamma == 4
@@ -69,10 +72,20 @@ def test_decoder_configs_build_as_partials():
         "rsd_c": ("rsd_c", 10),
         "rsd_s": ("rsd_s", 9),
     }
-    # each conf/decoding/*.yaml is a partial in its own right: factory(verifier, drafter)
+    # each conf/decoding/*.yaml is a partial in its own right: factory(verifier, drafter or heads); the
+    # BPD configs find n-gram models under ${heads} and a rescoring LM at ${model.drafter}
+    heads = MedusaHeads.from_verifier(verifier, 4, 1)
+    heads.save_pretrained(tmp_path / "heads")
+    for order in (2, 4):
+        NGramLM(order, verifier.config.vocab_size).fit([list(range(50)) * 3]).save(
+            tmp_path / "heads" / f"ngram_{order}"
+        )
+    drafter.save_pretrained(tmp_path / "drafter")
+    overrides = [f"heads={tmp_path / 'heads'}", f"model.drafter={tmp_path / 'drafter'}"]
     for name in known_decoder_configs():
-        factory = instantiate(_compose("eval", [f"decoding={name}"]).decoding)
-        assert factory(verifier, drafter).verifier is verifier
+        factory = instantiate(_compose("eval", [f"decoding={name}", *overrides]).decoding)
+        second = heads if drafter_kind(factory.func) == "heads" else drafter
+        assert factory(verifier, second).verifier is verifier, name
 
 
 @pytest.mark.parametrize(
