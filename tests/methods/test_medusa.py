@@ -68,17 +68,7 @@ def test_micro_fit_trains_heads_only_and_logs_per_head_metrics(tmp_path):
     cfg = MedusaConfig(optimizer=ADAMW, num_heads=3, seq_len=24, batch_size=4)
     heads = MedusaHeads.from_verifier(verifier, 3, 1)
     module = MedusaModule(verifier, heads, cfg)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=4,
-        val_check_interval=2,
-        check_val_every_n_epoch=None,
-        limit_val_batches=2,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
+    trainer = _trainer(tmp_path, 4)
     trainer.fit(module, datamodule=_data())
     metrics = trainer.callback_metrics
     for k in range(3):

@@ -8,6 +8,7 @@ forward), ``draft`` (a chain or tree of draft tokens), ``proposers`` (the drafti
 ``TreeSpeculativeDecoder`` are thin compositions of them.
 """
 
+from .async_decoder import AsyncSpeculativeDecoder
 from .autoregressive import AutoregressiveDecoder
 from .cache import cache_length, crop_cache, keep_positions
 from .draft import Draft
@@ -40,6 +41,7 @@ from .tree_decoder import TreeSpeculativeDecoder
 from .verification import accepted_length, chain_rejection, greedy_chain, recursive_rejection
 
 __all__ = [
+    "AsyncSpeculativeDecoder",
     "AutoregressiveDecoder",
     "CallResult",
     "DecodeResult",

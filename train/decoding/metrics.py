@@ -83,11 +83,13 @@ class DecodeStats:
     drafter_prefill_time: float = 0.0
     verifier_prefill_calls: int = 0
     verifier_prefill_time: float = 0.0
+    #: Seconds during which the drafter and the verifier were both computing (asynchronous schedule).
+    overlap_time: float = 0.0
 
     @property
     def forward_time(self) -> float:
-        """Seconds spent inside model forward passes (drafter + verifier)."""
-        return self.drafter_time + self.verifier_time
+        """Seconds during which at least one model was computing (drafter + verifier - their overlap)."""
+        return self.drafter_time + self.verifier_time - self.overlap_time
 
     def count_depths(self, drafted: int, tested: int, accepted: int) -> None:
         """Record one chain (or tree path) verification: depths ``< drafted`` were drafted, ``< tested``
@@ -257,6 +259,7 @@ def summarize(stats: DecodeStats, c_param: float | None = None) -> dict[str, flo
         "wall_time": stats.wall_time,
         "drafter_time": stats.drafter_time,
         "verifier_time": stats.verifier_time,
+        "overlap_fraction": _div(stats.overlap_time, stats.wall_time),
     }
     if c_param is not None:
         out["mbsu"] = mbsu(tau, c_param, drafter_calls_per_verifier_call(stats))

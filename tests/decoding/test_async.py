@@ -1,0 +1,217 @@
+"""The asynchronous schedule (AMUSD): greedy equality with HF ``generate``, the exact output law at
+T > 0 (block lengths set by timing, including injected delays), the drafter's cache after rollbacks,
+slow sides, statistics, and clean shutdown (also when a side raises)."""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+
+import pytest
+import torch
+
+from train.decoding import AsyncSpeculativeDecoder, SamplingParams, warp
+from train.decoding import loop as loop_module
+from train.decoding.async_loop import interval_overlap
+from train.decoding.proposers import ModelProposer
+
+from .decoding_helpers import hf_greedy
+from .spec_reference import chi2_critical, chi_square, peaked_table_lm, run_many, table_next, verifier_joint
+
+V, EOS = 4, 3
+PROMPT = (2, 0)
+T1 = SamplingParams(temperature=1.0)
+
+
+class Slow(torch.nn.Module):
+    """A model that sleeps ``delay`` seconds (or a delay drawn per call) before every forward."""
+
+    def __init__(self, model: torch.nn.Module, delay=0.0) -> None:
+        super().__init__()
+        self.model = model
+        self.delay = delay
+
+    def forward(self, *args, **kwargs):
+        time.sleep(self.delay() if callable(self.delay) else self.delay)
+        return self.model(*args, **kwargs)
+
+    def __getattr__(self, name: str):  # everything else (embeddings, config fields) is the model's
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["model"], name)
+
+
+def _threads() -> int:
+    return sum(t.name == "draftsmith-drafter" for t in threading.enumerate())
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt2"])
+@pytest.mark.parametrize("idle", ["step", "wait"])
+def test_greedy_equals_hf_generate(arch, idle, tiny_pairs):
+    verifier, drafter = tiny_pairs[arch]
+    decoder = AsyncSpeculativeDecoder(verifier, drafter, max_block=4, idle=idle)
+    for prompt, n in (([0, 5, 9, 3, 7], 30), ([0, 44], 5), ([1, 2, 3], 1)):
+        ids = torch.tensor([prompt])
+        assert decoder.generate(ids, n).tokens.tolist() == hf_greedy(verifier, ids, n)
+    reference = hf_greedy(verifier, torch.tensor([[0, 5, 9, 3, 7]]), 30)
+    for eos in reference[2:8]:
+        out = decoder.generate(torch.tensor([[0, 5, 9, 3, 7]]), 30, eos_token_id=eos).tokens.tolist()
+        assert out == reference[: reference.index(eos) + 1]
+    assert decoder.generate(torch.tensor([[0, 5]]), 0).tokens.numel() == 0
+    assert _threads() == 0
+
+
+@pytest.mark.parametrize("slow", ["drafter", "verifier"])
+def test_a_slow_side_changes_nothing_but_the_block_lengths(slow, tiny_pairs):
+    verifier, _ = tiny_pairs["llama"]
+    drafter = copy.deepcopy(verifier)  # a perfect drafter: every draft is accepted, so timing sets blocks
+    ids = torch.tensor([[0, 5, 9, 3, 7]])
+    reference = hf_greedy(verifier, ids, 24)
+    if slow == "drafter":
+        decoder = AsyncSpeculativeDecoder(verifier, Slow(drafter, 0.004), max_block=6)
+    else:
+        decoder = AsyncSpeculativeDecoder(Slow(verifier, 0.01), drafter, max_block=6)
+    result = decoder.generate(ids, 24)
+    assert result.tokens.tolist() == reference
+    stats = result.stats
+    if slow == "verifier":  # the drafter keeps drafting while the verifier sleeps: long blocks
+        assert stats.drafted / stats.verifier_calls > 2
+    else:  # the verifier steps on its own while the drafter sleeps: short blocks
+        assert stats.drafted / stats.verifier_calls < 2
+
+
+def _law_case(delay_seed: int | None):
+    verifier, drafter = peaked_table_lm(V, 1, 3.0, 0.0), peaked_table_lm(V, 2, 4.5, 1.5)
+    if delay_seed is not None:  # random delays on both sides: block lengths vary from call to call
+        g = torch.Generator().manual_seed(delay_seed)
+        verifier = Slow(verifier, lambda: float(torch.rand((), generator=g)) * 2e-4)
+        drafter = Slow(drafter, lambda: float(torch.rand((), generator=g)) * 2e-4)
+    return verifier, drafter
+
+
+@pytest.mark.parametrize(
+    "delays", [None, pytest.param(7, marks=pytest.mark.slow)], ids=["no-delay", "random-delays"]
+)
+def test_sampled_output_law_is_the_verifiers(delays):
+    verifier, drafter = _law_case(delays)
+    plain = verifier.model if isinstance(verifier, Slow) else verifier
+    law = verifier_joint(table_next(plain, T1), PROMPT, 5, (EOS,))
+    # idle="wait": every verification holds drafts, so the rule is exercised on every call
+    decoder = AsyncSpeculativeDecoder(verifier, drafter, max_block=4, idle="wait")
+    runs = 2000 if delays is None else 3000
+    result = run_many(decoder, PROMPT, 5, T1, runs, seed=0, eos=EOS)
+    stat, df = chi_square(result.counts, law, runs)
+    assert stat < chi2_critical(df), (stat, df)
+    blocks = [s.drafted / max(s.verifier_calls, 1) for s in result.stats]
+    assert sum(s.accepted for s in result.stats) > 0.3 * runs and max(blocks) > min(blocks)
+
+
+def test_sampling_law_test_catches_a_biased_acceptance(monkeypatch):
+    """Broken on purpose: accept drafts 10% less often than the rule says."""
+    original = loop_module.chain_rejection
+
+    def biased(p, q, drafted, u_accept, u_next, lenience=None, eps=1.0):
+        return original(p, q, drafted, torch.clamp(u_accept / 0.9, max=1.0), u_next, lenience, eps)
+
+    monkeypatch.setattr(loop_module, "chain_rejection", biased)
+    verifier, drafter = _law_case(None)
+    law = verifier_joint(table_next(verifier, T1), PROMPT, 5, (EOS,))
+    runs = 2000
+    decoder = AsyncSpeculativeDecoder(verifier, drafter, max_block=4, idle="wait")
+    result = run_many(decoder, PROMPT, 5, T1, runs, seed=0, eos=EOS)
+    stat, df = chi_square(result.counts, law, runs)
+    assert stat > chi2_critical(df), (stat, df)
+
+
+def test_every_draft_comes_from_a_cache_equal_to_a_fresh_forward(tiny_pairs, monkeypatch):
+    """After every rollback the drafter crops its cache to the first divergence: each draft's q must
+    equal the drafter's distribution from a fresh forward over the same sequence."""
+    verifier, drafter = tiny_pairs["llama"]
+    checked: list[bool] = []
+    original = ModelProposer.propose
+
+    def checking(self, sequence, budget, params, generator, eos, stats):
+        draft = original(self, sequence, budget, params, generator, eos, stats)
+        with torch.inference_mode():
+            fresh = warp(drafter(torch.tensor([sequence])).logits[0, -1], params)
+        checked.append(bool(torch.allclose(draft.q[0], fresh, atol=1e-5)))
+        return draft
+
+    monkeypatch.setattr(ModelProposer, "propose", checking)
+    decoder = AsyncSpeculativeDecoder(verifier, drafter, max_block=4, idle="wait")
+    gen = torch.Generator().manual_seed(0)
+    rollbacks = 0
+    for _ in range(4):
+        result = decoder.generate(torch.tensor([[0, 5, 9, 3, 7]]), 24, T1, generator=gen)
+        rollbacks += result.stats.rollbacks
+    assert rollbacks > 0 and checked and all(checked)
+
+
+def test_skipping_the_crop_is_caught(tiny_pairs, monkeypatch):
+    """Broken on purpose: a drafter that never crops its cache drafts from stale entries."""
+    verifier, drafter = tiny_pairs["llama"]
+    monkeypatch.setattr(ModelProposer, "commit", lambda self, length, path=None: None)
+    original = ModelProposer.propose
+    mismatches = []
+
+    def checking(self, sequence, budget, params, generator, eos, stats):
+        draft = original(self, sequence, budget, params, generator, eos, stats)
+        with torch.inference_mode():
+            fresh = warp(drafter(torch.tensor([sequence])).logits[0, -1], params)
+        mismatches.append(not torch.allclose(draft.q[0], fresh, atol=1e-5))
+        return draft
+
+    monkeypatch.setattr(ModelProposer, "propose", checking)
+    gen = torch.Generator().manual_seed(0)
+    decoder = AsyncSpeculativeDecoder(verifier, drafter, max_block=4, idle="wait")
+    crashed = False
+    try:
+        for _ in range(4):
+            decoder.generate(torch.tensor([[0, 5, 9, 3, 7]]), 24, T1, generator=gen)
+    except RuntimeError:  # the drafter fed nothing after a rollback: also a detection
+        crashed = True
+    assert crashed or any(mismatches)
+    assert _threads() == 0
+
+
+def test_statistics_record_blocks_overlap_and_busy_time(tiny_pairs):
+    verifier, drafter = tiny_pairs["llama"]
+    decoder = AsyncSpeculativeDecoder(Slow(verifier, 0.003), Slow(drafter, 0.003), max_block=4)
+    stats = decoder.generate(torch.tensor([[0, 5, 9, 3, 7]]), 24).stats
+    assert stats.verifier_calls > 0 and stats.drafter_calls > 0 and stats.new_tokens == 24
+    # both sides sleep inside their forwards, so they are busy at the same time for a good part of it
+    assert 0.0 < stats.overlap_time <= min(stats.drafter_time, stats.verifier_time) + 1e-3
+    assert stats.forward_time <= stats.wall_time + 1e-3
+    assert interval_overlap([(0, 2), (3, 5)], [(1, 4)]) == pytest.approx(2.0)
+
+
+def test_an_error_on_either_side_is_raised_and_leaves_no_thread(tiny_pairs):
+    verifier, drafter = tiny_pairs["llama"]
+
+    class Boom(Slow):
+        def __init__(self, model, after: int) -> None:
+            super().__init__(model)
+            self.calls, self.after = 0, after
+
+        def forward(self, *args, **kwargs):
+            self.calls += 1
+            if self.calls > self.after:
+                raise RuntimeError("boom")
+            return self.model(*args, **kwargs)
+
+    ids = torch.tensor([[0, 5, 9, 3, 7]])
+    with pytest.raises(RuntimeError, match="boom"):
+        AsyncSpeculativeDecoder(Boom(verifier, 3), drafter).generate(ids, 40)
+    assert _threads() == 0
+    with pytest.raises(RuntimeError, match="boom"):
+        AsyncSpeculativeDecoder(verifier, Boom(drafter, 3), idle="wait").generate(ids, 40)
+    assert _threads() == 0
+
+
+def test_bad_settings_are_refused(tiny_pairs):
+    verifier, drafter = tiny_pairs["llama"]
+    for kwargs in ({"max_block": 0}, {"idle": "spin"}, {"min_ahead": 9, "max_ahead": 8}, {"pin_cores": [0]}):
+        with pytest.raises(ValueError):
+            AsyncSpeculativeDecoder(verifier, drafter, **kwargs)

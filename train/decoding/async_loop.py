@@ -1,0 +1,319 @@
+"""The asynchronous schedule (AMUSD; McDanel, arXiv 2410.17375; ALGORITHMS.md section 7).
+
+The drafter runs in its own thread and never waits for verification: it keeps drafting one token at
+a time ahead of the verified sequence (up to ``max_ahead`` tokens) and publishes each with the q it
+was drawn from. The verifier, in the calling thread, takes every published draft beyond the verified
+prefix (up to ``max_block``), verifies the chain in one forward with the same rule as the synchronous
+loop (:func:`~train.decoding.loop.verify_chain`), and commits the accepted drafts plus its own token.
+
+Only tokens cross between the two sides, under one ``threading.Condition`` (no spinning):
+
+- drafts still consistent with the new verified sequence stay published (an all-accepted block whose
+  bonus token equals the next draft keeps the rest); otherwise the published drafts are dropped and the
+  *epoch* advances (a rollback). A draft computed on a stale sequence is refused at publication (its
+  epoch or its position no longer matches), and the drafter crops its cache to the first token where
+  what it has cached and the verified sequence differ (:meth:`ModelProposer.commit`), then continues;
+- with no draft ready, the verifier takes a plain autoregressive step (``idle="step"``) or waits for
+  the drafter (``idle="wait"``).
+
+Lossless at every temperature: each published draft was drawn from q given exactly the verified
+prefix it extends plus the earlier drafts it follows, so each verification is ordinary chain rejection
+sampling; how many drafts a block holds depends on timing, never on the random draws. Greedy output is
+the verifier's greedy output.
+
+PyTorch releases the GIL inside its kernels, so two Python threads run the two models at once (on a
+CPU, one intra-op thread each; ``pin_cores`` puts each thread on its own core). The statistics record
+each side's busy time and the time both were busy (``overlap_time``), the point of the method.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .cache import crop_cache
+from .draft import Draft
+from .loop import verify_chain
+from .metrics import DecodeResult, DecodeStats
+from .model_call import TimedModel
+from .proposers import ModelProposer
+from .sampling import SamplingParams
+
+__all__ = ["IDLE_POLICIES", "interval_overlap", "run_asynchronous"]
+
+#: What the verifier does when no draft is ready: ``step`` (an autoregressive step) or ``wait``.
+IDLE_POLICIES: tuple[str, ...] = ("step", "wait")
+
+#: The longest a thread waits on the condition before re-checking (seconds); a bound, not a poll rate.
+_WAIT = 0.5
+
+
+def interval_overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Total length of the intersection of two lists of disjoint, time-ordered intervals."""
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        start, end = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        total += max(0.0, end - start)
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+class _Shared:
+    """The state both threads see, guarded by ``cond``."""
+
+    def __init__(self, prompt: list[int]) -> None:
+        self.cond = threading.Condition()
+        self.verified = list(prompt)
+        self.drafts: list[int] = []
+        self.qs: list[torch.Tensor | None] = []
+        self.epoch = 0
+        self.stop = False
+        self.error: BaseException | None = None
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _draft_loop(
+    shared: _Shared,
+    proposer: ModelProposer,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    eos: frozenset[int],
+    stats: DecodeStats,
+    busy: list[tuple[float, float]],
+    max_ahead: int,
+    limit: int,
+    pin: int | None,
+) -> None:
+    """The drafter thread: draft, publish, resynchronise after rollbacks, until ``shared.stop``."""
+    try:
+        if pin is not None:
+            os.sched_setaffinity(0, {pin})
+        with torch.inference_mode():  # grad mode is per thread
+            _draft(shared, proposer, params, generator, eos, stats, busy, max_ahead, limit)
+    except BaseException as err:  # noqa: BLE001 -- handed to the verifier thread, which raises it
+        with shared.cond:
+            shared.error = err
+            shared.stop = True
+            shared.cond.notify_all()
+
+
+def _draft(
+    shared: _Shared,
+    proposer: ModelProposer,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    eos: frozenset[int],
+    stats: DecodeStats,
+    busy: list[tuple[float, float]],
+    max_ahead: int,
+    limit: int,
+) -> None:
+    # ``local``: the sequence the drafter works on (and its cache was built from), updated in place:
+    # only the tokens past ``stable`` (the verified length at the last look; verified tokens never
+    # change) are copied from the shared state, so no step copies the whole sequence.
+    local: list[int] = []
+    stable = 0
+    while True:
+        with shared.cond:
+            while not shared.stop and (
+                len(shared.drafts) >= max_ahead
+                or (shared.drafts and shared.drafts[-1] in eos)
+                or len(shared.verified) + len(shared.drafts) >= limit
+            ):
+                shared.cond.wait(_WAIT)
+            if shared.stop:
+                return
+            tail = shared.verified[stable:] + shared.drafts
+            epoch = shared.epoch
+            verified_length = len(shared.verified)
+        # crop the cache to the first divergence between what it holds and the shared sequence
+        proposer.commit(stable + _common_prefix(local[stable:], tail))
+        del local[stable:]
+        local.extend(tail)
+        stable = verified_length
+        before = stats.drafter_time
+        draft = proposer.propose(local, 1, params, generator, eos, stats)
+        end = time.perf_counter()
+        busy.append((end - (stats.drafter_time - before), end))  # the forward's own seconds
+        with shared.cond:
+            fresh = shared.epoch == epoch and len(shared.verified) + len(shared.drafts) == len(local)
+            if fresh and len(draft):
+                shared.drafts.append(draft.tokens[0])
+                shared.qs.append(None if draft.q is None else draft.q[0])
+                shared.cond.notify_all()
+            elif len(draft):
+                stats.discarded += 1  # computed on a sequence that changed meanwhile
+
+
+def run_asynchronous(
+    verifier: TimedModel,
+    proposer: ModelProposer,
+    prompt: list[int],
+    max_new_tokens: int,
+    params: SamplingParams,
+    eos: frozenset[int],
+    generator: torch.Generator | None,
+    max_block: int = 8,
+    max_ahead: int = 8,
+    min_ahead: int = 1,
+    idle: str = "step",
+    pin_cores: tuple[int, int] | None = None,
+    on_block: Callable[[int], None] | None = None,
+) -> DecodeResult:
+    """Decode up to ``max_new_tokens`` after ``prompt`` with the drafter in a second thread (module
+    docstring). ``generator`` drives the verifier's draws; the drafter's generator is seeded from it.
+    ``pin_cores``: (verifier core, drafter core). ``on_block``: called with each block's length (tests)."""
+    t_start = time.perf_counter()
+    stats = DecodeStats(gamma=max_block)
+    drafter_stats = DecodeStats()
+    limit = len(prompt) + max_new_tokens
+    if max_new_tokens == 0:
+        return DecodeResult(torch.zeros(0, dtype=torch.long), stats)
+    shared = _Shared(prompt)
+    drafter_generator = None
+    if generator is not None and not params.greedy:
+        seed = int(torch.randint(0, 2**62, (), generator=generator, device=generator.device))
+        drafter_generator = torch.Generator(device=generator.device).manual_seed(seed)
+    drafter_busy: list[tuple[float, float]] = []
+    verifier_busy: list[tuple[float, float]] = []
+    proposer.start()
+    thread = threading.Thread(
+        target=_draft_loop,
+        args=(
+            shared,
+            proposer,
+            params,
+            drafter_generator,
+            eos,
+            drafter_stats,
+            drafter_busy,
+            max_ahead,
+            limit,
+            None if pin_cores is None else pin_cores[1],
+        ),
+        name="draftsmith-drafter",
+        daemon=True,
+    )
+    previous_affinity: Any = None
+    if pin_cores is not None:
+        previous_affinity = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, {pin_cores[0]})
+    thread.start()
+    seq = shared.verified  # only this thread appends to it, under the lock
+    v_cache = None
+    v_len = 0
+    try:
+        done = False
+        while not done:
+            with shared.cond:
+                while not shared.stop and idle == "wait" and len(shared.drafts) < min_ahead:
+                    if shared.drafts and shared.drafts[-1] in eos:
+                        break  # the drafter stops after an EOS
+                    if len(seq) + len(shared.drafts) >= limit - 1:
+                        break  # nor does it draft past the limit
+                    shared.cond.wait(_WAIT)
+                if shared.error is not None:
+                    raise shared.error
+                n_seq = len(seq)
+                k = min(len(shared.drafts), max_block, limit - n_seq - 1)
+                k = max(k, 0)
+                if k and len(shared.drafts) < min_ahead and idle == "step":
+                    k = 0
+                block = shared.drafts[:k]
+                qs = shared.qs[:k]
+            if on_block is not None:
+                on_block(k)
+            draft = Draft.chain(block, None if k == 0 or qs[0] is None else torch.stack(qs))  # type: ignore[arg-type]
+            context = seq[v_len:]
+            out = verifier(context + block, v_cache, logits_to_keep=k + 1)
+            end = time.perf_counter()
+            verifier_busy.append((end - out.seconds, end))
+            if v_cache is None:
+                stats.verifier_prefill_calls += 1
+                stats.verifier_prefill_time += out.seconds
+            v_cache = out.cache
+            v_len += len(context) + k
+            stats.verifier_calls += 1
+            stats.verifier_time += out.seconds
+            stats.verifier_tokens += k + 1
+            verdict = verify_chain(out.logits, draft, params, generator)
+            n = verdict.accepted
+            next_token = None if (n == k and k and block[-1] in eos) else verdict.next
+            if k:
+                stats.drafted += k
+                stats.accepted += n
+                stats.tested += verdict.tested
+                stats.sum_expected_acceptance += verdict.expected
+                stats.count_depths(k, verdict.tested, n)
+                stats.discarded += k - verdict.tested
+                if n < k:
+                    stats.rollbacks += 1
+            new = block[:n] + ([] if next_token is None else [next_token])
+            for j, x in enumerate(new):
+                if x in eos:
+                    new = new[: j + 1]
+                    done = True
+                    break
+            if len(new) >= limit - n_seq:
+                new = new[: limit - n_seq]
+                done = True
+            with shared.cond:
+                rest, rest_q = shared.drafts[k:], shared.qs[k:]
+                seq.extend(new)
+                extra = new[n:]  # the verifier's own token, if kept
+                if n < k or done:
+                    stats.discarded += len(rest)
+                    shared.drafts, shared.qs = [], []
+                    shared.epoch += 1
+                elif extra and rest and rest[0] == extra[0]:
+                    shared.drafts, shared.qs = (
+                        rest[1:],
+                        rest_q[1:],
+                    )  # the drafter had guessed it: keep the rest
+                elif rest:
+                    stats.discarded += len(rest)
+                    shared.drafts, shared.qs = [], []
+                    shared.epoch += 1
+                else:
+                    shared.drafts, shared.qs = [], []
+                if done:
+                    shared.stop = True
+                shared.cond.notify_all()
+            keep = n_seq + n
+            if not done and v_len > keep:
+                crop_cache(v_cache, keep, v_len)
+                v_len = keep
+    finally:
+        with shared.cond:
+            shared.stop = True
+            shared.cond.notify_all()
+        thread.join()
+        if previous_affinity is not None:
+            os.sched_setaffinity(0, previous_affinity)
+    if shared.error is not None:
+        raise shared.error
+    stats.drafter_calls = drafter_stats.drafter_calls
+    stats.drafter_time = drafter_stats.drafter_time
+    stats.drafter_prefill_calls = drafter_stats.drafter_prefill_calls
+    stats.drafter_prefill_time = drafter_stats.drafter_prefill_time
+    stats.discarded += drafter_stats.discarded
+    stats.overlap_time = interval_overlap(verifier_busy, drafter_busy)
+    stats.new_tokens = len(seq) - len(prompt)
+    stats.wall_time = time.perf_counter() - t_start
+    return DecodeResult(torch.tensor(seq[len(prompt) :], dtype=torch.long), stats)
