@@ -6,7 +6,8 @@
 In one run, on the same prompts, interleaved: autoregressive decoding and synchronous chain SD at
 each gamma with ``--threads`` intra-op threads (the two cores for one model at a time), and
 ``AsyncSpeculativeDecoder`` with one thread per model, each pinned to its own core. Greedy, so every
-decoder's output is checked against the autoregressive one. Reports tokens/s, speedup against
+decoder's output is checked against the first one's. Speedups are against autoregressive decoding
+with the most threads. Reports tokens/s, speedup against
 autoregressive decoding, block efficiency, the fraction of wall time each model was busy and the time
 both were busy at once (overlap).
 """
@@ -22,39 +23,57 @@ import torch
 
 from train.benchmarks.decoding import build_pair
 from train.decoding import AsyncSpeculativeDecoder, AutoregressiveDecoder, DecodeStats, SpeculativeDecoder
-from train.models.loading import load_model
+from train.evaluation import build_prompts
+from train.models.loading import load_model, load_tokenizer
 from train.paths import project_root
 from train.tables import format_value, markdown_table
 
 
-def _pairs(names: list[str]) -> dict[str, tuple[Any, Any]]:
+def _pairs(names: list[str], n: int) -> dict[str, tuple[Any, Any, list[torch.Tensor]]]:
+    """{label: (verifier, drafter, prompts)}: random prompts for the random benchmark pair, prompts cut
+    from the embedded corpus's test split for the embedded pair."""
     out = {}
     if "bench" in names:
-        out["benchmark pair (30M / 2.5M, random, shared bigram structure)"] = build_pair()
+        verifier, drafter = build_pair()
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(1, verifier.config.vocab_size, (1, 48), generator=g) for _ in range(n)]
+        out["benchmark pair (30M / 2.5M, random, shared bigram structure)"] = (verifier, drafter, prompts)
     if "tiny" in names:
         tiny = os.path.join(project_root(), "checkpoints", "tiny")
+        tokenizer = load_tokenizer(os.path.join(tiny, "verifier"))
         out["embedded pair (tiny verifier / drafter)"] = (
             load_model(os.path.join(tiny, "verifier")).eval(),
             load_model(os.path.join(tiny, "drafter")).eval(),
+            build_prompts(tokenizer, num_prompts=n, prompt_len=48),
         )
     return out
 
 
-def run_pair(verifier: Any, drafter: Any, args: argparse.Namespace) -> list[list[str]]:
-    vocab = verifier.config.vocab_size
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(1, vocab, (1, 48), generator=g) for _ in range(args.prompts)]
-    decoders: dict[str, tuple[Any, int]] = {"autoregressive": (AutoregressiveDecoder(verifier), args.threads)}
-    for gamma in args.gammas:
-        decoders[f"sync SD gamma {gamma}"] = (
-            SpeculativeDecoder(verifier, drafter, gamma=gamma),
-            args.threads,
-        )
+def run_pair(
+    verifier: Any, drafter: Any, prompts: list[torch.Tensor], args: argparse.Namespace
+) -> list[list[str]]:
+    decoders: dict[str, tuple[Any, int]] = {}
+    for threads in args.threads:
+        decoders[f"autoregressive, {threads} thread(s)"] = (AutoregressiveDecoder(verifier), threads)
+    for threads in args.threads:
+        for gamma in args.gammas:
+            decoders[f"sync SD gamma {gamma}, {threads} thread(s)"] = (
+                SpeculativeDecoder(verifier, drafter, gamma=gamma),
+                threads,
+            )
     for block in args.blocks:
-        decoders[f"async max_block {block}"] = (
-            AsyncSpeculativeDecoder(verifier, drafter, max_block=block, max_ahead=block, pin_cores=(0, 1)),
-            1,
-        )
+        for idle in args.idle:
+            for min_ahead in args.min_ahead if idle == "wait" else [1]:
+                decoder = AsyncSpeculativeDecoder(
+                    verifier,
+                    drafter,
+                    max_block=block,
+                    max_ahead=block,
+                    min_ahead=min_ahead,
+                    idle=idle,
+                    pin_cores=(0, 1),
+                )
+                decoders[f"async max_block {block}, idle {idle}, min_ahead {min_ahead}"] = (decoder, 1)
     reference = {}
     stats: dict[str, list[DecodeStats]] = {name: [] for name in decoders}
     for decoder, threads in decoders.values():  # warm-up
@@ -73,10 +92,10 @@ def run_pair(verifier: Any, drafter: Any, args: argparse.Namespace) -> list[list
                     assert tokens == reference[i], (
                         f"{name}: greedy output differs from autoregressive on prompt {i}"
                     )
-                elif name == "autoregressive":
+                else:
                     reference[i] = tokens
                 stats[name].append(result.stats)
-    ar_tps = _tps(stats["autoregressive"])
+    ar_tps = _tps(stats[f"autoregressive, {max(args.threads)} thread(s)"])
     rows = []
     for name, runs in stats.items():
         merged = runs[0]
@@ -106,15 +125,19 @@ def main() -> None:
     parser.add_argument("--pairs", nargs="+", default=["bench", "tiny"], choices=["bench", "tiny"])
     parser.add_argument("--gammas", type=int, nargs="+", default=[2, 4, 6])
     parser.add_argument("--blocks", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--idle", nargs="+", default=["step", "wait"], choices=["step", "wait"])
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=2, help="intra-op threads of the synchronous decoders")
+    parser.add_argument(
+        "--threads", type=int, nargs="+", default=[2, 1], help="intra-op threads of the synchronous decoders"
+    )
+    parser.add_argument("--min-ahead", type=int, nargs="+", default=[1, 4])
     args = parser.parse_args()
     start = time.perf_counter()
     with torch.inference_mode():
-        for label, (verifier, drafter) in _pairs(args.pairs).items():
-            rows = run_pair(verifier, drafter, args)
+        for label, (verifier, drafter, prompts) in _pairs(args.pairs, args.prompts).items():
+            rows = run_pair(verifier, drafter, prompts, args)
             print(f"## {label}\n")
             print(
                 markdown_table(

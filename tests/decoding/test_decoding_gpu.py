@@ -14,7 +14,7 @@ import copy
 import pytest
 import torch
 
-from train.decoding import AutoregressiveDecoder, SamplingParams, SpeculativeDecoder
+from train.decoding import AsyncSpeculativeDecoder, AutoregressiveDecoder, SamplingParams, SpeculativeDecoder
 
 from .decoding_helpers import build, tiny_config
 
@@ -132,3 +132,20 @@ def test_cuda_generator_is_reproducible(cpu_pair):
         for _ in range(2)
     ]
     assert outs[0] == outs[1] and len(outs[0]) == 20
+
+
+@pytest.mark.parametrize("placement", [*PLACEMENTS, "two_gpus"])
+def test_async_decoder_on_devices_keeps_greedy_output(cpu_pair, placement):
+    """AMUSD with the models on GPUs (two GPUs when present, as the method intends): the same greedy
+    tokens as autoregressive decoding on the CPU, and no thread left behind."""
+    if placement == "two_gpus":
+        if torch.cuda.device_count() < 2:
+            pytest.skip("needs two GPUs")
+        verifier, drafter = copy.deepcopy(cpu_pair[0]).to("cuda:0"), copy.deepcopy(cpu_pair[1]).to("cuda:1")
+    else:
+        verifier, drafter = placed(cpu_pair, placement)
+    ids = torch.tensor([[0, 5, 9, 3, 7]])
+    expected = AutoregressiveDecoder(cpu_pair[0]).generate(ids, 40).tokens
+    result = AsyncSpeculativeDecoder(verifier, drafter, max_block=6).generate(ids, 40)
+    assert torch.equal(result.tokens, expected)
+    assert result.stats.verifier_calls < 40

@@ -270,3 +270,21 @@ def test_bpd_decoders_read_the_models_saved_with_the_heads(tiny_pair_dir, data_f
     )
     assert [r["decoder"] for r in results["runs"]] == decoders
     assert all(r["greedy_match"] for r in results["runs"])
+
+
+def test_sync_and_async_decoders_in_one_table(tiny_pair_dir, data_file, tmp_path):
+    """eval.decoders=[sd,async]: both run the same drafter on the same prompts, greedy output checked."""
+    results = _run_eval_main(
+        tiny_pair_dir,
+        data_file,
+        tmp_path,
+        ["eval.decoders=[sd,async]", "eval.temperatures=[0.0,1.0]", "eval.plots=false"],
+    )
+    assert sorted((r["decoder"], r["temperature"]) for r in results["runs"]) == [
+        ("async", 0.0),
+        ("async", 1.0),
+        ("sd", 0.0),
+        ("sd", 1.0),
+    ]
+    assert all(r["greedy_match"] for r in results["runs"] if r["temperature"] == 0.0)
+    assert all("overlap_fraction" in r["metrics"] for r in results["runs"])
