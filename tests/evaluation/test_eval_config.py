@@ -18,6 +18,7 @@ from train.evaluation import EvalConfig, build_decoders, build_eval_config, know
 from train.evaluation.runner import drafter_kind
 from train.models.heads import MedusaHeads
 from train.models.ngram import NGramLM
+from train.models.steering import SteeringModule
 
 SD = "train.decoding.SpeculativeDecoder"
 
@@ -81,7 +82,12 @@ def test_decoder_configs_build_as_partials(tmp_path):
             tmp_path / "heads" / f"ngram_{order}"
         )
     drafter.save_pretrained(tmp_path / "drafter")
-    overrides = [f"heads={tmp_path / 'heads'}", f"model.drafter={tmp_path / 'drafter'}"]
+    SteeringModule.for_pair(verifier, drafter).save_pretrained(tmp_path / "steering")
+    overrides = [
+        f"heads={tmp_path / 'heads'}",
+        f"model.drafter={tmp_path / 'drafter'}",
+        f"steering={tmp_path / 'steering'}",
+    ]
     for name in known_decoder_configs():
         factory = instantiate(_compose("eval", [f"decoding={name}", *overrides]).decoding)
         second = heads if drafter_kind(factory.func) == "heads" else drafter

@@ -288,3 +288,28 @@ def test_sync_and_async_decoders_in_one_table(tiny_pair_dir, data_file, tmp_path
     ]
     assert all(r["greedy_match"] for r in results["runs"] if r["temperature"] == 0.0)
     assert all("overlap_fraction" in r["metrics"] for r in results["runs"])
+
+
+def test_steered_decoding_of_an_exported_steering_module(tiny_pair_dir, data_file, tmp_path):
+    """decoding=steered steering=PATH: the module is loaded through ${steering}; greedy output kept;
+    without steering=PATH the run stops at start-up naming the key."""
+    from train.models.steering import SteeringModule
+
+    verifier = AutoModelForCausalLM.from_pretrained(tiny_pair_dir / "verifier")
+    drafter = AutoModelForCausalLM.from_pretrained(tiny_pair_dir / "drafter")
+    SteeringModule.for_pair(verifier, drafter).save_pretrained(tmp_path / "steering")
+    results = _run_eval_main(
+        tiny_pair_dir,
+        data_file,
+        tmp_path,
+        [
+            f"steering={tmp_path / 'steering'}",
+            "eval.decoders=[sd,steered]",
+            "eval.temperatures=[0.0]",
+            "eval.plots=false",
+        ],
+    )
+    assert [r["decoder"] for r in results["runs"]] == ["sd", "steered"]
+    assert all(r["greedy_match"] for r in results["runs"])
+    with pytest.raises(ConfigError, match="pass steering=PATH"):
+        _run_eval_main(tiny_pair_dir, data_file, tmp_path, ["decoding=steered"])

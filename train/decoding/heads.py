@@ -111,7 +111,7 @@ def trie_draft(paths: Sequence[Sequence[int]]) -> Draft:
 class HeadsProposer:
     """Deterministic draft trees from prediction heads on the verifier's last hidden state."""
 
-    hidden_layer = -1  # hidden_states[-1]: the final (normalised) state the lm_head reads
+    hidden_layers = (-1,)  # hidden_states[-1]: the final (normalised) state the lm_head reads
 
     def __init__(
         self,
@@ -147,8 +147,9 @@ class HeadsProposer:
     def start(self) -> None:
         self._hidden = None
 
-    def observe(self, hidden: torch.Tensor) -> None:
-        self._hidden = hidden
+    def observe(self, states: torch.Tensor) -> None:
+        """The verifier's states (1, d) at the last accepted position, from the loop."""
+        self._hidden = states[-1]
 
     def propose(
         self,

@@ -18,8 +18,9 @@ is plain autoregressive decoding.
 A tree draft (:mod:`train.decoding.tree`) goes through the same block: the verifier scores every node
 in one forward with a tree mask, :func:`~train.decoding.tree.verify_tree` walks it, and both caches
 keep the committed prefix plus the accepted path, compacted (``keep_positions``). ``gamma`` is then
-the tree's depth. A proposer with a ``hidden_layer`` (prediction heads) gets that layer's hidden state
-at the last accepted position of every verifier forward (``observe``), at no extra forward.
+the tree's depth. A proposer with ``hidden_layers`` (prediction heads, a steered drafter) gets those layers' hidden states
+at the last accepted position of every verifier forward (``observe``), at no extra forward; so does
+a steered drafter (SD^2), whose guide comes from several layers.
 
 The asynchronous schedule (AMUSD) replaces this loop and reuses the proposers and rules unchanged.
 """
@@ -111,9 +112,10 @@ def run_synchronous(
     limit = len(prompt) + max_new_tokens
     v_cache = None
     v_len = 0
-    # A proposer that drafts from the verifier's own hidden states (prediction heads) names the layer.
-    hidden_layer = getattr(proposer, "hidden_layer", None)
-    layers = None if hidden_layer is None else [hidden_layer]
+    # A proposer that drafts from the verifier's own hidden states (prediction heads, steering) names
+    # the layers (indices into Hugging Face's hidden_states) it reads.
+    hidden_layers = getattr(proposer, "hidden_layers", None)
+    layers = list(hidden_layers) if hidden_layers else None
     if proposer is not None:
         proposer.start()
     done = max_new_tokens == 0
@@ -201,9 +203,9 @@ def run_synchronous(
             v_len = keep
         if proposer is not None:
             proposer.commit(keep, path)
-            if hidden_layer is not None and out.hidden is not None:  # heads read the last accepted state
+            if layers and out.hidden is not None:  # the states at the last accepted position: (L, d)
                 last = len(context) + path[-1] if path else len(context) - 1
-                proposer.observe(out.hidden[hidden_layer][last])  # type: ignore[attr-defined]
+                proposer.observe(torch.stack([out.hidden[i][last] for i in layers]))  # type: ignore[attr-defined]
     stats.new_tokens = len(seq) - len(prompt)
     stats.wall_time = time.perf_counter() - t_start
     return DecodeResult(torch.tensor(seq[len(prompt) :], dtype=torch.long), stats)

@@ -85,6 +85,8 @@ class DecodeStats:
     verifier_prefill_time: float = 0.0
     #: Seconds during which the drafter and the verifier were both computing (asynchronous schedule).
     overlap_time: float = 0.0
+    #: Seconds spent projecting steering guides from the verifier's states (SD^2), once per block.
+    guide_time: float = 0.0
 
     @property
     def forward_time(self) -> float:
@@ -260,6 +262,7 @@ def summarize(stats: DecodeStats, c_param: float | None = None) -> dict[str, flo
         "drafter_time": stats.drafter_time,
         "verifier_time": stats.verifier_time,
         "overlap_fraction": _div(stats.overlap_time, stats.wall_time),
+        "guide_time": stats.guide_time,
     }
     if c_param is not None:
         out["mbsu"] = mbsu(tau, c_param, drafter_calls_per_verifier_call(stats))

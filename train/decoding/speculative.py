@@ -10,6 +10,7 @@ verifier forward with the chain rule (:func:`~train.decoding.verification.greedy
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -19,6 +20,7 @@ from .metrics import DecodeResult
 from .model_call import TimedModel
 from .proposers import ModelProposer
 from .sampling import LENIENCES, SamplingParams
+from .steered import SteeredProposer
 
 _DEFAULT_PARAMS = SamplingParams()
 
@@ -29,6 +31,10 @@ class SpeculativeDecoder:
     ``lenience`` (``"linear"``, ``"squared"``, ``"exponential"`` or None) with ``eps`` in (0, 1] gives
     the lossy DistillSpec acceptance test min(1, f(p, eps) / q); eps = 1 is lossless. Lenience only
     applies when sampling (temperature > 0); greedy decoding always reproduces the verifier's argmax.
+
+    ``steering`` (SD^2, e.g. :class:`train.models.steering.SteeringModule`): the drafter's MLPs get biases
+    from the verifier's states at the last committed position, refreshed after every verification
+    (:mod:`train.decoding.steered`); verification is unchanged, so it stays lossless.
 
     Verifier and drafter must share a tokenizer. Their output sizes may differ (padded embeddings):
     the verifier's distribution is always kept whole, the drafter proposes only ids it has (zero mass
@@ -42,6 +48,7 @@ class SpeculativeDecoder:
         gamma: int = 4,
         lenience: str | None = None,
         eps: float = 1.0,
+        steering: Any = None,
     ) -> None:
         if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
             raise ValueError(f"gamma must be an integer >= 1, got {gamma!r}")
@@ -57,6 +64,9 @@ class SpeculativeDecoder:
         self._verifier = TimedModel(verifier)
         self._proposer = ModelProposer(TimedModel(drafter), self._verifier.vocab_size)
         self.vocab_size = self._verifier.vocab_size
+        self.steering = steering
+        if steering is not None and hasattr(steering, "check_pair"):
+            steering.check_pair(verifier, drafter)  # a module made for another pair fails here
 
     @property
     def lossless(self) -> bool:
@@ -80,15 +90,32 @@ class SpeculativeDecoder:
         device), so a seed reproduces the output whatever devices the two models sit on.
         """
         prompt = validate_request(input_ids, max_new_tokens, params, (self.verifier, self.drafter))
-        return run_synchronous(
-            self._verifier,
-            self._proposer,
-            prompt,
-            max_new_tokens,
-            self.gamma,
-            params,
-            eos_set(eos_token_id),
-            generator,
-            self.lenience,
-            self.eps,
-        )
+        if self.steering is None:
+            return run_synchronous(
+                self._verifier,
+                self._proposer,
+                prompt,
+                max_new_tokens,
+                self.gamma,
+                params,
+                eos_set(eos_token_id),
+                generator,
+                self.lenience,
+                self.eps,
+            )
+        with self.steering.attach(self.drafter) as handle:  # removed again: the drafter stays plain
+            proposer = SteeredProposer(self._proposer, self.steering, handle)
+            result = run_synchronous(
+                self._verifier,
+                proposer,
+                prompt,
+                max_new_tokens,
+                self.gamma,
+                params,
+                eos_set(eos_token_id),
+                generator,
+                self.lenience,
+                self.eps,
+            )
+        result.stats.guide_time += proposer.guide_time
+        return result

@@ -106,6 +106,11 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     OmegaConf.save(cfg, os.path.join(run_dir, "config.yaml"))
     if model_cfg.tiny is not None:
         ensure_tiny_pair(model_cfg.tiny)
+    steered = [label for label, settings in eval_cfg.decoder_configs.items() if settings.get("steering")]
+    if steered and cfg.get("steering") is None:
+        raise ConfigError(f"steering: the decoders {steered} steer the drafter; pass steering=PATH")
+    if cfg.get("steering") is not None:
+        check_model_source("steering", str(cfg.steering))
     kinds = set(decoder_kinds(eval_cfg).values())
     heads_source = cfg.get("heads")
     if "heads" in kinds and heads_source is None:

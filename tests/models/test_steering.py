@@ -1,0 +1,91 @@
+"""The SD^2 steering module: layer choice, zero-initialised equality, injection on the MLP up branch,
+removal, mismatched pairs refused with both sizes named, save / load."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.decoding.decoding_helpers import build, tiny_config
+from train.models.steering import SteeringModule, default_verifier_layers, swiglu_mlps
+
+
+def test_default_layers_scale_the_authors_choice():
+    assert default_verifier_layers(32) == [3, 16, 29]
+    assert default_verifier_layers(4) == [0, 2, 3]
+    assert default_verifier_layers(1) == [0]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return build(tiny_config("llama", 64), 1), build(tiny_config("llama", 32), 2)
+
+
+def _states(module: SteeringModule, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(len(module.verifier_layers), module.verifier_hidden_size, generator=g)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_zero_initialised_steering_changes_nothing(arch):
+    verifier, drafter = build(tiny_config(arch, 64), 1), build(tiny_config(arch, 32), 2)
+    module = SteeringModule.for_pair(verifier, drafter)
+    ids = torch.tensor([[0, 5, 9, 3, 7]])
+    with torch.no_grad():
+        plain = drafter(ids).logits
+        deltas = module(_states(module))
+        assert deltas.shape == (module.drafter_layers, module.drafter_intermediate_size)
+        assert float(deltas.abs().max()) == 0.0
+        with module.attach(drafter) as handle:
+            handle.set(deltas)
+            steered = drafter(ids).logits
+    assert torch.equal(plain, steered)
+
+
+def test_the_bias_goes_to_the_up_branch_and_is_removable(pair):
+    verifier, drafter = pair
+    module = SteeringModule.for_pair(verifier, drafter)
+    with torch.no_grad():
+        module.project.weight.normal_(0, 0.5)
+    ids = torch.tensor([[0, 5, 9, 3, 7]])
+    mlp = swiglu_mlps(drafter)[0]
+    x = torch.randn(1, 3, drafter.config.hidden_size)
+    with torch.no_grad():
+        deltas = module(_states(module))
+        plain_logits = drafter(ids).logits
+        handle = module.attach(drafter)
+        handle.set(deltas)
+        # down(act(gate(x)) * (up(x) + delta)) by hand
+        by_hand = mlp.down_proj(
+            mlp.act_fn(mlp.gate_proj(x)) * (torch.nn.functional.linear(x, mlp.up_proj.weight) + deltas[0])
+        )
+        torch.testing.assert_close(mlp(x), by_hand)
+        assert not torch.allclose(drafter(ids).logits, plain_logits)
+        handle.remove()
+        assert torch.equal(drafter(ids).logits, plain_logits)
+
+
+def test_mismatched_pairs_are_refused_naming_both_sizes(pair):
+    verifier, drafter = pair
+    module = SteeringModule.for_pair(verifier, drafter)
+    wide = build(tiny_config("llama", 96), 3)
+    with pytest.raises(ValueError, match="width 64.*hidden size is 96"):
+        module.check_pair(wide, drafter)
+    other_drafter = build(tiny_config("llama", 48), 4)
+    with pytest.raises(ValueError, match=f"width {module.drafter_intermediate_size}.*this drafter has"):
+        module.check_pair(verifier, other_drafter)
+    gpt2 = build(tiny_config("gpt2", 32), 5)
+    with pytest.raises(ValueError, match="no SwiGLU MLP"):
+        SteeringModule.for_pair(verifier, gpt2)
+
+
+def test_save_and_load_keep_the_layers_and_weights(pair, tmp_path):
+    verifier, drafter = pair
+    module = SteeringModule.for_pair(verifier, drafter, layers=[0, 1])
+    with torch.no_grad():
+        module.project.weight.normal_()
+    module.save_pretrained(tmp_path / "steering")
+    loaded = SteeringModule.from_pretrained(tmp_path / "steering")
+    assert loaded.verifier_layers == [0, 1]
+    states = _states(module)
+    torch.testing.assert_close(loaded(states), module(states))

@@ -1,0 +1,184 @@
+"""SD^2 steering: the verifier's hidden states steer a pretrained drafter (ALGORITHMS.md section 6).
+
+Berdoz, Rheinboldt, Wattenhofer, "Steering Pretrained Drafters during Speculative Decoding" (arXiv
+2511.09844). :class:`SteeringModule` reads the verifier's hidden states entering three of its layers
+(early, middle, late) at one position, concatenated (3d), and maps them to one bias per drafter layer::
+
+    combine: Linear(3d -> d, bias), initialised to [I I I] (the sum of the three states)
+    norm:    LayerNorm(d)
+    project: Linear(d -> d_ff x L, no bias), zero-initialised
+
+:meth:`SteeringModule.attach` installs the biases in every SwiGLU MLP of the drafter, on the up branch,
+``down(act(gate(x)) * (up(x) + delta_l))``, with a forward hook on each ``up_proj``: the drafter's
+modeling code is neither copied nor edited, and :meth:`SteeringHandle.remove` leaves the drafter as it
+was. At zero initialisation (or with no guide set) the steered drafter computes exactly what the plain
+one computes. ``save_pretrained`` / ``from_pretrained`` come from ``PyTorchModelHubMixin``; the config
+records the verifier layers read and the sizes of the pair it fits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from huggingface_hub import PyTorchModelHubMixin
+from torch import nn
+
+__all__ = ["SteeringHandle", "SteeringModule", "default_verifier_layers", "swiglu_mlps"]
+
+
+def default_verifier_layers(num_layers: int) -> list[int]:
+    """The authors' layers 3, 16 and 29 of a 32-layer verifier, scaled to ``num_layers`` (indices into
+    Hugging Face's ``hidden_states``: i = the input of layer i), distinct and in range."""
+    if num_layers < 1:
+        raise ValueError(f"the verifier needs at least one layer, got {num_layers}")
+    picked = sorted({min(num_layers - 1, round(x * num_layers / 32)) for x in (3, 16, 29)})
+    return picked
+
+
+def swiglu_mlps(drafter: nn.Module) -> list[nn.Module]:
+    """The drafter's SwiGLU MLPs (modules with ``gate_proj``, ``up_proj`` and ``down_proj``), in order."""
+    return [
+        m
+        for m in drafter.modules()
+        if all(hasattr(m, name) for name in ("gate_proj", "up_proj", "down_proj"))
+    ]
+
+
+class SteeringHandle:
+    """The hooks that add the current guide's biases to a drafter's MLPs; ``set`` a guide (L, d_ff) or
+    None (no steering), ``remove`` to detach. A context manager that removes itself."""
+
+    def __init__(self, mlps: Sequence[nn.Module]) -> None:
+        self.deltas: torch.Tensor | None = None
+        self._hooks = [
+            mlp.up_proj.register_forward_hook(self._hook(i))  # type: ignore[union-attr]
+            for i, mlp in enumerate(mlps)
+        ]
+
+    def _hook(self, layer: int) -> Any:
+        def add_bias(module: nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor:
+            if self.deltas is None:
+                return output
+            return output + self.deltas[layer].to(output.dtype)
+
+        return add_bias
+
+    def set(self, deltas: torch.Tensor | None) -> None:
+        self.deltas = deltas
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        self.deltas = None
+
+    def __enter__(self) -> SteeringHandle:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+
+class SteeringModule(
+    nn.Module,
+    PyTorchModelHubMixin,
+    library_name="draftsmith",
+    tags=["speculative-decoding", "sd2", "steering", "draftsmith"],
+):
+    """Verifier hidden states (..., S, d) at S = len(verifier_layers) layers -> drafter biases (..., L, d_ff)."""
+
+    def __init__(
+        self,
+        verifier_hidden_size: int,
+        drafter_intermediate_size: int,
+        drafter_layers: int,
+        verifier_layers: list[int],
+    ) -> None:
+        super().__init__()
+        for name, value in (
+            ("verifier_hidden_size", verifier_hidden_size),
+            ("drafter_intermediate_size", drafter_intermediate_size),
+            ("drafter_layers", drafter_layers),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not verifier_layers:
+            raise ValueError("verifier_layers must name at least one verifier layer")
+        d, sources = verifier_hidden_size, len(verifier_layers)
+        self.verifier_hidden_size, self.drafter_intermediate_size = d, drafter_intermediate_size
+        self.drafter_layers, self.verifier_layers = drafter_layers, [int(i) for i in verifier_layers]
+        self.combine = nn.Linear(sources * d, d)
+        self.norm = nn.LayerNorm(d)
+        self.project = nn.Linear(d, drafter_intermediate_size * drafter_layers, bias=False)
+        with torch.no_grad():
+            self.combine.weight.copy_(torch.cat([torch.eye(d)] * sources, dim=1))
+            self.combine.bias.zero_()
+            self.project.weight.zero_()
+
+    def forward(self, states: torch.Tensor) -> torch.Tensor:
+        """states: (..., S, d), the verifier's hidden states entering ``verifier_layers`` at one position."""
+        x = self.combine(states.flatten(-2))
+        out = self.project(self.norm(x))
+        return out.unflatten(-1, (self.drafter_layers, self.drafter_intermediate_size))
+
+    @classmethod
+    def for_pair(
+        cls, verifier: nn.Module, drafter: nn.Module, layers: Sequence[int] | None = None
+    ) -> SteeringModule:
+        """A zero-initialised module for this pair (the verifier's width and depth, the drafter's MLPs),
+        on the verifier's device and dtype."""
+        v_cfg = getattr(verifier, "config", None)
+        d_cfg = getattr(drafter, "config", None)
+        hidden = getattr(v_cfg, "hidden_size", None)
+        depth = getattr(v_cfg, "num_hidden_layers", None)
+        mlps = swiglu_mlps(drafter)
+        if hidden is None or depth is None:
+            raise ValueError("the verifier needs config.hidden_size and config.num_hidden_layers")
+        if not mlps:
+            raise ValueError(
+                f"{type(drafter).__name__} has no SwiGLU MLP (gate_proj / up_proj / down_proj) to steer; "
+                "SD^2 steers Llama- and Qwen-style drafters"
+            )
+        ff = int(mlps[0].up_proj.out_features)  # type: ignore[union-attr, arg-type]
+        if getattr(d_cfg, "intermediate_size", ff) != ff:
+            raise ValueError("the drafter's MLP width differs from its config.intermediate_size")
+        module = cls(
+            int(hidden), ff, len(mlps), list(layers) if layers else default_verifier_layers(int(depth))
+        )
+        param = next(verifier.parameters())
+        return module.to(device=param.device, dtype=param.dtype)
+
+    def check_pair(self, verifier: nn.Module, drafter: nn.Module) -> None:
+        """Refuse a pair this module was not made for, naming both sizes."""
+        v_cfg = getattr(verifier, "config", None)
+        hidden = getattr(v_cfg, "hidden_size", None)
+        depth = getattr(v_cfg, "num_hidden_layers", None)
+        if hidden is not None and int(hidden) != self.verifier_hidden_size:
+            raise ValueError(
+                f"the steering module reads verifier states of width {self.verifier_hidden_size}, "
+                f"but this verifier's hidden size is {hidden}"
+            )
+        if depth is not None and max(self.verifier_layers) > int(depth):
+            raise ValueError(
+                f"the steering module reads verifier layers {self.verifier_layers}, but this verifier has "
+                f"{depth} layers"
+            )
+        mlps = swiglu_mlps(drafter)
+        sizes = {int(m.up_proj.out_features) for m in mlps}  # type: ignore[union-attr, arg-type]
+        if len(mlps) != self.drafter_layers or sizes != {self.drafter_intermediate_size}:
+            raise ValueError(
+                f"the steering module steers {self.drafter_layers} drafter MLPs of width "
+                f"{self.drafter_intermediate_size}, but this drafter has {len(mlps)} of width "
+                f"{sorted(sizes) or 'none'}"
+            )
+
+    def attach(self, drafter: nn.Module) -> SteeringHandle:
+        """Hooks on ``drafter``'s MLPs that add the guide set on the returned handle."""
+        mlps = swiglu_mlps(drafter)
+        if len(mlps) != self.drafter_layers:
+            raise ValueError(
+                f"the drafter has {len(mlps)} SwiGLU MLPs, the module steers {self.drafter_layers}"
+            )
+        return SteeringHandle(mlps)
