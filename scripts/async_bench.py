@@ -2,6 +2,7 @@
 
     python scripts/async_bench.py                      # benchmark pair and embedded pair, greedy
     python scripts/async_bench.py --pairs bench --tokens 128 --prompts 4 --repeats 3
+    python scripts/async_bench.py --pairs bench --devices cuda:0 cuda:1 --threads 1   # two GPUs
 
 In one run, on the same prompts, interleaved: autoregressive decoding and synchronous chain SD at
 each gamma with ``--threads`` intra-op threads (the two cores for one model at a time), and
@@ -71,7 +72,7 @@ def run_pair(
                     max_ahead=block,
                     min_ahead=min_ahead,
                     idle=idle,
-                    pin_cores=(0, 1),
+                    pin_cores=(0, 1) if args.devices[0] == "cpu" else None,
                 )
                 decoders[f"async max_block {block}, idle {idle}, min_ahead {min_ahead}"] = (decoder, 1)
     reference = {}
@@ -133,10 +134,15 @@ def main() -> None:
         "--threads", type=int, nargs="+", default=[2, 1], help="intra-op threads of the synchronous decoders"
     )
     parser.add_argument("--min-ahead", type=int, nargs="+", default=[1, 4])
+    parser.add_argument(
+        "--devices", nargs="+", default=["cpu"], help="verifier's device, then the drafter's (cuda:0 cuda:1)"
+    )
     args = parser.parse_args()
     start = time.perf_counter()
     with torch.inference_mode():
         for label, (verifier, drafter, prompts) in _pairs(args.pairs, args.prompts).items():
+            verifier.to(args.devices[0])
+            drafter.to(args.devices[-1])
             rows = run_pair(verifier, drafter, prompts, args)
             print(f"## {label}\n")
             print(

@@ -10,10 +10,13 @@ tests skip without CUDA.
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from tests.conftest import REPO_ROOT
 from train.decoding import AsyncSpeculativeDecoder, AutoregressiveDecoder, SamplingParams, SpeculativeDecoder
 
 from .decoding_helpers import build, tiny_config
@@ -149,3 +152,28 @@ def test_async_decoder_on_devices_keeps_greedy_output(cpu_pair, placement):
     result = AsyncSpeculativeDecoder(verifier, drafter, max_block=6).generate(ids, 40)
     assert torch.equal(result.tokens, expected)
     assert result.stats.verifier_calls < 40
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_async_benchmark_on_two_gpus():
+    """The AMUSD benchmark as the method intends it: verifier on cuda:0, drafter on cuda:1, against
+    synchronous SD and autoregressive decoding in one run (greedy outputs checked by the script)."""
+    cmd = [
+        sys.executable,
+        "scripts/async_bench.py",
+        "--pairs",
+        "bench",
+        "--devices",
+        "cuda:0",
+        "cuda:1",
+        "--threads",
+        "1",
+        "--prompts",
+        "4",
+        "--tokens",
+        "128",
+    ]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    print(proc.stdout)
+    assert "async max_block" in proc.stdout
