@@ -10,6 +10,7 @@ verifier forward with the chain rule (:func:`~train.decoding.verification.greedy
 from __future__ import annotations
 
 from collections.abc import Iterable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -90,21 +91,12 @@ class SpeculativeDecoder:
         device), so a seed reproduces the output whatever devices the two models sit on.
         """
         prompt = validate_request(input_ids, max_new_tokens, params, (self.verifier, self.drafter))
-        if self.steering is None:
-            return run_synchronous(
-                self._verifier,
-                self._proposer,
-                prompt,
-                max_new_tokens,
-                self.gamma,
-                params,
-                eos_set(eos_token_id),
-                generator,
-                self.lenience,
-                self.eps,
-            )
-        with self.steering.attach(self.drafter) as handle:  # removed again: the drafter stays plain
-            proposer = SteeredProposer(self._proposer, self.steering, handle)
+        # SD^2: hooks on the drafter for the duration of this call only (the drafter stays plain)
+        attached = self.steering.attach(self.drafter) if self.steering is not None else nullcontext(None)
+        with attached as handle:
+            proposer: Any = self._proposer
+            if handle is not None:
+                proposer = SteeredProposer(self._proposer, self.steering, handle)
             result = run_synchronous(
                 self._verifier,
                 proposer,
@@ -117,5 +109,6 @@ class SpeculativeDecoder:
                 self.lenience,
                 self.eps,
             )
-        result.stats.guide_time += proposer.guide_time
+        if handle is not None:
+            result.stats.guide_time += proposer.guide_time
         return result
