@@ -108,6 +108,7 @@ def test_sampled_output_law_is_the_verifiers(delays):
     assert sum(s.accepted for s in result.stats) > 0.3 * runs and max(blocks) > min(blocks)
 
 
+@pytest.mark.slow
 def test_sampling_law_test_catches_a_biased_acceptance(monkeypatch):
     """Broken on purpose: accept drafts 10% less often than the rule says."""
     original = loop_module.chain_rejection

@@ -243,6 +243,7 @@ def test_typical_acceptance_is_greedy_at_t0_and_marked_lossy(tiny_pairs):
         MedusaDecoder(verifier, random_heads(verifier), acceptance="greedy")
 
 
+@pytest.mark.slow
 def test_typical_acceptance_changes_the_output_law(small_verifier):
     """The rule is lossy: its output law differs from the verifier's, and the same chi-square test that
     passes the lossless rule sees it."""
