@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.decoding.decoding_helpers import build, tiny_config
-from train.models.steering import SteeringModule, default_verifier_layers, swiglu_mlps
+from train.models.steering import SteeringModule, default_verifier_layers, stale_guide_states, swiglu_mlps
 
 
 def test_default_layers_scale_the_authors_choice():
@@ -89,3 +89,38 @@ def test_save_and_load_keep_the_layers_and_weights(pair, tmp_path):
     assert loaded.verifier_layers == [0, 1]
     states = _states(module)
     torch.testing.assert_close(loaded(states), module(states))
+
+
+def test_stale_guides_by_hand():
+    # one row, 6 positions, response from position 2; states numbered by position
+    states = torch.arange(6, dtype=torch.float32).view(1, 6, 1, 1).expand(1, 6, 2, 3).clone()
+    out = stale_guide_states(states, 2, torch.tensor([2]))
+    # positions 0, 1 (prompt): zeros; t >= 2 takes max(t - 2, 2)
+    assert out[0, :, 0, 0].tolist() == [0.0, 0.0, 2.0, 2.0, 2.0, 3.0]
+    out = stale_guide_states(states, 1, torch.tensor([0]))
+    assert out[0, :, 1, 2].tolist() == [0.0, 0.0, 1.0, 2.0, 3.0, 4.0]
+    with pytest.raises(ValueError):
+        stale_guide_states(states, 0, torch.tensor([0]))
+
+
+def test_per_position_guides_match_one_guide_for_every_position(pair):
+    verifier, drafter = pair
+    module = SteeringModule.for_pair(verifier, drafter)
+    with torch.no_grad():
+        module.project.weight.normal_(0, 0.5)
+        ids = torch.tensor([[0, 5, 9, 3, 7]])
+        deltas = module(_states(module))
+        with module.attach(drafter) as handle:
+            handle.set(deltas)
+            shared = drafter(ids).logits
+            handle.set(deltas.expand(1, 5, *deltas.shape))  # (B, T, L, d_ff)
+            per_position = drafter(ids).logits
+            # a guide at the last position only changes the last position's logits
+            only_last = torch.zeros(1, 5, *deltas.shape)
+            only_last[0, -1] = deltas
+            handle.set(only_last)
+            partial = drafter(ids).logits
+        plain = drafter(ids).logits
+    torch.testing.assert_close(per_position, shared)
+    torch.testing.assert_close(partial[:, :-1], plain[:, :-1])
+    assert not torch.allclose(partial[:, -1], plain[:, -1])

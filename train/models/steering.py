@@ -25,7 +25,7 @@ import torch
 from huggingface_hub import PyTorchModelHubMixin
 from torch import nn
 
-__all__ = ["SteeringHandle", "SteeringModule", "default_verifier_layers", "swiglu_mlps"]
+__all__ = ["SteeringHandle", "SteeringModule", "default_verifier_layers", "stale_guide_states", "swiglu_mlps"]
 
 
 def default_verifier_layers(num_layers: int) -> list[int]:
@@ -46,9 +46,28 @@ def swiglu_mlps(drafter: nn.Module) -> list[nn.Module]:
     ]
 
 
+def stale_guide_states(states: torch.Tensor, offset: int, response_start: torch.Tensor) -> torch.Tensor:
+    """The verifier states each drafter position is steered with in training, as stale as in decoding.
+
+    states: (B, T, S, d), the verifier's states at every position; offset: o >= 1 (the authors draw one
+    per batch from 1..gamma); response_start: (B,), the first response position of each row. Position
+    t gets the states of position t - o, clamped at the response start; prompt positions (t <
+    response_start) get zeros (no guide: the first block is drafted unsteered). Returns (B, T, S, d)."""
+    if offset < 1:
+        raise ValueError(f"offset must be >= 1, got {offset}")
+    batch, length = states.shape[:2]
+    t = torch.arange(length, device=states.device).expand(batch, length)
+    start = response_start.to(states.device).view(batch, 1)
+    source = torch.maximum(t - offset, start).clamp(max=length - 1)
+    picked = torch.gather(states, 1, source[..., None, None].expand(-1, -1, *states.shape[2:]))
+    return torch.where((t >= start)[..., None, None], picked, torch.zeros_like(picked))
+
+
 class SteeringHandle:
-    """The hooks that add the current guide's biases to a drafter's MLPs; ``set`` a guide (L, d_ff) or
-    None (no steering), ``remove`` to detach. A context manager that removes itself."""
+    """The hooks that add the current guide's biases to a drafter's MLPs; ``set`` a guide or None (no
+    steering), ``remove`` to detach. A context manager that removes itself. A guide is (L, d_ff), one
+    bias per layer for every position (decoding), or (B, T, L, d_ff), one per position (training with
+    stale guides, :func:`stale_guide_states`)."""
 
     def __init__(self, mlps: Sequence[nn.Module]) -> None:
         self.deltas: torch.Tensor | None = None
@@ -61,7 +80,7 @@ class SteeringHandle:
         def add_bias(module: nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor:
             if self.deltas is None:
                 return output
-            return output + self.deltas[layer].to(output.dtype)
+            return output + self.deltas[..., layer, :].to(output.dtype)
 
         return add_bias
 
