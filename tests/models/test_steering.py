@@ -94,11 +94,12 @@ def test_save_and_load_keep_the_layers_and_weights(pair, tmp_path):
 def test_stale_guides_by_hand():
     # one row, 6 positions, response from position 2; states numbered by position
     states = torch.arange(6, dtype=torch.float32).view(1, 6, 1, 1).expand(1, 6, 2, 3).clone()
-    out = stale_guide_states(states, 2, torch.tensor([2]))
-    # positions 0, 1 (prompt): zeros; t >= 2 takes max(t - 2, 2)
+    out, has_guide = stale_guide_states(states, 2, torch.tensor([2]))
+    # positions 0, 1 (prompt): zeros and no guide; t >= 2 takes max(t - 2, 2)
     assert out[0, :, 0, 0].tolist() == [0.0, 0.0, 2.0, 2.0, 2.0, 3.0]
-    out = stale_guide_states(states, 1, torch.tensor([0]))
-    assert out[0, :, 1, 2].tolist() == [0.0, 0.0, 1.0, 2.0, 3.0, 4.0]
+    assert has_guide[0].tolist() == [False, False, True, True, True, True]
+    out, has_guide = stale_guide_states(states, 1, torch.tensor([0]))
+    assert out[0, :, 1, 2].tolist() == [0.0, 0.0, 1.0, 2.0, 3.0, 4.0] and bool(has_guide.all())
     with pytest.raises(ValueError):
         stale_guide_states(states, 0, torch.tensor([0]))
 

@@ -46,13 +46,17 @@ def swiglu_mlps(drafter: nn.Module) -> list[nn.Module]:
     ]
 
 
-def stale_guide_states(states: torch.Tensor, offset: int, response_start: torch.Tensor) -> torch.Tensor:
+def stale_guide_states(
+    states: torch.Tensor, offset: int, response_start: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The verifier states each drafter position is steered with in training, as stale as in decoding.
 
     states: (B, T, S, d), the verifier's states at every position; offset: o >= 1 (the authors draw one
     per batch from 1..gamma); response_start: (B,), the first response position of each row. Position
-    t gets the states of position t - o, clamped at the response start; prompt positions (t <
-    response_start) get zeros (no guide: the first block is drafted unsteered). Returns (B, T, S, d)."""
+    t gets the states of position t - o, clamped at the response start. Prompt positions (t <
+    response_start) have no guide, as the first block of decoding is drafted unsteered: their states are
+    zeros and ``has_guide`` is False there, and the caller must zero their biases too (the module maps
+    zero states to a nonzero bias once trained). Returns (states (B, T, S, d), has_guide (B, T) bool)."""
     if offset < 1:
         raise ValueError(f"offset must be >= 1, got {offset}")
     batch, length = states.shape[:2]
@@ -60,7 +64,8 @@ def stale_guide_states(states: torch.Tensor, offset: int, response_start: torch.
     start = response_start.to(states.device).view(batch, 1)
     source = torch.maximum(t - offset, start).clamp(max=length - 1)
     picked = torch.gather(states, 1, source[..., None, None].expand(-1, -1, *states.shape[2:]))
-    return torch.where((t >= start)[..., None, None], picked, torch.zeros_like(picked))
+    has_guide = t >= start
+    return torch.where(has_guide[..., None, None], picked, torch.zeros_like(picked)), has_guide
 
 
 class SteeringHandle:
