@@ -28,6 +28,7 @@ each side's busy time and the time both were busy (``overlap_time``), the point 
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -88,24 +89,14 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
-def _draft_loop(
-    shared: _Shared,
-    proposer: ModelProposer,
-    params: SamplingParams,
-    generator: torch.Generator | None,
-    eos: frozenset[int],
-    stats: DecodeStats,
-    busy: list[tuple[float, float]],
-    max_ahead: int,
-    limit: int,
-    pin: int | None,
-) -> None:
-    """The drafter thread: draft, publish, resynchronise after rollbacks, until ``shared.stop``."""
+def _draft_loop(shared: _Shared, draft: Callable[[], None], pin: int | None) -> None:
+    """The drafter thread: ``draft`` (:func:`_draft` with its arguments) on core ``pin``; an error is
+    handed to the verifier's thread, which raises it."""
     try:
         if pin is not None:
             os.sched_setaffinity(0, {pin})
         with torch.inference_mode():  # grad mode is per thread
-            _draft(shared, proposer, params, generator, eos, stats, busy, max_ahead, limit)
+            draft()
     except BaseException as err:  # noqa: BLE001 -- handed to the verifier thread, which raises it
         with shared.cond:
             shared.error = err
@@ -124,6 +115,7 @@ def _draft(
     max_ahead: int,
     limit: int,
 ) -> None:
+    """Draft, publish, resynchronise after rollbacks, until ``shared.stop``."""
     # ``local``: the sequence the drafter works on (and its cache was built from), updated in place:
     # only the tokens past ``stable`` (the verified length at the last look; verified tokens never
     # change) are copied from the shared state, so no step copies the whole sequence.
@@ -193,22 +185,21 @@ def run_asynchronous(
     drafter_busy: list[tuple[float, float]] = []
     verifier_busy: list[tuple[float, float]] = []
     proposer.start()
+    drafting = functools.partial(
+        _draft,
+        shared,
+        proposer,
+        params,
+        drafter_generator,
+        eos,
+        drafter_stats,
+        drafter_busy,
+        max_ahead,
+        limit,
+    )
+    pin = None if pin_cores is None else pin_cores[1]
     thread = threading.Thread(
-        target=_draft_loop,
-        args=(
-            shared,
-            proposer,
-            params,
-            drafter_generator,
-            eos,
-            drafter_stats,
-            drafter_busy,
-            max_ahead,
-            limit,
-            None if pin_cores is None else pin_cores[1],
-        ),
-        name="draftsmith-drafter",
-        daemon=True,
+        target=_draft_loop, args=(shared, drafting, pin), name="draftsmith-drafter", daemon=True
     )
     previous_affinity: Any = None
     if pin_cores is not None:
@@ -232,7 +223,6 @@ def run_asynchronous(
                     raise shared.error
                 n_seq = len(seq)
                 k = min(len(shared.drafts), max_block, limit - n_seq - 1)
-                k = max(k, 0)
                 if k and len(shared.drafts) < min_ahead and idle == "step":
                     k = 0
                 block = shared.drafts[:k]

@@ -48,6 +48,11 @@ class Refiner(Protocol):
     ) -> list[tuple[int, ...]]: ...
 
 
+def _order(item: tuple[float, tuple[int, ...]]) -> tuple[float, list[int]]:
+    """Higher score first; on a tie, the lower head ranks first."""
+    return item[0], [-q for q in item[1]]
+
+
 def p_best_paths(
     tokens: np.ndarray,
     head_logprobs: np.ndarray,
@@ -95,12 +100,9 @@ def p_best_paths(
                 path = (*ranks, r)
                 state = tuple(int(tokens[i, q]) for i, q in enumerate(path))[-keep:] if keep else ()
                 nxt.setdefault(state, []).append((total, path))
-        states = {
-            s: heapq.nlargest(p, paths, key=lambda item: (item[0], [-q for q in item[1]]))
-            for s, paths in nxt.items()
-        }
+        states = {s: heapq.nlargest(p, paths, key=_order) for s, paths in nxt.items()}
     finals = [item for paths in states.values() for item in paths]
-    best = heapq.nlargest(p, finals, key=lambda item: (item[0], [-q for q in item[1]]))
+    best = heapq.nlargest(p, finals, key=_order)
     return [(score, tuple(int(tokens[i, r]) for i, r in enumerate(ranks))) for score, ranks in best]
 
 

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from hydra.utils import instantiate
+from hydra.utils import get_object, instantiate
 
 from train.config import ConfigError
 from train.decoding import (
@@ -78,16 +78,15 @@ def drafter_kind(obj: Any) -> str:
     return str(getattr(obj, "drafter_kind", "model"))
 
 
+def _config_kind(settings: dict[str, Any]) -> str:
+    """The kind of drafter a decoder config's class takes, read from the class itself: nothing the
+    config names (n-gram models, steering modules, rescoring LMs) is loaded to find it out."""
+    return drafter_kind(get_object(settings["_target_"]))
+
+
 def decoder_kinds(cfg: EvalConfig) -> dict[str, str]:
     """{label: the kind of drafter that decoder config takes} (:func:`drafter_kind`)."""
-    out = {}
-    for label, settings in cfg.decoder_configs.items():
-        try:
-            factory = instantiate({**settings, "_partial_": True})
-        except (TypeError, ValueError) as err:
-            raise ConfigError(f"eval.decoders[{label}]: {err}") from None
-        out[label] = drafter_kind(getattr(factory, "func", factory))
-    return out
+    return {label: _config_kind(settings) for label, settings in cfg.decoder_configs.items()}
 
 
 def build_decoders(verifier: torch.nn.Module, drafter: torch.nn.Module, cfg: EvalConfig) -> dict[str, Any]:
@@ -95,10 +94,10 @@ def build_decoders(verifier: torch.nn.Module, drafter: torch.nn.Module, cfg: Eva
     (:func:`drafter_kind`), its partial called ``factory(verifier, drafter)``."""
     out = {}
     for label, settings in cfg.decoder_configs.items():
+        if _config_kind(settings) != drafter_kind(drafter):
+            continue
         try:
             factory = instantiate({**settings, "_partial_": True})
-            if drafter_kind(getattr(factory, "func", factory)) != drafter_kind(drafter):
-                continue
             out[label] = factory(verifier, drafter)
         except (TypeError, ValueError) as err:
             raise ConfigError(f"eval.decoders[{label}]: {err}") from None
