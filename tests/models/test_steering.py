@@ -95,13 +95,31 @@ def test_stale_guides_by_hand():
     # one row, 6 positions, response from position 2; states numbered by position
     states = torch.arange(6, dtype=torch.float32).view(1, 6, 1, 1).expand(1, 6, 2, 3).clone()
     out, has_guide = stale_guide_states(states, 2, torch.tensor([2]))
-    # positions 0, 1 (prompt): zeros and no guide; t >= 2 takes max(t - 2, 2)
-    assert out[0, :, 0, 0].tolist() == [0.0, 0.0, 2.0, 2.0, 2.0, 3.0]
+    # positions 0, 1 (prompt): zeros and no guide; t >= 2 takes max(t - 2, 1), 1 = the last prompt position
+    assert out[0, :, 0, 0].tolist() == [0.0, 0.0, 1.0, 1.0, 2.0, 3.0]
     assert has_guide[0].tolist() == [False, False, True, True, True, True]
     out, has_guide = stale_guide_states(states, 1, torch.tensor([0]))
-    assert out[0, :, 1, 2].tolist() == [0.0, 0.0, 1.0, 2.0, 3.0, 4.0] and bool(has_guide.all())
+    # no prompt: position 0 has no earlier state to be steered by
+    assert out[0, :, 1, 2].tolist() == [0.0, 0.0, 1.0, 2.0, 3.0, 4.0]
+    assert has_guide[0].tolist() == [False, True, True, True, True, True]
     with pytest.raises(ValueError):
         stale_guide_states(states, 0, torch.tensor([0]))
+
+
+@pytest.mark.parametrize("offset", [1, 2, 4, 7])
+def test_stale_guides_never_come_from_the_position_itself_or_later(offset):
+    # The drafter at t predicts t + 1; the verifier's state at t already encodes that token's distribution,
+    # so a guide from t or later would leak the target (decoding never has one).
+    batch, length = 3, 12
+    states = torch.arange(length, dtype=torch.float32).view(1, length, 1, 1).expand(batch, length, 1, 2) + 1
+    start = torch.tensor([1, 4, 9])
+    out, has_guide = stale_guide_states(states, offset, start)
+    source = out[..., 0, 0] - 1  # the position each guide came from (-1: none)
+    t = torch.arange(length).expand(batch, length)
+    assert bool((source[has_guide] < t[has_guide]).all())
+    assert bool((source[has_guide] >= (start.view(-1, 1) - 1).expand(batch, length)[has_guide]).all())
+    assert bool((source[has_guide] >= (t - offset)[has_guide]).all())
+    assert has_guide.tolist() == (t >= start.view(-1, 1)).tolist()
 
 
 def test_per_position_guides_match_one_guide_for_every_position(pair):

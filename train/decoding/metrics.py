@@ -38,6 +38,7 @@ __all__ = [
     "loop_overhead",
     "mbsu",
     "param_count",
+    "positional_block_efficiency",
     "per_position_acceptance",
     "simulated_block_efficiency",
     "speedup",
@@ -169,6 +170,19 @@ def simulated_block_efficiency(a: float, gamma: int) -> float:
     if a == 1.0:
         return float(gamma + 1)
     return (1.0 - a ** (gamma + 1)) / (1.0 - a)
+
+
+def positional_block_efficiency(acceptance: Sequence[float]) -> float:
+    """1 + sum_k prod_{i <= k} a_i: expected tau when the i-th draft of a block is accepted with
+    probability a_i (e.g. a steered drafter whose guide is i verifications stale); equals
+    :func:`simulated_block_efficiency` when every a_i is the same."""
+    tau, run = 1.0, 1.0
+    for a in acceptance:
+        if not 0.0 <= a <= 1.0:
+            raise ValueError(f"acceptance rates must be in [0, 1], got {a}")
+        run *= a
+        tau += run
+    return tau
 
 
 def drafter_calls_per_verifier_call(stats: DecodeStats) -> float:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from contextlib import nullcontext
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -35,12 +35,16 @@ class SpeculativeDecoder:
 
     ``steering`` (SD^2, e.g. :class:`train.models.steering.SteeringModule`): the drafter's MLPs get biases
     from the verifier's states at the last committed position, refreshed after every verification
-    (:mod:`train.decoding.steered`); verification is unchanged, so it stays lossless.
+    (:mod:`train.decoding.steered`); verification is unchanged, so it stays lossless. A ``steered``
+    drafter (one carrying its own module, :class:`train.models.steering.SteeredDrafter`) is unpacked
+    into the two, so the evaluator measures it under the same ``sd`` configs as plain drafters.
 
     Verifier and drafter must share a tokenizer. Their output sizes may differ (padded embeddings):
     the verifier's distribution is always kept whole, the drafter proposes only ids it has (zero mass
     elsewhere), so the output is exactly the verifier's either way.
     """
+
+    drafter_kinds: ClassVar[tuple[str, ...]] = ("model", "steered")
 
     def __init__(
         self,
@@ -51,6 +55,10 @@ class SpeculativeDecoder:
         eps: float = 1.0,
         steering: Any = None,
     ) -> None:
+        if getattr(drafter, "drafter_kind", "model") == "steered":
+            if steering is not None:
+                raise ValueError("the drafter carries its own steering module; pass steering=None")
+            drafter, steering = drafter.drafter, drafter.steering  # type: ignore[assignment]
         if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
             raise ValueError(f"gamma must be an integer >= 1, got {gamma!r}")
         if lenience is not None and lenience not in LENIENCES:

@@ -111,7 +111,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         raise ConfigError(f"steering: the decoders {steered} steer the drafter; pass steering=PATH")
     if cfg.get("steering") is not None:
         check_model_source("steering", str(cfg.steering))
-    kinds = set(decoder_kinds(eval_cfg).values())
+    kinds = {k for taken in decoder_kinds(eval_cfg).values() for k in taken}
     heads_source = cfg.get("heads")
     if "heads" in kinds and heads_source is None:
         raise ConfigError(

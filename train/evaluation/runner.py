@@ -73,28 +73,35 @@ class _Entry:
 
 
 def drafter_kind(obj: Any) -> str:
-    """What kind of drafter a drafter or a decoder class is or takes: ``model`` (a second language model,
-    the default) or ``heads`` (prediction heads on the verifier), from its ``drafter_kind`` attribute."""
+    """What kind of drafter a drafter is: ``model`` (a second language model, the default), ``heads``
+    (prediction heads on the verifier) or ``steered`` (a model with its SD^2 steering module), from its
+    ``drafter_kind`` attribute."""
     return str(getattr(obj, "drafter_kind", "model"))
 
 
-def _config_kind(settings: dict[str, Any]) -> str:
-    """The kind of drafter a decoder config's class takes, read from the class itself: nothing the
+def accepted_kinds(obj: Any) -> tuple[str, ...]:
+    """The kinds of drafter a decoder class takes: its ``drafter_kinds``, else its one ``drafter_kind``."""
+    kinds = getattr(obj, "drafter_kinds", None)
+    return tuple(str(k) for k in kinds) if kinds else (drafter_kind(obj),)
+
+
+def _config_kinds(settings: dict[str, Any]) -> tuple[str, ...]:
+    """The kinds of drafter a decoder config's class takes, read from the class itself: nothing the
     config names (n-gram models, steering modules, rescoring LMs) is loaded to find it out."""
-    return drafter_kind(get_object(settings["_target_"]))
+    return accepted_kinds(get_object(settings["_target_"]))
 
 
-def decoder_kinds(cfg: EvalConfig) -> dict[str, str]:
-    """{label: the kind of drafter that decoder config takes} (:func:`drafter_kind`)."""
-    return {label: _config_kind(settings) for label, settings in cfg.decoder_configs.items()}
+def decoder_kinds(cfg: EvalConfig) -> dict[str, tuple[str, ...]]:
+    """{label: the kinds of drafter that decoder config takes} (:func:`accepted_kinds`)."""
+    return {label: _config_kinds(settings) for label, settings in cfg.decoder_configs.items()}
 
 
 def build_decoders(verifier: torch.nn.Module, drafter: torch.nn.Module, cfg: EvalConfig) -> dict[str, Any]:
     """{label: decoder} for one drafter: each decoder config that takes this kind of drafter
-    (:func:`drafter_kind`), its partial called ``factory(verifier, drafter)``."""
+    (:func:`drafter_kind` among :func:`accepted_kinds`), its partial called ``factory(verifier, drafter)``."""
     out = {}
     for label, settings in cfg.decoder_configs.items():
-        if _config_kind(settings) != drafter_kind(drafter):
+        if drafter_kind(drafter) not in _config_kinds(settings):
             continue
         try:
             factory = instantiate({**settings, "_partial_": True})

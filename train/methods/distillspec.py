@@ -46,10 +46,11 @@ from train.config import require
 from train.data.datamodule import PromptDataModule
 from train.data.sources import load_text_dataset
 from train.decoding.metrics import simulated_block_efficiency
-from train.decoding.rollout import Rollout, position_ids_from_mask, rollout
+from train.decoding.rollout import Rollout, rollout
 from train.decoding.sampling import SamplingParams
 from train.export import export_drafter
 from train.losses import DIVERGENCES, divergence, expected_acceptance
+from train.methods.responses import ResponseCache, continuation_logits, mix_seed, with_continuation
 from train.models.loading import eos_token_ids, load_model, output_vocab_size
 from train.models.lora import LoraSettings, apply_lora, merge_lora
 from train.optim import check_optimizer, configure_optimizers
@@ -194,7 +195,9 @@ class DistillSpecModule(L.LightningModule):
         pad = tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else self.eos_token_id[0])
         self.vocab_size = min(output_vocab_size(student), output_vocab_size(teacher))
-        self._teacher_cache: dict[bytes, torch.Tensor] = {}
+        self._teacher_cache = ResponseCache(
+            lambda ids, attn, gen: self._generate(self.teacher, ids, attn, gen), self.pad_token_id
+        )
         self._val_cache: dict[int, Rollout] = {}
         self._val_sums = [0.0, 0.0, 0]
         self.last_num_tokens = 0
@@ -211,15 +214,10 @@ class DistillSpecModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """The teacher continuations generated so far travel with the checkpoint: a resumed run reuses
         them instead of sampling different ones at a later step (exact resume)."""
-        checkpoint["teacher_cache"] = {
-            "prompts": list(self._teacher_cache),
-            "continuations": list(self._teacher_cache.values()),
-        }
+        checkpoint["teacher_cache"] = self._teacher_cache.state()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        saved = checkpoint.get("teacher_cache")
-        if saved:
-            self._teacher_cache = dict(zip(saved["prompts"], saved["continuations"], strict=True))
+        self._teacher_cache.load(checkpoint.get("teacher_cache"))
 
     def configure_optimizers(self) -> Any:
         params = [p for p in self.student.parameters() if p.requires_grad]
@@ -228,20 +226,16 @@ class DistillSpecModule(L.LightningModule):
     def _generator(self, *salt: int) -> torch.Generator:
         """Seeded by (run seed, salt): a resumed run draws the same rollouts the killed one would have."""
         gen = torch.Generator(device=self.device)
-        gen.manual_seed(_mix(self.seed, *salt))
+        gen.manual_seed(mix_seed(self.seed, *salt))
         return gen
 
     # ---------------------------------------------------------------- data
 
     def _fixed(self, batch: dict[str, torch.Tensor]) -> Rollout:
         """Prompt + ground-truth continuation, in the same layout a rollout has."""
-        ids, attn = batch["input_ids"], batch["attention_mask"]
-        cont, cmask = batch["continuation_ids"], batch["continuation_mask"]
-        width = ids.shape[1]
-        full_mask = torch.cat([attn, cmask], dim=1)
-        cont_mask = full_mask.bool().clone()
-        cont_mask[:, :width] = False
-        return Rollout(torch.cat([ids, cont], dim=1), full_mask, cont_mask, width)
+        return with_continuation(
+            batch["input_ids"], batch["attention_mask"], batch["continuation_ids"], batch["continuation_mask"]
+        )
 
     def _generate(
         self, model: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor, gen: torch.Generator
@@ -262,24 +256,7 @@ class DistillSpecModule(L.LightningModule):
         ids, attn = batch["input_ids"], batch["attention_mask"]
         if not self.cfg.cache_teacher:
             return self._generate(self.teacher, ids, attn, gen)
-        keys = [ids[i][attn[i].bool()].cpu().numpy().tobytes() for i in range(ids.shape[0])]
-        missing = [i for i, k in enumerate(keys) if k not in self._teacher_cache]
-        if missing:
-            sub = self._generate(self.teacher, ids[missing], attn[missing], gen)
-            for row, i in enumerate(missing):
-                self._teacher_cache[keys[i]] = sub.sequences[row, sub.prompt_width :][
-                    sub.continuation_mask[row, sub.prompt_width :]
-                ].cpu()
-        conts = [self._teacher_cache[k] for k in keys]
-        n = max(len(c) for c in conts)
-        cont = torch.full((ids.shape[0], n), self.pad_token_id, dtype=ids.dtype, device=ids.device)
-        cmask = torch.zeros_like(cont)
-        for i, c in enumerate(conts):
-            cont[i, : len(c)] = c.to(ids.device)
-            cmask[i, : len(c)] = 1
-        return self._fixed(
-            {"input_ids": ids, "attention_mask": attn, "continuation_ids": cont, "continuation_mask": cmask}
-        )
+        return self._teacher_cache(ids, attn, gen)
 
     def make_batch(self, batch: dict[str, torch.Tensor], source: str, gen: torch.Generator) -> Rollout:
         """The training sequences for ``source`` in {fixed, teacher, student}."""
@@ -294,23 +271,15 @@ class DistillSpecModule(L.LightningModule):
         lam = self.cfg.on_policy_probability
         if lam >= 1.0:
             return "student"
-        if lam > 0.0 and random.Random(_mix(self.seed, step, -2)).random() < lam:
+        if lam > 0.0 and random.Random(mix_seed(self.seed, step, -2)).random() < lam:
             return "student"
         return self.cfg.off_policy_source
 
     # ---------------------------------------------------------------- loss
 
     def logits(self, model: torch.nn.Module, ro: Rollout) -> torch.Tensor:
-        """(B, N, V) logits predicting the continuation positions (the prompt's logits are never built)."""
-        n = ro.sequences.shape[1] - ro.prompt_width
-        out = model(
-            input_ids=ro.sequences,
-            attention_mask=ro.attention_mask,
-            position_ids=position_ids_from_mask(ro.attention_mask),
-            logits_to_keep=n + 1,
-            use_cache=False,
-        )
-        return out.logits[:, :-1]
+        """(B, N, V) logits predicting the continuation positions."""
+        return continuation_logits(model, ro)
 
     def distill_loss(self, ro: Rollout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(loss, student logits, teacher logits, mask) on the continuation tokens of ``ro``."""
@@ -428,11 +397,3 @@ class DistillSpecModule(L.LightningModule):
             **{k: getattr(self.cfg, k) for k in keys},
             "lora": asdict(self.cfg.lora),
         }
-
-
-def _mix(*values: int) -> int:
-    """A seed from integers, stable across processes (unlike ``hash`` of strings)."""
-    seed = 0
-    for v in values:
-        seed = (seed * 1_000_003 + int(v)) % (2**61 - 1)
-    return seed

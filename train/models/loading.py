@@ -192,13 +192,30 @@ class ModelPair:
         return count(self.drafter) / count(self.verifier)
 
 
-def drafter_tokenizer_source(drafter: str) -> str | None:
+def drafter_tokenizer_source(drafter: str, key: str = "model.drafter") -> str | None:
     """The drafter folder's own tokenizer, if it ships one."""
     path = os.path.expanduser(drafter)
     if os.path.isdir(path):
         return path if os.path.exists(os.path.join(path, "tokenizer_config.json")) else None
     if looks_local(drafter):
-        raise ModelNotFoundError(f"model.drafter: no model folder at {drafter!r}")
+        raise ModelNotFoundError(f"{key}: no model folder at {drafter!r}")
+    return drafter
+
+
+def load_drafter(
+    cfg: ModelConfig,
+    source: str,
+    tokenizer: PreTrainedTokenizerBase,
+    verifier: PreTrainedModel,
+    key: str = "model.drafter",
+) -> PreTrainedModel:
+    """A drafter from ``source`` (any exported drafter or Hub id) for the pair's verifier: its own
+    tokenizer, when it ships one, must be the pair's, and its vocabulary must cover the tokenizer."""
+    tok_source = drafter_tokenizer_source(source, key)
+    if tok_source is not None and tok_source != cfg.tokenizer_source:
+        check_same_tokenizer(tokenizer, load_tokenizer(tok_source, cfg.trust_remote_code, key))
+    drafter = load_model(source, cfg.dtype, cfg.attn_implementation, cfg.trust_remote_code, key)
+    check_vocab_covers_tokenizer(tokenizer, verifier, drafter)
     return drafter
 
 
@@ -206,11 +223,6 @@ def load_pair(cfg: ModelConfig, freeze_drafter: bool = False) -> ModelPair:
     """Verifier (frozen), drafter (trainable unless ``freeze_drafter``) and the shared tokenizer."""
     tokenizer_key = "model.tokenizer" if cfg.tokenizer else "model.verifier"
     tokenizer = load_tokenizer(cfg.tokenizer_source, cfg.trust_remote_code, tokenizer_key)
-    drafter_tok_source = drafter_tokenizer_source(cfg.drafter)
-    if drafter_tok_source is not None and drafter_tok_source != cfg.tokenizer_source:
-        check_same_tokenizer(
-            tokenizer, load_tokenizer(drafter_tok_source, cfg.trust_remote_code, "model.drafter")
-        )
     verifier = freeze(
         load_model(
             cfg.verifier,
@@ -220,12 +232,9 @@ def load_pair(cfg: ModelConfig, freeze_drafter: bool = False) -> ModelPair:
             "model.verifier",
         )
     )
-    drafter = load_model(
-        cfg.drafter, cfg.dtype, cfg.attn_implementation, cfg.trust_remote_code, "model.drafter"
-    )
+    drafter = load_drafter(cfg, cfg.drafter, tokenizer, verifier)
     if freeze_drafter:
         freeze(drafter)
-    check_vocab_covers_tokenizer(tokenizer, verifier, drafter)
     return ModelPair(verifier=verifier, drafter=drafter, tokenizer=tokenizer)
 
 

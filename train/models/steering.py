@@ -19,13 +19,20 @@ records the verifier layers read and the sizes of the pair it fits.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from huggingface_hub import PyTorchModelHubMixin
 from torch import nn
 
-__all__ = ["SteeringHandle", "SteeringModule", "default_verifier_layers", "stale_guide_states", "swiglu_mlps"]
+__all__ = [
+    "SteeredDrafter",
+    "SteeringHandle",
+    "SteeringModule",
+    "default_verifier_layers",
+    "stale_guide_states",
+    "swiglu_mlps",
+]
 
 
 def default_verifier_layers(num_layers: int) -> list[int]:
@@ -52,19 +59,24 @@ def stale_guide_states(
     """The verifier states each drafter position is steered with in training, as stale as in decoding.
 
     states: (B, T, S, d), the verifier's states at every position; offset: o >= 1 (the authors draw one
-    per batch from 1..gamma); response_start: (B,), the first response position of each row. Position
-    t gets the states of position t - o, clamped at the response start. Prompt positions (t <
-    response_start) have no guide, as the first block of decoding is drafted unsteered: their states are
-    zeros and ``has_guide`` is False there, and the caller must zero their biases too (the module maps
-    zero states to a nonzero bias once trained). Returns (states (B, T, S, d), has_guide (B, T) bool)."""
+    per batch from 1..gamma); response_start: (B,), the first response position of each row.
+
+    In decoding, the guide of a block comes from the verifier's state at the position that produced the
+    block's first input token (the correction or bonus), never later: the drafter at position t (which
+    predicts token t + 1) is steered by a state from t - gamma .. t - 1, at the earliest the last prompt
+    position; the first block is drafted unsteered. So position t >= response_start gets the states of
+    position max(t - o, response_start - 1), always before t (a state at t itself would hand the drafter
+    the verifier's own prediction of its target); positions before the response have no guide: zeros,
+    and ``has_guide`` False, where the caller must zero the biases (a trained module maps zero states to
+    a nonzero bias). Returns (states (B, T, S, d), has_guide (B, T) bool)."""
     if offset < 1:
         raise ValueError(f"offset must be >= 1, got {offset}")
     batch, length = states.shape[:2]
     t = torch.arange(length, device=states.device).expand(batch, length)
     start = response_start.to(states.device).view(batch, 1)
-    source = torch.maximum(t - offset, start).clamp(max=length - 1)
+    has_guide = (t >= start) & (t >= 1)
+    source = torch.maximum(t - offset, start - 1).clamp(min=0, max=length - 1)
     picked = torch.gather(states, 1, source[..., None, None].expand(-1, -1, *states.shape[2:]))
-    has_guide = t >= start
     return torch.where(has_guide[..., None, None], picked, torch.zeros_like(picked)), has_guide
 
 
@@ -119,6 +131,8 @@ class SteeringModule(
         drafter_intermediate_size: int,
         drafter_layers: int,
         verifier_layers: list[int],
+        verifier_name: str | None = None,
+        drafter_name: str | None = None,
     ) -> None:
         super().__init__()
         for name, value in (
@@ -133,6 +147,8 @@ class SteeringModule(
         d, sources = verifier_hidden_size, len(verifier_layers)
         self.verifier_hidden_size, self.drafter_intermediate_size = d, drafter_intermediate_size
         self.drafter_layers, self.verifier_layers = drafter_layers, [int(i) for i in verifier_layers]
+        # which pair it was trained for (recorded in its config.json; the sizes are what is checked)
+        self.verifier_name, self.drafter_name = verifier_name, drafter_name
         self.combine = nn.Linear(sources * d, d)
         self.norm = nn.LayerNorm(d)
         self.project = nn.Linear(d, drafter_intermediate_size * drafter_layers, bias=False)
@@ -169,7 +185,12 @@ class SteeringModule(
         if getattr(d_cfg, "intermediate_size", ff) != ff:
             raise ValueError("the drafter's MLP width differs from its config.intermediate_size")
         module = cls(
-            int(hidden), ff, len(mlps), list(layers) if layers else default_verifier_layers(int(depth))
+            int(hidden),
+            ff,
+            len(mlps),
+            list(layers) if layers else default_verifier_layers(int(depth)),
+            verifier_name=getattr(v_cfg, "_name_or_path", None) or None,
+            drafter_name=getattr(d_cfg, "_name_or_path", None) or None,
         )
         param = next(verifier.parameters())
         return module.to(device=param.device, dtype=param.dtype)
@@ -206,3 +227,22 @@ class SteeringModule(
                 f"the drafter has {len(mlps)} SwiGLU MLPs, the module steers {self.drafter_layers}"
             )
         return SteeringHandle(mlps)
+
+
+class SteeredDrafter(nn.Module):
+    """A drafter together with the steering module trained for it, measured as one drafter.
+
+    The evaluator hands it to decoders that take ``steered`` drafters (``SpeculativeDecoder``), which
+    unpack it; its parameters count both (the drafter's cost includes the projection). ``config`` is the
+    drafter's, for context-length checks."""
+
+    drafter_kind: ClassVar[str] = "steered"
+
+    def __init__(self, drafter: nn.Module, steering: SteeringModule) -> None:
+        super().__init__()
+        self.drafter = drafter
+        self.steering = steering
+
+    @property
+    def config(self) -> Any:
+        return self.drafter.config

@@ -1,0 +1,404 @@
+"""SD^2 training (train/methods/steering.py): config validation, the arms and their independence, stale
+guides, zero-init equality of the steered and distilled arms, checkpoints (no verifier, responses kept),
+resume, export (steering/ + drafter/ loading with standard tools), the steered drafter in the evaluator,
+and the whole run through the real entry point (slow) and under CPU DDP (slow)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from datasets import Dataset
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from lightning.pytorch.callbacks import ModelCheckpoint
+from omegaconf import OmegaConf, open_dict
+from transformers import AutoModelForCausalLM
+
+from tests.conftest import CONF_DIR, REPO_ROOT, make_tokenizer, tiny_llama
+from train.config import ConfigError
+from train.data.datamodule import PromptDataModule
+from train.decoding import AutoregressiveDecoder, SamplingParams, SpeculativeDecoder
+from train.evaluation import build_eval_config
+from train.evaluation.runner import build_decoders
+from train.methods.steering import (
+    BASELINE_ARM,
+    MAIN_ARM,
+    SteeringConfig,
+    SteeringTrainingModule,
+    newest_distillspec_drafter,
+)
+from train.models.steering import SteeredDrafter, SteeringModule
+from train.run import load_spec
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2)
+TEXT = "def add(a, b):\n    return a + b  # sum of two numbers\n"
+
+
+def _cfg(**kw) -> SteeringConfig:
+    base = dict(
+        optimizer=ADAMW,
+        max_new_tokens=6,
+        prompt_len=8,
+        batch_size=4,
+        num_prompts=8,
+        num_val_prompts=4,
+        gamma=3,
+    )
+    base.update(kw)
+    return SteeringConfig(**base)
+
+
+def _splits() -> dict[str, Dataset]:
+    docs = [f"{TEXT * 2} # doc {i} " + "x" * (i % 7) for i in range(24)]
+    return {
+        "train": Dataset.from_dict({"text": docs[:16]}),
+        "validation": Dataset.from_dict({"text": docs[16:]}),
+    }
+
+
+def _module(cfg: SteeringConfig, extra_arm: bool = False) -> tuple[SteeringTrainingModule, PromptDataModule]:
+    tok = make_tokenizer()
+    verifier, drafter = tiny_llama(hidden=64, seed=0), tiny_llama(hidden=32, seed=1)
+    arms: dict = {}
+    if cfg.distilled_baseline:
+        arms[BASELINE_ARM] = (tiny_llama(hidden=32, seed=1), None)
+    arms[MAIN_ARM] = (drafter, cfg.steering_for(verifier, drafter))
+    if extra_arm:
+        other = tiny_llama(hidden=32, seed=2)
+        arms["distillspec_steered"] = (other, cfg.steering_for(verifier, other))
+    data = PromptDataModule(
+        _splits(),
+        tok,
+        prompt_len=cfg.prompt_len,
+        batch_size=cfg.batch_size,
+        continuation_len=cfg.max_new_tokens,
+        max_prompts=cfg.num_prompts,
+        max_val_prompts=cfg.num_val_prompts,
+    )
+    references = {"pretrained": lambda: tiny_llama(hidden=32, seed=1)}
+    return SteeringTrainingModule(verifier, arms, tok, cfg, seed=0, references=references), data
+
+
+def _trainer(tmp_path: Path, max_steps: int, **kw) -> L.Trainer:
+    ckpt = ModelCheckpoint(
+        dirpath=tmp_path / "checkpoints", save_last=True, save_top_k=0, every_n_train_steps=1
+    )
+    return L.Trainer(
+        accelerator="cpu",
+        max_steps=max_steps,
+        val_check_interval=2,
+        check_val_every_n_epoch=None,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        gradient_clip_val=1.0,
+        callbacks=[ckpt],
+        default_root_dir=tmp_path,
+        **kw,
+    )
+
+
+def _batch(module: SteeringTrainingModule, data: PromptDataModule) -> dict[str, torch.Tensor]:
+    data.setup("fit")
+    return next(iter(data.train_dataloader()))
+
+
+# ------------------------------------------------------------------------------------------ config
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"divergence": "kl"}, "method.divergence must be one of"),
+        ({"gamma": 0}, "method.gamma must be >= 1"),
+        ({"temperature": 0.0}, "method.temperature must be > 0"),
+        ({"layers": []}, "method.layers"),
+        ({"train_drafter": False, "lora": {"enabled": True}}, "method.lora.enabled must be false"),
+        ({"drafter": "./no/such/drafter"}, "method.drafter: no model folder"),
+        ({"distillspec_drafter": "./no/such/drafter"}, "method.distillspec_drafter: no model folder"),
+    ],
+)
+def test_bad_config_fails_naming_the_key(kw, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        _cfg(**kw)
+
+
+def _compose(overrides: list[str], tmp_path: Path):
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)
+    with open_dict(cfg):
+        cfg.paths.run_dir = str(tmp_path / "run")
+        del cfg["hydra"]
+    return cfg
+
+
+def test_experiment_composes_with_three_seeds_at_both_temperatures(tmp_path):
+    spec = load_spec(_compose(["experiment=steering"], tmp_path))
+    assert spec.name == "steering" and isinstance(spec.method, SteeringConfig)
+    assert spec.method.distillspec_drafter == "auto" and spec.method.distilled_baseline
+    assert spec.eval.temperatures == [0.0, 1.0] and len(spec.eval.seeds) >= 3
+    with pytest.raises(ConfigError, match=re.escape("method.gamma")):
+        load_spec(_compose(["experiment=steering", "method.gamma=0"], tmp_path))
+
+
+def test_newest_distillspec_drafter_of_the_same_verifier(tmp_path):
+    for run, verifier in (("2026-01-01_00-00-00", "/v"), ("2026-01-02_00-00-00", "/v"), ("2026-01-03", "/w")):
+        folder = tmp_path / "distillspec" / run
+        (folder / "drafter").mkdir(parents=True)
+        (folder / "drafter" / "config.json").write_text("{}")
+        OmegaConf.save(OmegaConf.create({"model": {"verifier": verifier}}), folder / "config.yaml")
+    assert newest_distillspec_drafter(str(tmp_path), "/v") == str(
+        tmp_path / "distillspec" / "2026-01-02_00-00-00" / "drafter"
+    )
+    assert newest_distillspec_drafter(str(tmp_path), "/other") is None
+
+
+# ------------------------------------------------------------------------------------------ module
+
+
+def test_at_zero_initialisation_the_steered_arm_equals_the_distilled_arm():
+    module, data = _module(_cfg())
+    batch = _batch(module, data)
+    ro = module.responses(batch["input_ids"], batch["attention_mask"], module._generator(0))
+    _, states = module.verifier_view(ro)
+    with torch.no_grad():
+        plain = module.arm_logits(BASELINE_ARM, ro, states, 2)
+        steered = module.arm_logits(MAIN_ARM, ro, states, 2)
+        torch.testing.assert_close(steered, plain, rtol=0, atol=0)
+        module.steering_of(MAIN_ARM).project.weight.normal_(0, 0.1)
+        moved = module.arm_logits(MAIN_ARM, ro, states, 2)
+    assert not torch.allclose(moved, plain)
+    # the hooks were removed after the forward: the drafter is plain again
+    torch.testing.assert_close(module.arm_logits(BASELINE_ARM, ro, states, 2), plain, rtol=0, atol=0)
+
+
+def test_the_guide_depends_on_the_offset_and_only_the_response_is_steered():
+    module, data = _module(_cfg())
+    batch = _batch(module, data)
+    ro = module.responses(batch["input_ids"], batch["attention_mask"], module._generator(0))
+    _, states = module.verifier_view(ro)
+    with torch.no_grad():
+        module.steering_of(MAIN_ARM).project.weight.normal_(0, 0.5)
+        by_offset = [module.arm_logits(MAIN_ARM, ro, states, o) for o in (1, 2, 3)]
+        plain = module.arm_logits(BASELINE_ARM, ro, states, 1)
+    assert not torch.allclose(by_offset[0], by_offset[2])
+    # the first response token is predicted from the last prompt position: no guide there (first block)
+    torch.testing.assert_close(by_offset[0][:, 0], plain[:, 0], rtol=0, atol=0)
+
+
+def test_offsets_cover_one_to_gamma_and_are_reproducible():
+    module, _ = _module(_cfg(gamma=4))
+    offsets = [module.offset_for(s) for s in range(400)]
+    assert set(offsets) == {1, 2, 3, 4} and min(offsets.count(o) for o in range(1, 5)) > 60
+    assert offsets == [module.offset_for(s) for s in range(400)]
+
+
+def test_training_step_trains_every_arm_and_the_steering_module():
+    module, data = _module(_cfg(), extra_arm=True)
+    batch = _batch(module, data)
+    loss = module.training_step(batch, 0)
+    assert torch.isfinite(loss)
+    loss.backward()
+    for label in (MAIN_ARM, "distillspec_steered"):
+        grad = module.steering_of(label).project.weight.grad
+        assert grad is not None and grad.abs().sum() > 0, label  # zero-initialised, yet it learns
+    for label, drafter in module.drafters.items():
+        assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in drafter.parameters()), label
+    assert len(module.responses) == batch["input_ids"].shape[0]
+    assert all(p.grad is None for p in module.verifier.parameters())
+
+
+def test_train_drafter_false_trains_the_steering_module_alone(tmp_path):
+    module, data = _module(_cfg(train_drafter=False, distilled_baseline=False))
+    before = {k: v.clone() for k, v in module.drafters[MAIN_ARM].state_dict().items()}
+    _trainer(tmp_path, 3).fit(module, datamodule=data)
+    after = module.drafters[MAIN_ARM].state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert module.steering_of(MAIN_ARM).project.weight.abs().sum() > 0
+    assert module.reference_drafter == "pretrained"
+
+
+def test_arms_do_not_interact(tmp_path):
+    """The distilled arm trained beside a steered one ends exactly where it ends trained alone: shared
+    batches and verifier, separate parameters, per-arm gradient clipping."""
+    both, data = _module(_cfg())
+    _trainer(tmp_path / "both", 3).fit(both, datamodule=data)
+    alone, data2 = _module(_cfg())
+    del alone.drafters[MAIN_ARM]  # keep the baseline arm only (the steering module stays, unused)
+    alone.steering[MAIN_ARM].requires_grad_(False)
+    _trainer(tmp_path / "alone", 3).fit(alone, datamodule=data2)
+    a, b = both.drafters[BASELINE_ARM].state_dict(), alone.drafters[BASELINE_ARM].state_dict()
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+def test_fit_validates_checkpoints_without_the_verifier_and_resumes(tmp_path):
+    module, data = _module(_cfg())
+    trainer = _trainer(tmp_path, 4)
+    trainer.fit(module, datamodule=data)
+    metrics = trainer.callback_metrics
+    for key in (
+        "val/expected_acceptance",
+        "val/simulated_block_efficiency",
+        "val/loss",
+        f"val/{BASELINE_ARM}/expected_acceptance",
+        f"val/{BASELINE_ARM}/simulated_block_efficiency",
+        "train/loss",
+        "train/expected_acceptance",
+        "train/guide_offset",
+    ):
+        assert key in metrics, key
+    assert 0.0 <= float(metrics["val/expected_acceptance"]) <= 1.0
+    assert 1.0 <= float(metrics["val/simulated_block_efficiency"]) <= 4.0
+    saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
+    assert all(k.startswith(("drafters.", "steering.")) for k in saved["state_dict"])
+    assert len(saved["verifier_responses"]["prompts"]) == len(module.responses) > 0
+
+    resumed, data2 = _module(_cfg())
+    trainer2 = _trainer(tmp_path / "resumed", 6)
+    trainer2.fit(resumed, datamodule=data2, ckpt_path=str(tmp_path / "checkpoints" / "last.ckpt"))
+    assert trainer2.global_step == 6
+    assert set(resumed.responses.responses) >= set(saved["verifier_responses"]["prompts"])
+
+
+def test_export_loads_with_standard_tools_and_decodes_losslessly(tmp_path):
+    module, data = _module(_cfg(), extra_arm=True)
+    _trainer(tmp_path, 2).fit(module, datamodule=data)
+    with torch.no_grad():
+        module.steering_of(MAIN_ARM).project.weight.normal_(0, 0.5)  # a visibly nonzero module
+    out = module.export(str(tmp_path / "run" / "steering"))
+    steering = SteeringModule.from_pretrained(out)
+    config = json.loads((out / "config.json").read_text())
+    assert config["verifier_layers"] == module.layers and config["drafter_layers"] == 2
+    drafter = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "drafter")
+    assert (tmp_path / "run" / "distilled_drafter" / "config.json").is_file()
+    assert (tmp_path / "run" / "distillspec_steered" / "steering" / "config.json").is_file()
+    ids = torch.tensor([[256, 5, 9, 3, 7, 11, 2]])
+    with torch.no_grad():
+        torch.testing.assert_close(drafter(ids).logits, module.drafters[MAIN_ARM](ids).logits)
+        torch.testing.assert_close(steering.project.weight, module.steering_of(MAIN_ARM).project.weight)
+    verifier = module.verifier
+    steered = SteeredDrafter(drafter, steering)
+    decoder = SpeculativeDecoder(verifier, steered, gamma=3)
+    assert decoder.steering is steering and decoder.drafter is drafter
+    greedy = AutoregressiveDecoder(verifier).generate(ids, 20, SamplingParams()).tokens
+    assert torch.equal(decoder.generate(ids, 20, SamplingParams()).tokens, greedy)
+
+
+def test_evaluator_measures_a_steered_drafter_under_sd_but_not_under_trees():
+    verifier, drafter = tiny_llama(hidden=64, seed=0), tiny_llama(hidden=32, seed=1)
+    steered = SteeredDrafter(drafter, SteeringModule.for_pair(verifier, drafter))
+    cfg = build_eval_config({"decoders": ["sd", "specinfer"], "gammas": [2]})
+    decoders = build_decoders(verifier, steered, cfg)
+    assert list(decoders) == ["sd@g2"] and decoders["sd@g2"].steering is steered.steering
+    assert set(build_decoders(verifier, drafter, cfg)) == {"sd@g2", "specinfer"}
+    with pytest.raises(ValueError, match="carries its own steering module"):
+        SpeculativeDecoder(verifier, steered, steering=steered.steering)
+
+
+# ------------------------------------------------------------------------------------------ end to end
+
+
+def _micro_run(tmp_path: Path, extra: list[str], name: str) -> tuple[subprocess.CompletedProcess, Path]:
+    run_dir = tmp_path / name
+    micro = "hidden_size={h},num_layers=2,num_heads=2,intermediate_size=32,max_steps=2"
+    cmd = [
+        sys.executable,
+        "train.py",
+        "experiment=steering",
+        f"paths.tiny_dir={tmp_path / 'tiny'}",
+        "model.tiny.vocab_size=300",
+        "model.tiny.seq_len=64",
+        "model.tiny.val_blocks=2",
+        *(
+            f"model.tiny.{role}.{kv}"
+            for role, h in (("verifier", 16), ("drafter", 8))
+            for kv in micro.format(h=h).split(",")
+        ),
+        "trainer.max_steps=4",
+        "trainer.val_check_interval=2",
+        "method.num_prompts=32",
+        "method.num_val_prompts=4",
+        "method.batch_size=4",
+        "eval.num_prompts=2",
+        "eval.max_new_tokens=12",
+        "eval.seeds=[0]",
+        "eval.plots=false",
+        "logger=csv",
+        f"hydra.run.dir={run_dir}",
+        "~callbacks.progress_bar",
+        *extra,
+    ]
+    env = {**os.environ, "DRAFTSMITH_ROOT": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, env=env)
+    return proc, run_dir
+
+
+@pytest.mark.slow
+def test_main_job_end_to_end_with_the_distillspec_row(tmp_path):
+    """``experiment=steering`` through the real entry point on a micro pair, with a fake earlier
+    DistillSpec run of the same verifier for ``distillspec_drafter=auto``: every row is reported."""
+    proc, run_dir = _micro_run(tmp_path, [], "first")  # no DistillSpec run yet: that arm is skipped
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((run_dir / "report.json").read_text())
+    assert set(report["drafters"]) == {"pretrained", BASELINE_ARM, MAIN_ARM}
+    # a DistillSpec run of this verifier: its exported drafter is picked up by distillspec_drafter=auto
+    fake = tmp_path / "checkpoints" / "distillspec" / "2026-01-01_00-00-00"
+    fake.mkdir(parents=True)
+    (fake / "config.yaml").write_text((run_dir / "config.yaml").read_text())
+    import shutil
+
+    shutil.copytree(run_dir / "distilled_drafter", fake / "drafter")
+    proc, run_dir = _micro_run(tmp_path, [], "second")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["reference"] == BASELINE_ARM
+    assert set(report["drafters"]) == {
+        "pretrained",
+        BASELINE_ARM,
+        MAIN_ARM,
+        "distillspec",
+        "distillspec_steered",
+    }
+    for name, per_decoder in report["drafters"].items():
+        for per_t in per_decoder.values():
+            assert set(per_t) == {"0", "1"} and per_t["0"]["block_efficiency"]["mean"] >= 1.0, name
+    assert set(report["ratios"][MAIN_ARM]["sd"]) == {"0", "1"}
+    results = json.loads((run_dir / "eval" / "results.json").read_text())
+    assert all(r["greedy_match"] for r in results["runs"] if r["temperature"] == 0.0)
+    assert (run_dir / "steering" / "config.json").is_file() and (
+        run_dir / "drafter" / "config.json"
+    ).is_file()
+    assert "## Arms (last validation)" in (run_dir / "report.md").read_text()
+
+
+@pytest.mark.slow
+def test_cpu_ddp_two_processes(tmp_path):
+    proc, run_dir = _micro_run(
+        tmp_path,
+        [
+            "trainer=ddp",
+            "trainer.accelerator=cpu",
+            "trainer.devices=2",
+            "trainer.enable_progress_bar=false",
+            "method.distillspec_drafter=null",
+        ],
+        "ddp",
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["method"]["method"] == "sd2-steering"
+    assert report["drafters"][MAIN_ARM]["sd"]["0"]["block_efficiency"]["mean"] >= 1.0
+    assert len(list(tmp_path.rglob("steering/config.json"))) == 1  # rank 1 exported nothing

@@ -1,0 +1,530 @@
+"""SD^2: train a steering module (and the drafter) so the verifier's hidden states steer a pretrained
+drafter (ALGORITHMS.md section 6; Berdoz, Rheinboldt, Wattenhofer, arXiv 2511.09844; docs/steering.md).
+
+**Data.** The frozen verifier answers each training prompt once per run at ``temperature`` (T = 1 by
+default), in batched rollouts with the engine's sampling (:class:`train.methods.responses.ResponseCache`);
+the responses travel with the run's checkpoints, so a resumed run trains on the same ones.
+
+**Arms.** One run trains, on the very same batches, steps and loss, every drafter the comparison needs,
+each with its own parameters (one verifier forward per batch serves them all):
+
+==========================  ===================================================================
+``steered``                 ``method.drafter`` (default: the pair's drafter) + a steering module
+``distilled``               the same drafter without steering: the paper's "distilled" baseline
+                            (``distilled_baseline``)
+``distillspec_steered``     an exported DistillSpec drafter + its own steering module
+                            (``distillspec_drafter``: a path, or ``auto`` = the newest
+                            ``checkpoints/distillspec`` run of this verifier, skipped when none)
+==========================  ===================================================================
+
+The drafters train fully, through LoRA (``lora``) or not at all (``train_drafter: false``: the
+steering module alone; the baseline then is the untouched drafter). The loss is a divergence of
+:mod:`train.losses` by name (forward KL by default) between the verifier's and the drafter's
+distributions on response tokens. Gradients are clipped per arm, so arms never interact.
+
+**Stale guides.** In decoding a block is steered by the verifier's state from before the block, 1 to
+gamma positions stale. Each batch draws one offset o in 1..gamma (the authors' scheme) and steers the
+drafter at position t with the verifier's states at t - o (:func:`train.models.steering.
+stale_guide_states`: never later than t - 1, at the earliest the last prompt position; no guide on the
+prompt). Validation measures each steered arm at every offset and logs ``val/expected_acceptance``
+(mean over offsets) and ``val/simulated_block_efficiency`` (block position i with staleness i) for the
+``steered`` arm, ``val/<arm>/...`` for every arm.
+
+**Finish** (:func:`train.report.finish`): exports ``steering/`` (mixin folder; its config records the
+verifier layers, the sizes and the pair it fits) with ``drafter/`` beside it (loads alone as a plain
+drafter), ``distilled_drafter/`` and ``distillspec_steered/{drafter,steering}``; then evaluates the
+pretrained drafter, every arm (steered ones as :class:`~train.models.steering.SteeredDrafter`) and the
+DistillSpec drafter as it was, with ratios to ``distilled``.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import glob
+import logging
+import os
+import random
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import lightning as L
+import torch
+from omegaconf import OmegaConf
+
+from train.config import check_model_source, require
+from train.data.datamodule import PromptDataModule
+from train.data.sources import load_text_dataset
+from train.decoding.metrics import positional_block_efficiency
+from train.decoding.rollout import Rollout, position_ids_from_mask, rollout
+from train.decoding.sampling import SamplingParams
+from train.export import export_drafter
+from train.losses import DIVERGENCES, divergence, expected_acceptance
+from train.methods.responses import ResponseCache, continuation_logits, mix_seed
+from train.models.loading import eos_token_ids, load_drafter, output_vocab_size
+from train.models.lora import LoraSettings, apply_lora, merge_lora
+from train.models.steering import SteeredDrafter, SteeringModule, stale_guide_states
+from train.optim import check_optimizer, configure_optimizers
+from train.tables import format_value, markdown_table
+
+__all__ = ["SteeringConfig", "SteeringTrainingModule", "newest_distillspec_drafter"]
+
+log = logging.getLogger(__name__)
+
+MAIN_ARM = "steered"
+BASELINE_ARM = "distilled"
+DISTILLSPEC_ARM = "distillspec_steered"
+
+
+@dataclass
+class SteeringConfig:
+    """Hyperparameters of SD^2 training (``method=steering``); validated before any model loads."""
+
+    optimizer: Any
+    scheduler: Any = None
+    drafter: str | None = None
+    """The drafter to steer: any exported drafter (a folder) or Hub id; None: the pair's ``model.drafter``."""
+    train_drafter: bool = True
+    """False: only the steering module trains (the drafter stays as loaded)."""
+    lora: Any = None
+    """LoRA on the drafters (:class:`train.models.lora.LoraSettings`); None or disabled: full fine-tune."""
+    layers: list[int] | None = None
+    """Verifier layers the guide reads (indices into ``hidden_states``); None: early/middle/late."""
+    divergence: str = "fkl"
+    """One of ``fkl``, ``rkl``, ``jsd``, ``tvd`` (:func:`train.losses.divergence`)."""
+    beta: float = 0.5
+    temperature: float = 1.0
+    """The verifier's sampling temperature for the responses (> 0), also the loss's softmax temperature."""
+    max_new_tokens: int = 32
+    prompt_len: int = 64
+    batch_size: int = 16
+    num_prompts: int = 1024
+    num_val_prompts: int = 32
+    gamma: int = 4
+    """Guides are 1..gamma positions stale in training and validation (the decoder's draft length)."""
+    distilled_baseline: bool = True
+    """Also train the drafter without steering on the same batches (the ``distilled`` arm)."""
+    distillspec_drafter: str | None = None
+    """Also steer this exported drafter (``distillspec_steered``); ``auto``: the newest DistillSpec run's."""
+
+    def __post_init__(self) -> None:
+        check_optimizer("method", self.optimizer, self.scheduler)
+        require(self.divergence in DIVERGENCES, "method.divergence", f"one of {DIVERGENCES}", self.divergence)
+        require(0.0 <= self.beta <= 1.0, "method.beta", "in [0, 1]", self.beta)
+        require(self.temperature > 0, "method.temperature", "> 0 (responses are sampled)", self.temperature)
+        require(self.max_new_tokens >= 1, "method.max_new_tokens", ">= 1", self.max_new_tokens)
+        require(self.prompt_len >= 2, "method.prompt_len", ">= 2", self.prompt_len)
+        require(self.batch_size >= 1, "method.batch_size", ">= 1", self.batch_size)
+        require(
+            self.num_prompts >= self.batch_size,
+            "method.num_prompts",
+            f">= method.batch_size ({self.batch_size})",
+            self.num_prompts,
+        )
+        require(self.num_val_prompts >= 1, "method.num_val_prompts", ">= 1", self.num_val_prompts)
+        require(self.gamma >= 1, "method.gamma", ">= 1", self.gamma)
+        require(
+            self.layers is None or (len(self.layers) >= 1 and all(int(i) >= 0 for i in self.layers)),
+            "method.layers",
+            "null or a list of verifier layer indices >= 0",
+            self.layers,
+        )
+        self.lora = LoraSettings.coerce(self.lora, "method.lora")
+        require(
+            self.train_drafter or not self.lora.enabled,
+            "method.lora.enabled",
+            "false when method.train_drafter is false (nothing of the drafter trains)",
+            self.lora.enabled,
+        )
+        if self.drafter is not None:
+            check_model_source("method.drafter", str(self.drafter))
+        if self.distillspec_drafter not in (None, "auto"):
+            check_model_source("method.distillspec_drafter", str(self.distillspec_drafter))
+
+    def build(self, pair: Any, spec: Any) -> tuple[SteeringTrainingModule, L.LightningDataModule]:
+        """The arms (see the module docstring) on the pair's verifier, trained on ``spec.data`` prompts."""
+        data = PromptDataModule(
+            lambda: load_text_dataset(spec.data, pair.tokenizer),
+            pair.tokenizer,
+            prompt_len=self.prompt_len,
+            batch_size=self.batch_size,
+            continuation_len=self.max_new_tokens,
+            max_prompts=self.num_prompts,
+            max_val_prompts=self.num_val_prompts,
+            seed=spec.seed,
+        )
+        m = spec.model
+        load = functools.partial(load_drafter, m, tokenizer=pair.tokenizer, verifier=pair.verifier)
+        source = self.drafter or m.drafter
+        drafter = pair.drafter if self.drafter is None else load(source, key="method.drafter")
+        arms: dict[str, tuple[torch.nn.Module, SteeringModule | None]] = {}
+        if self.distilled_baseline:
+            arms[BASELINE_ARM] = (copy.deepcopy(drafter), None)
+        arms[MAIN_ARM] = (drafter, self.steering_for(pair.verifier, drafter))
+        references: dict[str, Callable[[], torch.nn.Module]] = {
+            "pretrained": functools.partial(load, source, key="method.drafter")
+        }
+        distillspec = self.distillspec_drafter
+        if distillspec == "auto":
+            distillspec = newest_distillspec_drafter(spec.paths.checkpoints_dir, m.verifier)
+            if distillspec is None:
+                log.warning(
+                    "method.distillspec_drafter=auto: no DistillSpec run of %s under %s; the %s arm is "
+                    "skipped (run `python train.py experiment=distillspec` first to add it)",
+                    m.verifier,
+                    spec.paths.checkpoints_dir,
+                    DISTILLSPEC_ARM,
+                )
+        if distillspec is not None:
+            ds = load(distillspec, key="method.distillspec_drafter")
+            arms[DISTILLSPEC_ARM] = (ds, self.steering_for(pair.verifier, ds))
+            references["distillspec"] = functools.partial(load, distillspec, key="method.distillspec_drafter")
+        module = SteeringTrainingModule(
+            pair.verifier, arms, pair.tokenizer, self, seed=spec.seed, references=references
+        )
+        module.sources = {"drafter": source, "distillspec_drafter": distillspec}
+        return module, data
+
+    def steering_for(self, verifier: torch.nn.Module, drafter: torch.nn.Module) -> SteeringModule:
+        depth = int(getattr(verifier, "config").num_hidden_layers)
+        require(
+            self.layers is None or max(int(i) for i in self.layers) <= depth,
+            "method.layers",
+            f"indices into the verifier's hidden_states (0..{depth})",
+            self.layers,
+        )
+        return SteeringModule.for_pair(verifier, drafter, self.layers).float()
+
+
+def newest_distillspec_drafter(checkpoints_dir: str, verifier: str) -> str | None:
+    """The exported drafter of the newest ``<checkpoints_dir>/distillspec/<run>/`` whose config names
+    ``verifier`` as its verifier, or None."""
+    runs = sorted(glob.glob(os.path.join(checkpoints_dir, "distillspec", "*", "drafter", "config.json")))
+    for config_json in reversed(runs):
+        run = Path(config_json).parent.parent
+        try:
+            run_verifier = OmegaConf.load(run / "config.yaml").model.verifier
+        except Exception:  # an unreadable or foreign run is not a candidate
+            continue
+        if os.path.abspath(str(run_verifier)) == os.path.abspath(str(verifier)):
+            return str(run / "drafter")
+    return None
+
+
+def _clip_norm(params: list[torch.nn.Parameter], max_norm: float) -> None:
+    if params:
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+
+class SteeringTrainingModule(L.LightningModule):
+    """Every arm's drafter (and steering module) learns the verifier's distributions on its responses.
+
+    ``arms``: {label: (drafter, steering module or None)}; ``references``: {label: loader} of drafters
+    evaluated as they are (the pretrained drafter, the DistillSpec drafter)."""
+
+    verifier: torch.nn.Module
+    artifact_dir = "steering"
+    card_base = "drafter"
+
+    def __init__(
+        self,
+        verifier: torch.nn.Module,
+        arms: dict[str, tuple[torch.nn.Module, SteeringModule | None]],
+        tokenizer: Any,
+        cfg: SteeringConfig,
+        seed: int = 0,
+        references: dict[str, Callable[[], torch.nn.Module]] | None = None,
+    ) -> None:
+        super().__init__()
+        if MAIN_ARM not in arms or arms[MAIN_ARM][1] is None:
+            raise ValueError(f"arms must include {MAIN_ARM!r} with a steering module")
+        self.cfg = cfg
+        self.seed = seed
+        self.tokenizer = tokenizer
+        self.references = dict(references or {})
+        self.sources: dict[str, Any] = {}
+        object.__setattr__(self, "verifier", verifier)  # frozen, outside checkpoints and the optimizer
+        verifier.eval()
+        verifier.requires_grad_(False)
+        self.drafters = torch.nn.ModuleDict()
+        self.steering = torch.nn.ModuleDict()
+        for label, (drafter, steering) in arms.items():
+            if not (cfg.train_drafter or steering is None):
+                drafter.requires_grad_(False)  # the steering module alone trains
+            elif cfg.lora.enabled:
+                drafter = apply_lora(drafter, cfg.lora)  # adapters train, the base stays frozen
+            else:
+                drafter.requires_grad_(True)
+            self.drafters[label] = drafter
+            if steering is not None:
+                self.steering[label] = steering
+                for other in self.steering.values():  # one verifier forward must serve every module
+                    if other.verifier_layers != steering.verifier_layers:
+                        raise ValueError("every steering module must read the same verifier layers")
+        self.layers = list(self.steering_of(MAIN_ARM).verifier_layers)
+        self.params = SamplingParams(temperature=float(cfg.temperature))
+        first = next(iter(self.drafters.values()))
+        self.eos_token_id = eos_token_ids(tokenizer, verifier, first)
+        pad = tokenizer.pad_token_id
+        self.pad_token_id = int(pad if pad is not None else self.eos_token_id[0])
+        self.vocab_size = min(
+            output_vocab_size(verifier), *(output_vocab_size(d) for d in self.drafters.values())
+        )
+        self.responses = ResponseCache(self._generate, self.pad_token_id)
+        self._val_cache: dict[int, Rollout] = {}
+        self._val_sums: dict[tuple[str, int], list[float]] = {}
+        self.last_validation: dict[str, float] = {}
+        # ratios are taken against the paper's baseline when it trains, else against the pretrained drafter
+        self.reference_drafter: str | None = BASELINE_ARM if BASELINE_ARM in self.drafters else "pretrained"
+
+    # ---------------------------------------------------------------- plumbing
+
+    def steering_of(self, label: str) -> SteeringModule:
+        return cast(SteeringModule, self.steering[label])
+
+    def setup(self, stage: str) -> None:
+        self.verifier.to(self.device)
+
+    def on_fit_start(self) -> None:
+        self.verifier.to(self.device)
+        self.drafters.train()
+        self.steering.train()
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["verifier_responses"] = self.responses.state()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.responses.load(checkpoint.get("verifier_responses"))
+
+    def configure_optimizers(self) -> Any:
+        params = [p for p in self.parameters() if p.requires_grad]
+        return configure_optimizers(params, self.cfg.optimizer, self.cfg.scheduler)
+
+    def configure_gradient_clipping(
+        self,
+        optimizer: Any,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
+        """Clip each arm on its own: a global norm over all arms would couple their updates."""
+        if gradient_clip_val is None or gradient_clip_val <= 0:
+            return
+        if gradient_clip_algorithm not in (None, "norm"):
+            self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+            return
+        for label, drafter in self.drafters.items():
+            params = [p for p in drafter.parameters() if p.grad is not None]
+            if label in self.steering:
+                params += [p for p in self.steering[label].parameters() if p.grad is not None]
+            _clip_norm(params, float(gradient_clip_val))
+
+    def _generator(self, *salt: int) -> torch.Generator:
+        """Seeded by (run seed, salt): a resumed run draws what the killed one would have."""
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(mix_seed(self.seed, *salt))
+        return gen
+
+    def _generate(self, ids: torch.Tensor, attn: torch.Tensor, gen: torch.Generator) -> Rollout:
+        return rollout(
+            self.verifier,
+            ids,
+            attn,
+            self.cfg.max_new_tokens,
+            self.params,
+            eos_token_id=self.eos_token_id,
+            pad_token_id=self.pad_token_id,
+            generator=gen,
+            vocab_size=self.vocab_size,
+        )
+
+    def offset_for(self, step: int) -> int:
+        """The guide staleness o in 1..gamma of a training step (reproducible on resume)."""
+        return random.Random(mix_seed(self.seed, step, -3)).randint(1, self.cfg.gamma)
+
+    # ---------------------------------------------------------------- loss
+
+    @torch.no_grad()
+    def verifier_view(self, ro: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
+        """The verifier's logits on the response positions (B, N, V) and its states entering the guide's
+        layers at every position (B, T, S, d), from one forward."""
+        out = self.verifier(
+            input_ids=ro.sequences,
+            attention_mask=ro.attention_mask,
+            position_ids=position_ids_from_mask(ro.attention_mask),
+            logits_to_keep=ro.sequences.shape[1] - ro.prompt_width + 1,
+            output_hidden_states=True,
+            use_cache=False,
+        )
+        states = torch.stack([out.hidden_states[i] for i in self.layers], dim=2)
+        return out.logits[:, :-1], states
+
+    def arm_logits(self, label: str, ro: Rollout, states: torch.Tensor, offset: int) -> torch.Tensor:
+        """The arm's drafter logits on the response positions, steered with guides ``offset`` stale."""
+        drafter = self.drafters[label]
+        if label not in self.steering:
+            return continuation_logits(drafter, ro)
+        steering = self.steering_of(label)
+        start = torch.full((states.shape[0],), ro.prompt_width, device=states.device)
+        guides, has_guide = stale_guide_states(states, offset, start)
+        deltas = steering(guides.to(steering.norm.weight.dtype))
+        deltas = deltas * has_guide[..., None, None].to(deltas.dtype)
+        with steering.attach(drafter) as handle:
+            handle.set(deltas)
+            return continuation_logits(drafter, ro)
+
+    def _divergence(self, logits: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return divergence(
+            self.cfg.divergence, logits, teacher, mask, temperature=self.cfg.temperature, beta=self.cfg.beta
+        )
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        step = self.global_step
+        ro = self.responses(
+            batch["input_ids"], batch["attention_mask"], self._generator(step, self.global_rank)
+        )
+        mask = ro.continuation_mask[:, ro.prompt_width :]
+        teacher, states = self.verifier_view(ro)
+        offset = self.offset_for(step)
+        bs = batch["input_ids"].shape[0]
+        total = torch.zeros((), device=self.device)
+        for label in self.drafters:
+            logits = self.arm_logits(label, ro, states, offset)
+            loss = self._divergence(logits, teacher, mask)
+            total = total + loss
+            ea = expected_acceptance(logits.detach(), teacher, mask, temperature=self.cfg.temperature)
+            prefix = "train" if label == MAIN_ARM else f"train/{label}"
+            self.log(f"{prefix}/divergence", loss.detach(), batch_size=bs)
+            self.log(f"{prefix}/expected_acceptance", ea, prog_bar=label == MAIN_ARM, batch_size=bs)
+        self.log("train/loss", total, prog_bar=True, batch_size=bs)
+        self.log("train/guide_offset", float(offset), batch_size=bs)
+        self.log("train/response_tokens", float(mask.sum()), batch_size=bs, reduce_fx="sum")
+        return total
+
+    # ---------------------------------------------------------------- validation
+
+    def on_validation_epoch_start(self) -> None:
+        self._val_sums = {}
+
+    @torch.no_grad()
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        if batch_idx not in self._val_cache:  # held-out verifier responses: generated once per run
+            self._val_cache[batch_idx] = self._generate(
+                batch["input_ids"], batch["attention_mask"], self._generator(-1, batch_idx, self.global_rank)
+            )
+        ro = self._val_cache[batch_idx]
+        mask = ro.continuation_mask[:, ro.prompt_width :]
+        n = float(mask.sum())
+        teacher, states = self.verifier_view(ro)
+        for label in self.drafters:
+            offsets = range(1, self.cfg.gamma + 1) if label in self.steering else (0,)
+            for o in offsets:
+                logits = self.arm_logits(label, ro, states, max(o, 1))
+                ea = float(expected_acceptance(logits, teacher, mask, temperature=self.cfg.temperature))
+                loss = float(self._divergence(logits, teacher, mask))
+                sums = self._val_sums.setdefault((label, o), [0.0, 0.0, 0.0])
+                sums[0] += loss * n
+                sums[1] += ea * n
+                sums[2] += n
+
+    def on_validation_epoch_end(self) -> None:
+        metrics: dict[str, float] = {}
+        for label in self.drafters:
+            per_offset = {o: s for (arm, o), s in self._val_sums.items() if arm == label and s[2] > 0}
+            if not per_offset:
+                continue
+            acceptance = [min(max(s[1] / s[2], 0.0), 1.0) for _, s in sorted(per_offset.items())]
+            if len(acceptance) == 1:  # unsteered: the same at every block position
+                acceptance = acceptance * self.cfg.gamma
+            prefix = "val" if label == MAIN_ARM else f"val/{label}"
+            metrics[f"{prefix}/loss"] = sum(s[0] / s[2] for s in per_offset.values()) / len(per_offset)
+            metrics[f"{prefix}/expected_acceptance"] = sum(acceptance) / len(acceptance)
+            metrics[f"{prefix}/simulated_block_efficiency"] = positional_block_efficiency(acceptance)
+        for key, value in metrics.items():
+            self.log(key, value, prog_bar=key in ("val/loss", "val/expected_acceptance"), sync_dist=True)
+        self.last_validation = metrics
+
+    # ---------------------------------------------------------------- finish
+
+    def plain_drafter(self, label: str) -> torch.nn.Module:
+        """The arm's drafter as a plain Hugging Face model (LoRA adapters merged into a copy)."""
+        return merge_lora(self.drafters[label])
+
+    def trained(self, label: str) -> torch.nn.Module:
+        """What the arm evaluates as: its drafter, with its steering module when it has one."""
+        drafter = self.plain_drafter(label)
+        if label in self.steering:
+            return SteeredDrafter(drafter, self.steering_of(label))
+        return drafter
+
+    def drafters_to_evaluate(self) -> dict[str, torch.nn.Module]:
+        """The pretrained drafter, the DistillSpec drafter as it was (when given) and every arm."""
+        drafters = {"pretrained": self.references["pretrained"]()} if "pretrained" in self.references else {}
+        for label in self.drafters:
+            if label == DISTILLSPEC_ARM and "distillspec" in self.references:
+                drafters["distillspec"] = self.references["distillspec"]()
+            drafters[label] = self.trained(label)
+        return drafters
+
+    def evaluation_verifier(self, verifier: torch.nn.Module) -> torch.nn.Module:
+        return verifier
+
+    def export(self, out_dir: str) -> Path:
+        """``steering/`` (mixin folder), ``drafter/`` beside it (save_pretrained + tokenizer), and the
+        other arms: ``distilled_drafter/`` and ``distillspec_steered/{drafter,steering}``."""
+        out = Path(out_dir)
+        self.steering_of(MAIN_ARM).save_pretrained(out)
+        export_drafter(
+            self.plain_drafter(MAIN_ARM), self.tokenizer, out.parent / "drafter", name="SD^2 drafter"
+        )
+        if BASELINE_ARM in self.drafters:
+            export_drafter(self.plain_drafter(BASELINE_ARM), self.tokenizer, out.parent / "distilled_drafter")
+        if DISTILLSPEC_ARM in self.drafters:
+            folder = out.parent / DISTILLSPEC_ARM
+            self.steering_of(DISTILLSPEC_ARM).save_pretrained(folder / "steering")
+            export_drafter(self.plain_drafter(DISTILLSPEC_ARM), self.tokenizer, folder / "drafter")
+        return out
+
+    def report_summary(self) -> dict[str, Any]:
+        keys = (
+            "train_drafter",
+            "divergence",
+            "beta",
+            "temperature",
+            "max_new_tokens",
+            "prompt_len",
+            "batch_size",
+            "num_prompts",
+            "gamma",
+        )
+        return {
+            "method": "sd2-steering",
+            **{k: getattr(self.cfg, k) for k in keys},
+            "verifier_layers": self.layers,
+            "arms": list(self.drafters),
+            "sources": self.sources,
+            "lora": asdict(self.cfg.lora),
+            "validation": self.last_validation,
+        }
+
+    def report_sections(self) -> list[str]:
+        rows = []
+        for label in self.drafters:
+            prefix = "val" if label == MAIN_ARM else f"val/{label}"
+            rows.append(
+                [
+                    label,
+                    "yes" if label in self.steering else "no",
+                    format_value(self.last_validation.get(f"{prefix}/expected_acceptance"), 3),
+                    format_value(self.last_validation.get(f"{prefix}/simulated_block_efficiency"), 2),
+                ]
+            )
+        table = markdown_table(["arm", "steered", "expected acceptance", "simulated tau"], rows, "llrr")
+        return [
+            "## Arms (last validation)",
+            table.rstrip(),
+            f"Every arm trained on the same verifier responses (T = {self.cfg.temperature}), steps and loss "
+            f"({self.cfg.divergence}). Steered arms are measured with guides 1..{self.cfg.gamma} positions "
+            "stale (block position i with staleness i); the evaluation below decodes with them.",
+        ]
