@@ -10,6 +10,7 @@ be checked and blocks.
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
@@ -20,6 +21,7 @@ from datetime import datetime
 from typing import Any
 
 import psutil
+from omegaconf import OmegaConf
 
 log = logging.getLogger(__name__)
 
@@ -139,3 +141,21 @@ def remove_if_unused(run_dir: str, created_by_us: bool = False) -> bool:
             return False
     shutil.rmtree(run_dir, ignore_errors=True)
     return True
+
+
+def newest_artifact(checkpoints_dir: str, experiment: str, verifier: str, artifact: str) -> str | None:
+    """``<checkpoints_dir>/<experiment>/<run>/<artifact>`` of the newest finished run (its artifact has a
+    ``config.json``) whose ``config.yaml`` names ``verifier`` as ``model.verifier``; None if there is none.
+    Run directories are named by start time, so the newest sorts last."""
+    pattern = os.path.join(
+        glob.escape(checkpoints_dir), glob.escape(experiment), "*", artifact, "config.json"
+    )
+    for config_json in sorted(glob.glob(pattern), reverse=True):
+        run = os.path.dirname(os.path.dirname(config_json))
+        try:
+            run_verifier = OmegaConf.load(os.path.join(run, "config.yaml")).model.verifier
+        except Exception:  # an unreadable or foreign run is not a candidate
+            continue
+        if os.path.abspath(str(run_verifier)) == os.path.abspath(str(verifier)):
+            return os.path.join(run, artifact)
+    return None

@@ -34,10 +34,10 @@ from train.methods.steering import (
     MAIN_ARM,
     SteeringConfig,
     SteeringTrainingModule,
-    newest_distillspec_drafter,
 )
 from train.models.steering import SteeredDrafter, SteeringModule
 from train.run import load_spec
+from train.rundir import newest_artifact
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -160,10 +160,10 @@ def test_newest_distillspec_drafter_of_the_same_verifier(tmp_path):
         (folder / "drafter").mkdir(parents=True)
         (folder / "drafter" / "config.json").write_text("{}")
         OmegaConf.save(OmegaConf.create({"model": {"verifier": verifier}}), folder / "config.yaml")
-    assert newest_distillspec_drafter(str(tmp_path), "/v") == str(
+    assert newest_artifact(str(tmp_path), "distillspec", "/v", "drafter") == str(
         tmp_path / "distillspec" / "2026-01-02_00-00-00" / "drafter"
     )
-    assert newest_distillspec_drafter(str(tmp_path), "/other") is None
+    assert newest_artifact(str(tmp_path), "distillspec", "/other", "drafter") is None
 
 
 # ------------------------------------------------------------------------------------------ module

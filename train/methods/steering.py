@@ -41,9 +41,7 @@ from __future__ import annotations
 
 import copy
 import functools
-import glob
 import logging
-import os
 import random
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -52,7 +50,6 @@ from typing import Any, cast
 
 import lightning as L
 import torch
-from omegaconf import OmegaConf
 
 from train.config import check_model_source, require
 from train.data.datamodule import PromptDataModule
@@ -67,9 +64,10 @@ from train.models.loading import eos_token_ids, load_drafter, output_vocab_size
 from train.models.lora import LoraSettings, apply_lora, merge_lora
 from train.models.steering import SteeredDrafter, SteeringModule, stale_guide_states
 from train.optim import check_optimizer, configure_optimizers
+from train.rundir import newest_artifact
 from train.tables import format_value, markdown_table
 
-__all__ = ["SteeringConfig", "SteeringTrainingModule", "newest_distillspec_drafter"]
+__all__ = ["SteeringConfig", "SteeringTrainingModule"]
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +166,7 @@ class SteeringConfig:
         }
         distillspec = self.distillspec_drafter
         if distillspec == "auto":
-            distillspec = newest_distillspec_drafter(spec.paths.checkpoints_dir, m.verifier)
+            distillspec = newest_artifact(spec.paths.checkpoints_dir, "distillspec", m.verifier, "drafter")
             if distillspec is None:
                 log.warning(
                     "method.distillspec_drafter=auto: no DistillSpec run of %s under %s; the %s arm is "
@@ -187,8 +185,9 @@ class SteeringConfig:
         module.sources = {"drafter": source, "distillspec_drafter": distillspec}
         return module, data
 
-    def steering_for(self, verifier: torch.nn.Module, drafter: torch.nn.Module) -> SteeringModule:
-        depth = int(getattr(verifier, "config").num_hidden_layers)
+    def steering_for(self, verifier: Any, drafter: torch.nn.Module) -> SteeringModule:
+        """A zero-initialised steering module for this drafter, reading ``layers`` of the verifier."""
+        depth = int(verifier.config.num_hidden_layers)
         require(
             self.layers is None or max(int(i) for i in self.layers) <= depth,
             "method.layers",
@@ -196,21 +195,6 @@ class SteeringConfig:
             self.layers,
         )
         return SteeringModule.for_pair(verifier, drafter, self.layers).float()
-
-
-def newest_distillspec_drafter(checkpoints_dir: str, verifier: str) -> str | None:
-    """The exported drafter of the newest ``<checkpoints_dir>/distillspec/<run>/`` whose config names
-    ``verifier`` as its verifier, or None."""
-    runs = sorted(glob.glob(os.path.join(checkpoints_dir, "distillspec", "*", "drafter", "config.json")))
-    for config_json in reversed(runs):
-        run = Path(config_json).parent.parent
-        try:
-            run_verifier = OmegaConf.load(run / "config.yaml").model.verifier
-        except Exception:  # an unreadable or foreign run is not a candidate
-            continue
-        if os.path.abspath(str(run_verifier)) == os.path.abspath(str(verifier)):
-            return str(run / "drafter")
-    return None
 
 
 def _clip_norm(params: list[torch.nn.Parameter], max_norm: float) -> None:
