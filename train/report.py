@@ -58,7 +58,7 @@ __all__ = [
 ]
 
 REPORT_SCHEMA = "draftsmith.report/1"
-RATIO_METRICS: tuple[str, ...] = ("block_efficiency", "speedup")
+RATIO_METRICS: tuple[str, ...] = ("block_efficiency", "accepted_per_block", "speedup")
 
 
 class EvaluationError(RuntimeError):
@@ -215,7 +215,7 @@ def build_report(results: Mapping[str, Any], reference: str | None = None) -> di
     {temperature: metric contract}}} (:func:`train.evaluation.by_temperature`); ``best``: {drafter:
     {temperature: {"decoder", "gamma", "speedup", "block_efficiency"}}}, the decoder with the highest
     mean speedup; ``ratios``: {drafter: {decoder: {temperature: {metric: mean / reference mean}}}} for
-    every drafter but the reference (metrics: block_efficiency, speedup); ``evaluation_seconds``.
+    every drafter but the reference (metrics: RATIO_METRICS: block_efficiency, accepted_per_block, speedup); ``evaluation_seconds``.
     """
     runs = results["runs"]
     names = list(dict.fromkeys(r["drafter"] for r in runs))
@@ -317,7 +317,9 @@ def summary_sections(report: Mapping[str, Any]) -> list[str]:
             f"## Ratios to `{reference}`",
             f"Mean of each drafter / mean of `{reference}`, same decoder, temperature, prompts and seeds.",
             markdown_table(
-                ["drafter", "decoder", "T", *(f"{m} ratio" for m in RATIO_METRICS)], ratio_rows, "lllrr"
+                ["drafter", "decoder", "T", *(f"{m} ratio" for m in RATIO_METRICS)],
+                ratio_rows,
+                "lll" + "r" * len(RATIO_METRICS),
             ).rstrip(),
         ]
     return parts

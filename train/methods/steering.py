@@ -63,7 +63,7 @@ from train.methods.responses import ResponseCache, continuation_logits, mix_seed
 from train.models.loading import eos_token_ids, load_drafter, output_vocab_size
 from train.models.lora import LoraSettings, apply_lora, merge_lora
 from train.models.steering import SteeredDrafter, SteeringModule, stale_guide_states
-from train.optim import check_optimizer, configure_optimizers
+from train.optim import check_optimizer, configure_optimizers, partial_kwarg
 from train.rundir import newest_artifact
 from train.tables import format_value, markdown_table
 
@@ -102,6 +102,8 @@ class SteeringConfig:
     num_val_prompts: int = 32
     gamma: int = 4
     """Guides are 1..gamma positions stale in training and validation (the decoder's draft length)."""
+    steering_lr_multiplier: float = 1.0
+    """The steering modules learn at this multiple of the optimizer's rate (they start from zero)."""
     distilled_baseline: bool = True
     """Also train the drafter without steering on the same batches (the ``distilled`` arm)."""
     distillspec_drafter: str | None = None
@@ -123,6 +125,12 @@ class SteeringConfig:
         )
         require(self.num_val_prompts >= 1, "method.num_val_prompts", ">= 1", self.num_val_prompts)
         require(self.gamma >= 1, "method.gamma", ">= 1", self.gamma)
+        require(
+            self.steering_lr_multiplier > 0,
+            "method.steering_lr_multiplier",
+            "> 0",
+            self.steering_lr_multiplier,
+        )
         require(
             self.layers is None or (len(self.layers) >= 1 and all(int(i) >= 0 for i in self.layers)),
             "method.layers",
@@ -283,8 +291,17 @@ class SteeringTrainingModule(L.LightningModule):
         self.responses.load(checkpoint.get("verifier_responses"))
 
     def configure_optimizers(self) -> Any:
-        params = [p for p in self.parameters() if p.requires_grad]
-        return configure_optimizers(params, self.cfg.optimizer, self.cfg.scheduler)
+        lr = partial_kwarg(self.cfg.optimizer, "lr") or 1e-3
+        groups = [
+            {"params": [p for p in self.drafters.parameters() if p.requires_grad], "lr": lr},
+            {
+                "params": [p for p in self.steering.parameters() if p.requires_grad],
+                "lr": lr * self.cfg.steering_lr_multiplier,
+            },
+        ]
+        return configure_optimizers(
+            [g for g in groups if g["params"]], self.cfg.optimizer, self.cfg.scheduler
+        )
 
     def configure_gradient_clipping(
         self,
@@ -481,6 +498,7 @@ class SteeringTrainingModule(L.LightningModule):
             "batch_size",
             "num_prompts",
             "gamma",
+            "steering_lr_multiplier",
         )
         return {
             "method": "sd2-steering",
