@@ -123,3 +123,57 @@ def test_cpu_ddp_medusa_two_processes(method: str, tmp_path: Path, tiny_pair_dir
     assert len(list(tmp_path.rglob("heads_vllm"))) == 1  # rank 1 exported nothing
     results = json.loads((run_dir / "eval" / "results.json").read_text())
     assert all(r["greedy_match"] for r in results["runs"] if r["temperature"] == 0.0)
+
+
+@pytest.mark.slow
+def test_cpu_ddp_distillspec_two_processes(tmp_path: Path, tiny_pair_dir: Path) -> None:
+    """DistillSpec under two gloo processes: on-policy and teacher rollouts on each rank's own prompts,
+    validation reduced across ranks, one export and one report from rank 0."""
+    data = tmp_path / "docs.jsonl"
+    data.write_text(
+        "\n".join(json.dumps({"text": f"def f{i}(x):\n    return x + {i}\n" * 8}) for i in range(80))
+    )
+    cmd = [
+        sys.executable,
+        "train.py",
+        "method=distillspec",
+        "trainer=ddp",
+        "trainer.accelerator=cpu",
+        "trainer.devices=2",
+        "trainer.max_steps=4",
+        "trainer.val_check_interval=2",
+        "trainer.limit_val_batches=1",
+        "trainer.enable_progress_bar=false",
+        "~callbacks.progress_bar",
+        "method.data_source=mixed_teacher",
+        "method.max_new_tokens=6",
+        "method.prompt_len=12",
+        "method.batch_size=4",
+        "method.num_prompts=32",
+        "method.num_val_prompts=4",
+        "model.tiny=null",
+        f"model.verifier={tiny_pair_dir / 'verifier'}",
+        f"model.drafter={tiny_pair_dir / 'drafter'}",
+        "data=local",
+        "data.name=jsonl",
+        f"data.data_files={data}",
+        "eval.num_prompts=2",
+        "eval.prompt_len=12",
+        "eval.max_new_tokens=8",
+        "eval.seeds=[0]",
+        "eval.progress=false",
+        "eval.plots=false",
+        "logger=csv",
+        "name=ddp_distillspec",
+    ]
+    env = os.environ | {"DRAFTSMITH_ROOT": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    (run_dir,) = [p for p in (tmp_path / "checkpoints" / "ddp_distillspec").iterdir() if p.is_dir()]
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["method"]["method"] == "distillspec" and set(report["drafters"]) == {"before", "after"}
+    assert (run_dir / "drafter" / "config.json").is_file()
+    assert len(list(tmp_path.rglob("report.json"))) == 1  # rank 1 reported nothing
+    metrics = (run_dir / "csv" / "metrics.csv").read_text()
+    assert "val/expected_acceptance" in metrics

@@ -300,7 +300,7 @@ class DistillSpecModule(L.LightningModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         step = self.global_step
         source = self.pick_source(step)
-        ro = self.make_batch(batch, source, self._generator(step, 0))
+        ro = self.make_batch(batch, source, self._generator(step, self.global_rank))  # each rank its own
         loss, s_logits, t_logits, mask = self.distill_loss(ro)
         self.last_num_tokens = int(mask.sum())
         total = loss
@@ -333,7 +333,10 @@ class DistillSpecModule(L.LightningModule):
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         if batch_idx not in self._val_cache:  # held-out teacher continuations: generated once per run
             self._val_cache[batch_idx] = self._generate(
-                self.teacher, batch["input_ids"], batch["attention_mask"], self._generator(-1, batch_idx)
+                self.teacher,
+                batch["input_ids"],
+                batch["attention_mask"],
+                self._generator(-1, batch_idx, self.global_rank),
             )
         loss, s_logits, t_logits, mask = self.distill_loss(self._val_cache[batch_idx])
         n = int(mask.sum())
