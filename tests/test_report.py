@@ -121,6 +121,7 @@ def _results() -> dict:
                 bump = 0.1 * t
                 metrics = {
                     "block_efficiency": {"mean": tau[name, gamma] + bump, "std": 0.0, "n": 2},
+                    "accepted_per_block": {"mean": tau[name, gamma] + bump - 1, "std": 0.0, "n": 2},
                     "speedup": {"mean": speed[name, gamma] + bump, "std": 0.01, "n": 2},
                 }
                 runs.append(
@@ -159,7 +160,8 @@ def test_report_names_the_best_gamma_and_the_ratios():
     text = report_markdown(
         {"name": "x", "drafter_dir": "/d", "method": {"method": "distillspec"}, **report}, _results()
     )
-    assert "| after | sd@g4 | 0 | 1.500 | 1.800 |" in text
+    # accepted tokens per block (the SD^2 paper's figure): 1.4 / 0.6
+    assert "| after | sd@g4 | 0 | 1.500 | 2.333 | 1.800 |" in text
     assert "| after | 0 | sd@g4 | 4 | 0.90 ± 0.01 | 2.40 ± 0.00 |" in text
 
 

@@ -43,14 +43,19 @@ import lightning as L
 import torch
 
 from train.config import require
-from train.data.datamodule import PromptDataModule
-from train.data.sources import load_text_dataset
 from train.decoding.metrics import simulated_block_efficiency
 from train.decoding.rollout import Rollout, rollout
 from train.decoding.sampling import SamplingParams
 from train.export import export_drafter
 from train.losses import DIVERGENCES, divergence, expected_acceptance
-from train.methods.responses import ResponseCache, continuation_logits, mix_seed, with_continuation
+from train.methods.responses import (
+    ResponseCache,
+    check_prompt_settings,
+    continuation_logits,
+    mix_seed,
+    prompt_data,
+    with_continuation,
+)
 from train.models.loading import eos_token_ids, load_model, output_vocab_size
 from train.models.lora import LoraSettings, apply_lora, merge_lora
 from train.optim import check_optimizer, configure_optimizers
@@ -108,16 +113,7 @@ class DistillSpecConfig:
             "> 0 (rollouts sample; greedy rollouts are not supported)",
             self.temperature,
         )
-        require(self.max_new_tokens >= 1, "method.max_new_tokens", ">= 1", self.max_new_tokens)
-        require(self.prompt_len >= 2, "method.prompt_len", ">= 2", self.prompt_len)
-        require(self.batch_size >= 1, "method.batch_size", ">= 1", self.batch_size)
-        require(
-            self.num_prompts >= self.batch_size,
-            "method.num_prompts",
-            f">= method.batch_size ({self.batch_size})",
-            self.num_prompts,
-        )
-        require(self.num_val_prompts >= 1, "method.num_val_prompts", ">= 1", self.num_val_prompts)
+        check_prompt_settings(self)
         require(self.ce_weight >= 0, "method.ce_weight", ">= 0", self.ce_weight)
         require(self.gamma >= 1, "method.gamma", ">= 1", self.gamma)
         self.lora = LoraSettings.coerce(self.lora, "method.lora")
@@ -135,16 +131,7 @@ class DistillSpecConfig:
     def build(self, pair: Any, spec: Any) -> tuple[DistillSpecModule, L.LightningDataModule]:
         """Student = the pair's drafter (LoRA-wrapped if asked), teacher = the frozen verifier; the
         pretrained drafter is reloaded from ``model.drafter`` for the finish step's ``before``."""
-        data = PromptDataModule(
-            lambda: load_text_dataset(spec.data, pair.tokenizer),
-            pair.tokenizer,
-            prompt_len=self.prompt_len,
-            batch_size=self.batch_size,
-            continuation_len=self.max_new_tokens,
-            max_prompts=self.num_prompts,
-            max_val_prompts=self.num_val_prompts,
-            seed=spec.seed,
-        )
+        data = prompt_data(self, pair.tokenizer, spec.data, spec.seed)
         m = spec.model
         pretrained = functools.partial(
             load_model, m.drafter, m.dtype, m.attn_implementation, m.trust_remote_code

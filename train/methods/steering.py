@@ -52,14 +52,18 @@ import lightning as L
 import torch
 
 from train.config import check_model_source, require
-from train.data.datamodule import PromptDataModule
-from train.data.sources import load_text_dataset
 from train.decoding.metrics import positional_block_efficiency
 from train.decoding.rollout import Rollout, position_ids_from_mask, rollout
 from train.decoding.sampling import SamplingParams
 from train.export import export_drafter
 from train.losses import DIVERGENCES, divergence, expected_acceptance
-from train.methods.responses import ResponseCache, continuation_logits, mix_seed
+from train.methods.responses import (
+    ResponseCache,
+    check_prompt_settings,
+    continuation_logits,
+    mix_seed,
+    prompt_data,
+)
 from train.models.loading import eos_token_ids, load_drafter, output_vocab_size
 from train.models.lora import LoraSettings, apply_lora, merge_lora
 from train.models.steering import SteeredDrafter, SteeringModule, stale_guide_states
@@ -114,16 +118,7 @@ class SteeringConfig:
         require(self.divergence in DIVERGENCES, "method.divergence", f"one of {DIVERGENCES}", self.divergence)
         require(0.0 <= self.beta <= 1.0, "method.beta", "in [0, 1]", self.beta)
         require(self.temperature > 0, "method.temperature", "> 0 (responses are sampled)", self.temperature)
-        require(self.max_new_tokens >= 1, "method.max_new_tokens", ">= 1", self.max_new_tokens)
-        require(self.prompt_len >= 2, "method.prompt_len", ">= 2", self.prompt_len)
-        require(self.batch_size >= 1, "method.batch_size", ">= 1", self.batch_size)
-        require(
-            self.num_prompts >= self.batch_size,
-            "method.num_prompts",
-            f">= method.batch_size ({self.batch_size})",
-            self.num_prompts,
-        )
-        require(self.num_val_prompts >= 1, "method.num_val_prompts", ">= 1", self.num_val_prompts)
+        check_prompt_settings(self)
         require(self.gamma >= 1, "method.gamma", ">= 1", self.gamma)
         require(
             self.steering_lr_multiplier > 0,
@@ -151,16 +146,7 @@ class SteeringConfig:
 
     def build(self, pair: Any, spec: Any) -> tuple[SteeringTrainingModule, L.LightningDataModule]:
         """The arms (see the module docstring) on the pair's verifier, trained on ``spec.data`` prompts."""
-        data = PromptDataModule(
-            lambda: load_text_dataset(spec.data, pair.tokenizer),
-            pair.tokenizer,
-            prompt_len=self.prompt_len,
-            batch_size=self.batch_size,
-            continuation_len=self.max_new_tokens,
-            max_prompts=self.num_prompts,
-            max_val_prompts=self.num_val_prompts,
-            seed=spec.seed,
-        )
+        data = prompt_data(self, pair.tokenizer, spec.data, spec.seed)
         m = spec.model
         load = functools.partial(load_drafter, m, tokenizer=pair.tokenizer, verifier=pair.verifier)
         source = self.drafter or m.drafter
