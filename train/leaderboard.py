@@ -194,9 +194,8 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     }
     with open(os.path.join(run_dir, "leaderboard.json"), "w", encoding="utf-8") as f:
         json.dump(to_jsonable(payload), f, indent=2, default=str)
-    lossless_note = _artifact_lines(artifacts)
     with open(os.path.join(run_dir, "leaderboard.md"), "w", encoding="utf-8") as f:
-        f.write(f"# Leaderboard ({model_cfg.name})\n\n{lossless_note}\n\n{table}")
+        f.write(f"# Leaderboard ({model_cfg.name})\n\n{_artifact_lines(artifacts)}\n\n{table}")
     plot_speedup_vs_block_efficiency(rows, os.path.join(run_dir, "speedup_vs_block_efficiency.png"))
     print(table)
     print(f"Leaderboard written to {run_dir} ({elapsed:.0f} s)")

@@ -215,7 +215,7 @@ def build_report(results: Mapping[str, Any], reference: str | None = None) -> di
     {temperature: metric contract}}} (:func:`train.evaluation.by_temperature`); ``best``: {drafter:
     {temperature: {"decoder", "gamma", "speedup", "block_efficiency"}}}, the decoder with the highest
     mean speedup; ``ratios``: {drafter: {decoder: {temperature: {metric: mean / reference mean}}}} for
-    every drafter but the reference (metrics: RATIO_METRICS: block_efficiency, accepted_per_block, speedup); ``evaluation_seconds``.
+    every drafter but the reference (the metrics of ``RATIO_METRICS``); ``evaluation_seconds``.
     """
     runs = results["runs"]
     names = list(dict.fromkeys(r["drafter"] for r in runs))
