@@ -121,7 +121,7 @@ def _tps(runs: list[DecodeStats]) -> float:
     return sum(s.new_tokens for s in runs) / sum(s.wall_time for s in runs)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", nargs="+", default=["bench", "tiny"], choices=["bench", "tiny"])
     parser.add_argument("--gammas", type=int, nargs="+", default=[2, 4, 6])
@@ -137,7 +137,11 @@ def main() -> None:
     parser.add_argument(
         "--devices", nargs="+", default=["cpu"], help="verifier's device, then the drafter's (cuda:0 cuda:1)"
     )
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     start = time.perf_counter()
     with torch.inference_mode():
         for label, (verifier, drafter, prompts) in _pairs(args.pairs, args.prompts).items():

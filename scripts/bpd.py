@@ -106,7 +106,7 @@ def _chain(heads: Any) -> list[list[int]]:
     return [[0] * d for d in range(1, heads.num_heads + 1)]
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--heads", default=None)
     parser.add_argument("--verifier", default=os.path.join(project_root(), "checkpoints", "tiny", "verifier"))
@@ -114,7 +114,11 @@ def main() -> None:
     parser.add_argument("--p", type=int, default=4, help="drafts verified per step by the global methods")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=64)
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     heads_dir = args.heads or max(
         (
             d

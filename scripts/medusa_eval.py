@@ -24,7 +24,7 @@ from train.models.loading import eos_token_ids, load_model, load_tokenizer
 from train.paths import project_root
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--heads", default=None, help="a heads/ folder (default: the newest medusa run's)")
     parser.add_argument(
@@ -34,7 +34,11 @@ def main() -> None:
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=64)
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     heads_dir = args.heads or max(
         glob.glob(os.path.join(project_root(), "checkpoints", "medusa", "*", "heads")), default=None
     )

@@ -21,11 +21,15 @@ from train.models.steering import SteeringModule
 from train.paths import project_root
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=64)
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     torch.set_num_threads(1)
     tiny = os.path.join(project_root(), "checkpoints", "tiny")
     verifier = load_model(os.path.join(tiny, "verifier")).eval()

@@ -172,7 +172,7 @@ def _ratio(entry: dict[str, Any]) -> float | None:
     return a / b if a is not None and b else None
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -183,6 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--out", default=None, help="where sweep_table.md/.json go (default: the multirun dir)"
     )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if not os.path.isdir(args.multirun_dir):
         parser.error(f"no such directory: {args.multirun_dir}")

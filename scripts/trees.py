@@ -258,7 +258,7 @@ def bench_pair_overhead(prompts: int = 3, new_tokens: int = 96) -> str:
     return markdown_table(["decoder", "T", "block efficiency", "loop overhead"], rows, "llrr")
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=64)
@@ -266,7 +266,11 @@ def main() -> None:
     parser.add_argument("--pair", default=os.path.join(project_root(), "checkpoints", "tiny"))
     parser.add_argument("--out", default=os.path.join(project_root(), "docs", "trees.md"))
     parser.add_argument("--json", default=None, help="also write every result here")
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     torch.set_num_threads(1)
     tokenizer = load_tokenizer(os.path.join(args.pair, "verifier"))
     verifier = load_model(os.path.join(args.pair, "verifier")).eval()

@@ -38,7 +38,7 @@ from train.models.tiny import ensure_tiny_pair
 from train.paths import PROJECT_ROOT
 from train.rundir import newest_artifact
 
-__all__ = ["ARTIFACTS", "main"]
+__all__ = ["ARTIFACTS", "main", "validate"]
 
 log = logging.getLogger(__name__)
 
@@ -104,12 +104,9 @@ def _decoder_nodes(cfg: DictConfig, names: Sequence[str], heads: str | None) -> 
     return list(holder["decoders"])
 
 
-def main(cfg: DictConfig) -> dict[str, Any]:
-    """``scripts/leaderboard.py``: artifacts, evaluations, the table."""
-    if "hydra" in cfg:
-        with open_dict(cfg):
-            del cfg["hydra"]
-    started = time.perf_counter()
+def validate(cfg: DictConfig) -> tuple[Any, Any, Any]:
+    """Every setting checked (errors name the key) before anything trains: the paths, model and data
+    groups, the projection's settings, the experiments and the whole ``eval`` node with its decoders."""
     paths = instantiate_group(cfg, "paths")
     model_cfg = instantiate_group(cfg, "model")
     data_cfg = instantiate_group(cfg, "data")
@@ -117,8 +114,21 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         len(cfg.costs) >= 1 and all(c >= 0 for c in cfg.costs), "costs", "a list of ratios >= 0", cfg.costs
     )
     require(cfg.kappa >= 0, "kappa", ">= 0", cfg.kappa)
-    for name in cfg.experiments:  # all of them before anything trains
+    for name in cfg.experiments:
         require(name in ARTIFACTS, "experiments", f"a list drawn from {sorted(ARTIFACTS)}", name)
+    eval_node = OmegaConf.to_container(cfg.eval, resolve=True)
+    assert isinstance(eval_node, dict)
+    build_eval_config({**eval_node, "decoders": _decoder_nodes(cfg, list(cfg.eval.decoders), "HEADS")})
+    return paths, model_cfg, data_cfg
+
+
+def main(cfg: DictConfig) -> dict[str, Any]:
+    """``scripts/leaderboard.py``: artifacts, evaluations, the table."""
+    if "hydra" in cfg:
+        with open_dict(cfg):
+            del cfg["hydra"]
+    started = time.perf_counter()
+    paths, model_cfg, data_cfg = validate(cfg)
     if model_cfg.tiny is not None:
         ensure_tiny_pair(model_cfg.tiny)
     artifacts = ensure_artifacts(cfg, paths.checkpoints_dir, model_cfg.verifier)

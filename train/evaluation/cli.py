@@ -10,6 +10,7 @@ picks the decoder config that ``eval.decoders`` holds by default (labelled by th
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
@@ -26,7 +27,7 @@ from train.models.tiny import ensure_tiny_pair
 from train.tables import format_value
 from train.trainer import build_loggers
 
-__all__ = ["main"]
+__all__ = ["EvalRun", "main", "validate"]
 
 _DECODING_REF = "${decoding}"
 
@@ -88,24 +89,35 @@ def _drafter_label(source: str) -> str:
     return base if os.path.isdir(os.path.expanduser(source)) else source
 
 
-def main(cfg: DictConfig) -> dict[str, Any]:
-    """``scripts/evaluate.py``: validate the whole config, load the pair, evaluate, write the run directory."""
+@dataclass
+class EvalRun:
+    """The validated configuration of one ``scripts/evaluate.py`` run (nothing loaded yet)."""
+
+    cfg: DictConfig
+    eval: EvalConfig
+    paths: Any
+    model: Any
+    data: Any
+    logger: Any
+
+
+def validate(cfg: DictConfig) -> EvalRun:
+    """Apply the shortcuts and check every setting (errors name the key) before anything is written or
+    loaded; model sources are checked for existence, not loaded."""
     apply_shortcuts(cfg)
     if "hydra" in cfg:  # composed with return_hydra_config (tests): Hydra's own node is not ours to resolve
         with open_dict(cfg):
             del cfg["hydra"]
     OmegaConf.resolve(cfg)
     eval_cfg: EvalConfig = build_eval_config(cfg.eval)
-    paths = instantiate_group(cfg, "paths")
-    model_cfg = instantiate_group(cfg, "model")
-    data_cfg = instantiate_group(cfg, "data")
-    logger_cfg = instantiate_group(cfg, "logger")
-
-    run_dir = paths.run_dir
-    os.makedirs(run_dir, exist_ok=True)
-    OmegaConf.save(cfg, os.path.join(run_dir, "config.yaml"))
-    if model_cfg.tiny is not None:
-        ensure_tiny_pair(model_cfg.tiny)
+    run = EvalRun(
+        cfg=cfg,
+        eval=eval_cfg,
+        paths=instantiate_group(cfg, "paths"),
+        model=instantiate_group(cfg, "model"),
+        data=instantiate_group(cfg, "data"),
+        logger=instantiate_group(cfg, "logger"),
+    )
     steered = [label for label, settings in eval_cfg.decoder_configs.items() if settings.get("steering")]
     if steered and cfg.get("steering") is None:
         raise ConfigError(f"steering: the decoders {steered} steer the drafter; pass steering=PATH")
@@ -124,6 +136,20 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         )
     if heads_source is not None:
         check_model_source("heads", str(heads_source))
+    return run
+
+
+def main(cfg: DictConfig) -> dict[str, Any]:
+    """``scripts/evaluate.py``: validate the whole config, load the pair, evaluate, write the run directory."""
+    run = validate(cfg)
+    eval_cfg, model_cfg, logger_cfg = run.eval, run.model, run.logger
+    run_dir = run.paths.run_dir
+    os.makedirs(run_dir, exist_ok=True)
+    OmegaConf.save(cfg, os.path.join(run_dir, "config.yaml"))
+    if model_cfg.tiny is not None:
+        ensure_tiny_pair(model_cfg.tiny)
+    kinds = {k for taken in decoder_kinds(eval_cfg).values() for k in taken}
+    heads_source = cfg.get("heads")
     pair = load_pair(model_cfg, freeze_drafter=True)
     drafter_source = cfg.get("drafter")
     name = _drafter_label(str(drafter_source)) if drafter_source is not None else "drafter"
@@ -135,7 +161,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         heads.to(next(pair.verifier.parameters()).device)
         drafters[_drafter_label(str(heads_source))] = heads
     prompts = build_prompts(
-        pair.tokenizer, data_cfg, eval_cfg.num_prompts, eval_cfg.prompt_len, seed=int(cfg.get("seed", 0))
+        pair.tokenizer, run.data, eval_cfg.num_prompts, eval_cfg.prompt_len, seed=int(cfg.get("seed", 0))
     )
     loggers: list[Any] = []
     if logger_cfg is not None:

@@ -1,0 +1,399 @@
+"""Every command README.md and docs/*.md show a user, checked so none rots.
+
+Default suite: each command's entry point exists; Hydra commands compose against their entry config
+(every point of a ``-m`` sweep) and pass the same validation the entry point runs before it loads a
+model; argparse scripts accept their arguments; install and test commands are the ones CI runs.
+Slow (``test_documented_commands_run_on_micro_recipes``): every command that can run on this machine
+runs, in document order, in one workspace (``DRAFTSMITH_ROOT``) on a micro tiny pair, with micro
+sizes appended and placeholders (``PATH``, ``<run>``) replaced by what the earlier commands produced.
+Commands that need GPUs, a cluster launcher or the network are composed only, each with its reason.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import itertools
+import os
+import re
+import runpy
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import open_dict
+
+from tests.conftest import CONF_DIR, REPO_ROOT
+from tests.doc_commands import DocCommand, documented_commands
+
+COMMANDS = documented_commands()
+HYDRA_ENTRIES = {
+    "train.py": "train",
+    "scripts/evaluate.py": "eval",
+    "scripts/leaderboard.py": "leaderboard",
+    "scripts/export.py": "export",
+}
+PLACEHOLDER_HUB_ID = "doc-placeholder/model"
+
+
+def _id(command: DocCommand) -> str:
+    return f"{command.source} {command.text[:60]}"
+
+
+# ------------------------------------------------------------------------------------ not runnable here
+
+
+def not_runnable_here(command: DocCommand) -> str | None:
+    """Why a documented command cannot run on a CPU machine without network, or None when it can."""
+    args = " ".join(command.args)
+    if command.launcher:
+        return f"needs a cluster launcher ({command.launcher})"
+    if "..." in command.args:
+        return "an abbreviated form (the user's own overrides stand for ...)"
+    if re.search(r"\bmodel=(qwen3|llama3)\b", args):
+        return "a real pair: needs the Hub and a GPU"
+    if re.search(r"\btrainer=(gpu|fsdp)\b", args) or (
+        "trainer=ddp" in args and "trainer.accelerator=cpu" not in args
+    ):
+        return "needs GPUs"
+    if "cuda:" in args:
+        return "needs two GPUs"
+    if "logger.offline=false" in args:
+        return "logs online: needs the network"
+    if "trainer.plugins=" in args:
+        return "a SLURM job's setting"
+    if "experiment=<name>" in args:
+        return "a form: each experiment runs as its own documented command"
+    return None
+
+
+# ------------------------------------------------------------------------------------------ fast checks
+
+
+def _sweep_points(args: tuple[str, ...]) -> list[list[str]]:
+    """The single-run override lists of a Hydra ``-m`` sweep (comma values expanded)."""
+    choices = []
+    for arg in args:
+        key, _, value = arg.partition("=")
+        if "," in value and not value.startswith(("[", "{", "'", '"')):
+            choices.append([f"{key}={v}" for v in value.split(",")])
+        else:
+            choices.append([arg])
+    return [list(point) for point in itertools.product(*choices)]
+
+
+def _hub_placeholders(arg: str) -> str:
+    """Placeholders in a documented override replaced by a Hub-id shaped value (composition checks
+    the shape of a model source, not that it exists)."""
+    key, sep, value = arg.partition("=")
+    if sep and re.search(r"PATH|RUN/|<\w+>|^/abs/", value):
+        if key in ("drafter", "heads", "steering", "model.drafter", "model.verifier"):
+            return f"{key}={PLACEHOLDER_HUB_ID}"
+        return f"{key}=/placeholder/{key}"
+    return arg
+
+
+def _compose(config_name: str, overrides: list[str]) -> Any:
+    overrides = [o for o in overrides if not o.lstrip("+~").startswith("hydra.") and o != "..."]
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name=config_name, overrides=overrides, return_hydra_config=True)
+    with open_dict(cfg):  # what Hydra's job would set: the run directory, its own node kept for eval
+        if "paths" in cfg:
+            cfg.paths.run_dir = "/placeholder/run"
+        if config_name != "eval":
+            del cfg["hydra"]
+    return cfg
+
+
+def validate_hydra_command(command: DocCommand) -> None:
+    """Compose the command's overrides and run its entry point's validation (no model loads)."""
+    config_name = HYDRA_ENTRIES[command.entry]
+    args = tuple(a.replace("experiment=<name>", "experiment=distillspec") for a in command.args)
+    args = tuple(_hub_placeholders(a) for a in args)
+    points = _sweep_points(args) if command.multirun else [list(args)]
+    for overrides in points:
+        cfg = _compose(config_name, overrides)
+        if config_name == "train":
+            from train.run import load_spec
+
+            load_spec(cfg)
+        elif config_name == "eval":
+            from train.evaluation.cli import validate
+
+            validate(cfg)
+        elif config_name == "leaderboard":
+            from train.leaderboard import validate as validate_leaderboard
+
+            validate_leaderboard(cfg)
+        else:
+            from train.config import instantiate_group
+
+            instantiate_group(cfg, "hub")
+
+
+def load_script(entry: str) -> Any:
+    path = REPO_ROOT / entry
+    spec = importlib.util.spec_from_file_location(f"docs_{path.stem}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=_id)
+def test_documented_command_is_valid(command: DocCommand) -> None:
+    if command.entry == "pip":
+        ci = (REPO_ROOT / ".ci" / "run").read_text()
+        packages = [a for a in command.args[1:] if not a.startswith("-") or a == "-e"]
+        assert command.args[0] == "install"
+        for pkg in packages:
+            assert pkg in ci.replace('"', ""), f"CI does not install {pkg!r} the way the docs say"
+        return
+    if command.entry == "pytest":
+        for path in command.args:
+            if not path.startswith("-"):
+                assert (REPO_ROOT / path.split("::")[0]).exists(), path
+        return
+    assert (REPO_ROOT / command.entry).is_file(), f"{command.source}: no such script {command.entry}"
+    if command.entry in HYDRA_ENTRIES:
+        validate_hydra_command(command)
+        return
+    parser = load_script(command.entry).build_parser()
+    parser.parse_args(list(command.args))
+
+
+def test_the_docs_show_every_entry_point() -> None:
+    """Every script in scripts/ is documented by at least one command (and so checked here)."""
+    shown = {c.entry for c in COMMANDS}
+    scripts = {f"scripts/{p.name}" for p in (REPO_ROOT / "scripts").glob("*.py")}
+    assert scripts <= shown, f"undocumented scripts: {sorted(scripts - shown)}"
+    assert "train.py" in shown
+
+
+def test_the_readme_leads_with_the_two_fresh_machine_commands() -> None:
+    readme = [c for c in COMMANDS if c.source.startswith("README.md")]
+    assert [c.entry for c in readme[:4]] == ["pip", "pip", "train.py", "pytest"]
+    assert readme[2].args == ("experiment=distillspec",) and readme[3].args == ()
+    ci = (REPO_ROOT / ".ci" / "run").read_text()
+    assert "python -m pytest -q\n" in ci, "CI runs the README's test command"
+
+
+def test_extraction_reads_blocks_continuations_chains_and_inline_spans(tmp_path: Path) -> None:
+    doc = tmp_path / "doc.md"
+    doc.write_text(
+        "Run `python train.py experiment=medusa` first.\n\n"
+        "```bash\n"
+        "pip install -e . && python scripts/evaluate.py decoding=sd   # a comment\n"
+        "torchrun --nnodes=2 --node-rank=$R \\\n"
+        "  train.py trainer=ddp\n"
+        "#SBATCH --nodes=2\n"
+        "python train.py -m method.lr=1e-4,1e-3\n"
+        "```\n\n"
+        "```yaml\npython: not a command\n```\n"
+    )
+    got = documented_commands([doc])
+    assert [(c.entry, c.args, c.launcher, c.flags) for c in got] == [
+        ("train.py", ("experiment=medusa",), None, ()),
+        ("pip", ("install", "-e", "."), None, ()),
+        ("scripts/evaluate.py", ("decoding=sd",), None, ()),
+        ("train.py", ("trainer=ddp",), "torchrun", ()),
+        ("train.py", ("method.lr=1e-4,1e-3",), None, ("-m",)),
+    ]
+    assert _sweep_points(got[-1].args) == [["method.lr=1e-4"], ["method.lr=1e-3"]]
+
+
+def test_a_renamed_key_in_a_documented_command_fails_the_check() -> None:
+    """Break on purpose: the check catches a key the config no longer has and a bad value."""
+    from tests.doc_commands import parse
+
+    for text in (
+        "python train.py experiment=distillspec method.divergance=fkl",
+        "python scripts/evaluate.py eval.decoders=[sd,no_such_decoder]",
+        "python scripts/leaderboard.py kappa=-1",
+        "python train.py experiment=distillspec trainer.devices=0",
+    ):
+        command = parse("test:1", text)
+        assert command is not None
+        with pytest.raises(Exception):  # noqa: B017 (Hydra's composition error or our ConfigError)
+            validate_hydra_command(command)
+    with pytest.raises(SystemExit):
+        load_script("scripts/trees.py").build_parser().parse_args(["--no-such-flag"])
+
+
+# ------------------------------------------------------------------------------------ slow: run them all
+
+MICRO_PAIR = [
+    "model.tiny.vocab_size=300",
+    "model.tiny.seq_len=64",
+    "model.tiny.val_blocks=2",
+    *(
+        f"model.tiny.{role}.{kv}"
+        for role, h in (("verifier", 16), ("drafter", 8))
+        for kv in f"hidden_size={h},num_layers=2,num_heads=2,intermediate_size=32,max_steps=2".split(",")
+    ),
+]
+MICRO_EVAL = [
+    "eval.num_prompts=1",
+    "eval.max_new_tokens=8",
+    "eval.seeds=[0]",
+    "eval.plots=false",
+    "eval.progress=false",
+]
+MICRO_TRAIN = [
+    "trainer.max_steps=2",
+    "trainer.val_check_interval=2",
+    "trainer.limit_val_batches=1",
+    "method.batch_size=4",
+    "~callbacks.progress_bar",
+    "logger=csv",
+]
+MICRO_TRAINING_RUNS = "train_overrides=[" + ",".join(f"'{o}'" for o in MICRO_TRAIN + MICRO_EVAL) + "]"
+MICRO_ARGS: dict[str, list[str]] = {
+    "train.py": MICRO_PAIR + MICRO_TRAIN + MICRO_EVAL,
+    "scripts/evaluate.py": MICRO_PAIR + MICRO_EVAL + ["logger=csv"],
+    "scripts/leaderboard.py": MICRO_PAIR + MICRO_EVAL + [MICRO_TRAINING_RUNS],
+    "scripts/export.py": ["hub.dry_run=true"],
+    "scripts/trees.py": ["--prompts", "1", "--tokens", "8", "--seeds", "0"],
+    "scripts/medusa_eval.py": ["--prompts", "1", "--tokens", "8"],
+    "scripts/bpd.py": ["--prompts", "1", "--tokens", "8"],
+    "scripts/async_bench.py": "--pairs tiny --gammas 2 --prompts 1 --tokens 8 --repeats 1 --threads 1 --min-ahead 1".split(),  # noqa: SIM905
+    "scripts/steering_overhead.py": ["--prompts", "1", "--tokens", "8"],
+    "scripts/lenience.py": ["--prompts", "1", "--tokens", "8", "--seeds", "0"],
+    "scripts/sweep_table.py": [],
+}
+BENCH_MICRO = {
+    "decoding": "--prompts 1 --min-prompt-len 8 --max-prompt-len 8 --max-new-tokens 8 --repeats 1",
+    "overhead": "--prompts 1 --max-new-tokens 8 --repeats 1",
+    "distill": "--batch-size 2 --max-new-tokens 4 --prompt-len 16 --steps 1 --warmup 0 --threads 1",
+}
+IN_SUBPROCESS = {"scripts/async_bench.py"}
+"""Pins threads to cores: runs in its own process so the test process keeps its affinity."""
+
+
+class Workspace:
+    """One DRAFTSMITH_ROOT where the documented commands run in order, and what they produced."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def newest(self, pattern: str) -> str:
+        found = sorted(glob.glob(str(self.root / "checkpoints" / pattern)))
+        assert found, f"nothing at checkpoints/{pattern}: an earlier documented command should have made it"
+        return found[-1]
+
+    def run_dir(self, experiment: str) -> str:
+        return os.path.dirname(self.newest(f"{experiment}/*/report.json"))
+
+    def resolve(self, arg: str) -> str:
+        """A documented placeholder replaced by the matching artifact of this workspace."""
+        key, sep, value = arg.partition("=")
+        if not sep:
+            key, value = "", arg
+        if value in ("PATH", "PATH_OR_HUB_ID"):
+            value = {
+                "drafter": f"{self.run_dir('distillspec')}/drafter",
+                "heads": f"{self.run_dir('medusa')}/heads",
+                "steering": f"{self.run_dir('steering')}/steering",
+                "run": self.run_dir("distillspec"),
+            }[key]
+        elif value.startswith("RUN/"):
+            value = f"{self.run_dir('steering')}/{value[4:]}"
+        elif value.startswith("/abs/checkpoints/") and value.endswith("last.ckpt"):
+            value = f"{self.run_dir('distillspec')}/checkpoints/last.ckpt"
+        elif m := re.fullmatch(r"checkpoints/(\w+)/(<run>|<timestamp>)(/.*)?", value):
+            value = self.run_dir(m.group(1)) + (m.group(3) or "")
+        elif m := re.fullmatch(r"checkpoints/(\w+)/(multirun_<timestamp>|sweep_grid)", value):
+            value = self.newest(f"{m.group(1)}/multirun_*")
+        elif value.endswith("/train/decoding") and not os.path.isdir(value):
+            value = str(REPO_ROOT / "train" / "decoding")  # "an older engine": this one
+        elif value.startswith("/tmp/"):
+            value = str(self.root / value[len("/tmp/") :])
+        return f"{key}={value}" if sep else value
+
+    def argv(self, command: DocCommand) -> list[str]:
+        args = [self.resolve(a) for a in command.args]
+        if command.entry == "scripts/bench.py":
+            sub = args[0]
+            extra = BENCH_MICRO[sub].split()
+            if sub == "distill":
+                tiny = self.root / "checkpoints" / "tiny"
+                extra += ["--verifier", str(tiny / "verifier"), "--drafter", str(tiny / "drafter")]
+            return [*command.flags, *args, *extra]
+        extra = list(MICRO_ARGS[command.entry])
+        if command.entry == "train.py" and any(a.startswith("ckpt_path=") for a in args):
+            extra.append("trainer.max_steps=4")  # resume a finished 2-step run into two more steps
+        if command.entry == "scripts/trees.py":
+            extra += ["--out", str(self.root / "trees.md")]
+        return [*command.flags, *args, *extra]
+
+
+def _order(commands: list[DocCommand]) -> list[DocCommand]:
+    """Training first (the tiny pair, then what later commands read), then everything else in
+    document order; resumes and sweep tables after what they read."""
+    rank = {"experiment=tiny_pair": 0, "experiment=distillspec": 1, "experiment=medusa": 2}
+    rank |= {"experiment=medusa2": 3, "experiment=steering": 4}
+
+    def key(c: DocCommand) -> int:
+        if c.entry == "train.py" and not c.multirun and len(c.args) == 1 and c.args[0] in rank:
+            return rank[c.args[0]]
+        if c.entry == "train.py" and c.multirun:
+            return 5
+        if c.entry == "scripts/leaderboard.py" or any("ckpt_path" in a for a in c.args):
+            return 7
+        return 6
+
+    return sorted(commands, key=key)
+
+
+def _run_in_process(entry: str, argv: list[str]) -> None:
+    """``python <entry> <argv>`` in this process (no interpreter start-up per command)."""
+    old_argv = sys.argv
+    sys.argv = [str(REPO_ROOT / entry), *argv]
+    GlobalHydra.instance().clear()
+    try:
+        runpy.run_path(str(REPO_ROOT / entry), run_name="__main__")
+    except SystemExit as stop:
+        if stop.code not in (0, None):
+            raise AssertionError(f"exit {stop.code}") from stop
+    finally:
+        sys.argv = old_argv
+        GlobalHydra.instance().clear()
+
+
+@pytest.mark.slow
+def test_documented_commands_run_on_micro_recipes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DRAFTSMITH_ROOT", str(tmp_path))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(REPO_ROOT)
+    workspace = Workspace(tmp_path)
+    runnable = [c for c in COMMANDS if c.entry not in ("pip", "pytest") and not_runnable_here(c) is None]
+    assert len(runnable) >= 40, len(runnable)
+    failures, timings = [], []
+    for command in _order(runnable):
+        argv = workspace.argv(command)
+        started = time.perf_counter()
+        try:
+            if command.entry in IN_SUBPROCESS or "trainer=ddp" in command.args:
+                env = {**os.environ, "OMP_NUM_THREADS": "1"}
+                proc = subprocess.run(
+                    [sys.executable, command.entry, *argv], cwd=REPO_ROOT, env=env, capture_output=True,
+                    text=True, timeout=600,
+                )  # fmt: skip
+                if proc.returncode != 0:
+                    raise AssertionError(f"exit {proc.returncode}: {(proc.stdout + proc.stderr)[-2000:]}")
+            else:
+                _run_in_process(command.entry, argv)
+        except Exception as err:  # every command is tried; the report lists each failure
+            failures.append(f"{command.source}: {command.text}\n  ran: {shlex.join(argv)}\n  {err!r}"[:3000])
+        timings.append((time.perf_counter() - started, command.source, command.text[:70]))
+    for seconds, source, text in sorted(timings, reverse=True)[:10]:
+        print(f"{seconds:6.1f} s  {source}  {text}")
+    assert not failures, "\n\n".join(failures)
