@@ -45,7 +45,14 @@ from train.models.loading import load_pair
 from train.models.tiny import build_tiny_pair, ensure_tiny_pair, format_report
 from train.report import Finishable, finish
 from train.rundir import RunDirLock, RunDirLocked, remove_if_unused
-from train.trainer import build_callbacks, build_loggers, build_trainer, close_loggers, resolve_ckpt_path
+from train.trainer import (
+    build_callbacks,
+    build_loggers,
+    build_trainer,
+    close_loggers,
+    full_weights_on_rank_zero,
+    resolve_ckpt_path,
+)
 
 log = logging.getLogger(__name__)
 
@@ -238,26 +245,32 @@ def fit(spec: RunSpec) -> Any:
                 raise
         if stop.signum is not None:
             stopped(stop, trainer.global_step, trainer.is_global_zero)
-        if isinstance(module, Finishable):
-            if not trainer.is_global_zero:
-                return None
-            return finish(
-                module,
-                pair.verifier,
-                pair.tokenizer,
-                spec.run_dir,
-                spec.eval,
-                data=spec.data,
-                seed=spec.seed,
-                name=spec.name,
-                config=config,
-                loggers=trainer.loggers,
-                step=trainer.global_step,
-            )
-        own_finish = getattr(module, "finish", None)
-        return own_finish(trainer, spec) if own_finish is not None else None
+        with full_weights_on_rank_zero(trainer):  # every rank enters: FSDP gathers its shards on rank 0
+            return finish_run(module, trainer, spec, pair, config)
     finally:
         close_loggers(loggers)
+
+
+def finish_run(module: Any, trainer: L.Trainer, spec: RunSpec, pair: Any, config: dict[str, Any]) -> Any:
+    """The finish step after a completed fit: the shared one on rank 0, or the module's own."""
+    if isinstance(module, Finishable):
+        if not trainer.is_global_zero:
+            return None
+        return finish(
+            module,
+            pair.verifier,
+            pair.tokenizer,
+            spec.run_dir,
+            spec.eval,
+            data=spec.data,
+            seed=spec.seed,
+            name=spec.name,
+            config=config,
+            loggers=trainer.loggers,
+            step=trainer.global_step,
+        )
+    own_finish = getattr(module, "finish", None)
+    return own_finish(trainer, spec) if own_finish is not None else None
 
 
 class FinishedRunError(ConfigError):

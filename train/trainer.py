@@ -5,12 +5,15 @@ from __future__ import annotations
 import glob
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import lightning as L
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import LearningRateMonitor, ProgressBar
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
+from lightning.pytorch.strategies import FSDPStrategy
 from omegaconf import DictConfig
 
 from train.config import LoggerConfig, TrainerConfig
@@ -130,3 +133,23 @@ def close_loggers(loggers: list[Logger]) -> None:
         logger.finalize("success")
         if isinstance(logger, WandbLogger) and logger._experiment is not None:
             logger.experiment.finish()
+
+
+@contextmanager
+def full_weights_on_rank_zero(trainer: L.Trainer) -> Iterator[None]:
+    """Inside, rank 0's modules hold their full trained weights, for the finish step (export, evaluation).
+
+    Under FSDP each rank holds a shard of every parameter outside forward and backward, so a rank-0
+    export would save fragments. Every rank must enter this context (gathering is a collective); the
+    weights are gathered on rank 0 only, on its device, read-only (``writeback=False``). Under any other
+    strategy it does nothing.
+    """
+    if not isinstance(trainer.strategy, FSDPStrategy):
+        yield
+        return
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    wrapped = trainer.strategy.model
+    assert wrapped is not None, "the FSDP strategy holds no model: call this after Trainer.fit"
+    with FullyShardedDataParallel.summon_full_params(wrapped, writeback=False, rank0_only=True):
+        yield

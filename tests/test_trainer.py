@@ -1,0 +1,44 @@
+"""The trainer helpers that only matter on GPUs, checked on the CPU with Lightning's real strategy objects."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
+from torch.distributed.fsdp import FullyShardedDataParallel
+
+from train.trainer import full_weights_on_rank_zero
+
+
+def test_fsdp_gathers_the_full_weights_on_rank_zero_for_the_finish_step(monkeypatch):
+    """Under FSDP every rank enters one summon_full_params on the wrapped model: rank 0 only, read-only."""
+    calls = []
+
+    class Summon:
+        def __init__(self, module, **kwargs):
+            calls.append((module, kwargs))
+
+        def __enter__(self):
+            calls.append("enter")
+
+        def __exit__(self, *exc):
+            calls.append("exit")
+
+    monkeypatch.setattr(FullyShardedDataParallel, "summon_full_params", Summon)
+    model = torch.nn.Linear(2, 2)
+    strategy = FSDPStrategy()
+    strategy.model = model
+    with full_weights_on_rank_zero(SimpleNamespace(strategy=strategy)):  # type: ignore[arg-type]
+        calls.append("finish")
+    assert calls == [(model, {"writeback": False, "rank0_only": True}), "enter", "finish", "exit"]
+
+
+def test_other_strategies_are_left_alone(monkeypatch):
+    def summon(*args, **kwargs):
+        raise AssertionError("no gathering outside FSDP")
+
+    monkeypatch.setattr(FullyShardedDataParallel, "summon_full_params", summon)
+    for strategy in (DDPStrategy(), SimpleNamespace(model=None)):
+        with full_weights_on_rank_zero(SimpleNamespace(strategy=strategy)):  # type: ignore[arg-type]
+            pass
