@@ -44,3 +44,14 @@ def test_scripts_run_from_another_directory_use_the_project_paths(tmp_path: Path
     assert paths["root_dir"] == str(REPO_ROOT)
     assert paths["tiny_dir"] == str(REPO_ROOT / "checkpoints" / "tiny")
     assert not any(tmp_path.iterdir())  # nothing created under the working directory
+
+
+def test_a_long_sweep_folder_name_is_cut_to_fit_and_stays_distinct():
+    from train.paths import fitting_dirname
+
+    short = "method.divergence=fkl"
+    assert fitting_dirname(short) == short
+    long_a = "eval.seeds=[0]," + "model.tiny.verifier.hidden_size=16," * 10 + "method.divergence=fkl"
+    long_b = long_a.replace("fkl", "rkl")
+    cut_a, cut_b = fitting_dirname(long_a), fitting_dirname(long_b)
+    assert len(cut_a) == len(cut_b) == 120 and cut_a != cut_b and cut_a.startswith("eval.seeds=[0],")

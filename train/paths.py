@@ -10,12 +10,13 @@ keep their usual meaning, relative to the current directory.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
-__all__ = ["PROJECT_ROOT", "project_root", "register_resolvers"]
+__all__ = ["PROJECT_ROOT", "fitting_dirname", "project_root", "register_resolvers"]
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 ROOT_VARIABLE = "DRAFTSMITH_ROOT"
@@ -26,10 +27,27 @@ def project_root() -> str:
     return os.environ.get(ROOT_VARIABLE) or str(PROJECT_ROOT)
 
 
+MAX_DIRNAME = 120
+"""Characters of a sweep point's folder name (file systems allow 255 bytes per name)."""
+
+
+def fitting_dirname(name: str, limit: int = MAX_DIRNAME) -> str:
+    """A sweep point's folder name (its overrides) cut to ``limit`` characters: a long one keeps its
+    start and ends with a hash of the whole, so points stay distinct. The point's ``config.yaml`` has
+    every override in full."""
+    name = str(name)
+    if len(name) <= limit:
+        return name
+    digest = hashlib.sha1(name.encode()).hexdigest()[:8]
+    return f"{name[: limit - len(digest) - 1]}-{digest}"
+
+
 def register_resolvers() -> None:
-    """Make ``${draftsmith_root:}`` available to every config (idempotent)."""
+    """Make ``${draftsmith_root:}`` and ``${fitting_dirname:...}`` available to every config (idempotent)."""
     if not OmegaConf.has_resolver("draftsmith_root"):
         OmegaConf.register_new_resolver("draftsmith_root", project_root)
+    if not OmegaConf.has_resolver("fitting_dirname"):
+        OmegaConf.register_new_resolver("fitting_dirname", fitting_dirname)
 
 
 register_resolvers()
