@@ -310,6 +310,7 @@ BENCH_MICRO = {
     "overhead": "--prompts 1 --max-new-tokens 8 --repeats 1",
     "distill": "--batch-size 2 --max-new-tokens 4 --prompt-len 16 --steps 1 --warmup 0 --threads 1",
 }
+OUTPUT_FLAGS = ("--out", "--json", "--plot")
 IN_SUBPROCESS = {"scripts/async_bench.py"}
 """Pins threads to cores: runs in its own process so the test process keeps its affinity."""
 
@@ -356,6 +357,9 @@ class Workspace:
 
     def argv(self, command: DocCommand) -> list[str]:
         args = [self.resolve(a) for a in command.args]
+        for i in range(1, len(args)):  # outputs a command writes go to the workspace, not the checkout
+            if args[i - 1] in OUTPUT_FLAGS and not os.path.isabs(args[i]):
+                args[i] = str(self.root / args[i])
         if command.entry == "scripts/bench.py":
             sub = args[0]
             extra = BENCH_MICRO[sub].split()
@@ -366,7 +370,7 @@ class Workspace:
         extra = list(MICRO_ARGS[command.entry])
         if command.entry == "train.py" and any(a.startswith("ckpt_path=") for a in args):
             extra.append("trainer.max_steps=4")  # resume a finished 2-step run into two more steps
-        if command.entry == "scripts/trees.py":
+        if command.entry == "scripts/trees.py":  # its default output is docs/trees.md
             extra += ["--out", str(self.root / "trees.md")]
         return [*command.flags, *args, *extra]
 
@@ -417,6 +421,7 @@ def test_documented_commands_run_on_micro_recipes(tmp_path: Path, monkeypatch: p
         if c.entry not in ("pip", "pytest") and not_runnable_here(c) is None and run_elsewhere(c) is None
     ]
     assert len(runnable) >= 40, len(runnable)
+    checkout_before = _checkout_status()
     failures, timings = [], []
     for command in _order(runnable):
         argv = workspace.argv(command)
@@ -438,3 +443,15 @@ def test_documented_commands_run_on_micro_recipes(tmp_path: Path, monkeypatch: p
     for seconds, source, text in sorted(timings, reverse=True)[:10]:
         print(f"{seconds:6.1f} s  {source}  {text}")
     assert not failures, "\n\n".join(failures)
+    assert _checkout_status() == checkout_before, "a documented command wrote into the checkout"
+
+
+def _checkout_status() -> str:
+    """``git status`` of the checkout (untracked files included): the docs run must leave it as it was."""
+    proc = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=all"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+    )
+    return proc.stdout
