@@ -14,6 +14,18 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerF
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = REPO_ROOT / "conf"
 
+MICRO_PAIR = [
+    "model.tiny.vocab_size=300",
+    "model.tiny.seq_len=64",
+    "model.tiny.val_blocks=2",
+    *(
+        f"model.tiny.{role}.{kv}"
+        for role, h in (("verifier", 16), ("drafter", 8))
+        for kv in f"hidden_size={h},num_layers=2,num_heads=2,intermediate_size=32,max_steps=2".split(",")
+    ),
+]
+"""Overrides that make the embedded tiny pair a micro one (built in seconds) for end-to-end runs."""
+
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 

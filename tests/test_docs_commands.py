@@ -30,7 +30,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import open_dict
 
-from tests.conftest import CONF_DIR, REPO_ROOT
+from tests.conftest import CONF_DIR, MICRO_PAIR, REPO_ROOT
 from tests.doc_commands import DocCommand, documented_commands
 
 COMMANDS = documented_commands()
@@ -266,16 +266,6 @@ def test_a_renamed_key_in_a_documented_command_fails_the_check() -> None:
 
 # ------------------------------------------------------------------------------------ slow: run them all
 
-MICRO_PAIR = [
-    "model.tiny.vocab_size=300",
-    "model.tiny.seq_len=64",
-    "model.tiny.val_blocks=2",
-    *(
-        f"model.tiny.{role}.{kv}"
-        for role, h in (("verifier", 16), ("drafter", 8))
-        for kv in f"hidden_size={h},num_layers=2,num_heads=2,intermediate_size=32,max_steps=2".split(",")
-    ),
-]
 MICRO_EVAL = [
     "eval.num_prompts=1",
     "eval.max_new_tokens=8",

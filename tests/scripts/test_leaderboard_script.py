@@ -11,18 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO_ROOT
+from tests.conftest import MICRO_PAIR, REPO_ROOT
 
-MICRO_PAIR = [
-    "model.tiny.vocab_size=300",
-    "model.tiny.seq_len=64",
-    "model.tiny.val_blocks=2",
-    *(
-        f"model.tiny.{role}.{kv}"
-        for role, h in (("verifier", 16), ("drafter", 8))
-        for kv in f"hidden_size={h},num_layers=2,num_heads=2,intermediate_size=32,max_steps=2".split(",")
-    ),
-]
 TRAINING_OVERRIDES = [
     "trainer.max_steps=2",
     "trainer.val_check_interval=2",
