@@ -34,12 +34,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
@@ -125,9 +125,9 @@ class RecordingDecoder:
         return result
 
 
-@dataclass(frozen=True)
-class Point:
-    """One decoder of the sweep: ``lenience`` None with eps 1 is the lossless rule, eps None is AR."""
+class Point(NamedTuple):
+    """One decoder of the sweep: ``lenience`` None with eps 1 is the lossless rule, eps None is AR.
+    (A NamedTuple, not a dataclass: the script also loads as a module that is not in ``sys.modules``.)"""
 
     label: str
     lenience: str | None
@@ -288,6 +288,10 @@ def plot(rows: Sequence[dict[str, Any]], path: str, title: str, ceiling: float) 
     ar = next(r for r in rows if r["eps"] is None)
     leniences = list(dict.fromkeys(r["lenience"] for r in rows if r["lenience"] is not None))
     ticks = sorted({r["eps"] for r in rows if r["eps"] is not None})
+    labelled: list[float] = []  # from eps = 1 down, skipping labels that would overlap on the log axis
+    for e in reversed(ticks):
+        if not labelled or math.log10(labelled[-1] / e) >= 0.1:
+            labelled.append(e)
     fig, axes = plt.subplots(1, 3, figsize=(11, 3.4))
     for ax, (key, label) in zip(axes, panels, strict=True):
         for lenience, marker in zip(leniences, "osD^v", strict=False):
@@ -309,7 +313,7 @@ def plot(rows: Sequence[dict[str, Any]], path: str, title: str, ceiling: float) 
             ax.axhline(mean, color="0.4", ls="--", lw=1, label="autoregressive (± std)")
             ax.axhspan(mean - std, mean + std, color="0.5", alpha=0.15, lw=0)
         ax.set_xscale("log")
-        ax.set_xticks(ticks, [f"{e:g}" for e in ticks])
+        ax.set_xticks(ticks, [f"{e:g}" if e in labelled else "" for e in ticks])
         ax.minorticks_off()
         ax.set_xlabel("eps (1 = lossless)")
         ax.set_title(label, fontsize=9)
@@ -324,7 +328,7 @@ def plot(rows: Sequence[dict[str, Any]], path: str, title: str, ceiling: float) 
 
 def _std(metric: dict[str, Any]) -> float:
     std = metric.get("std")
-    return 0.0 if std is None or std != std else float(std)
+    return 0.0 if std is None or math.isnan(std) else float(std)
 
 
 def build_parser() -> argparse.ArgumentParser:
