@@ -180,6 +180,7 @@ def load_script(entry: str) -> Any:
     spec = importlib.util.spec_from_file_location(f"docs_{path.stem}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
     spec.loader.exec_module(module)
     return module
 

@@ -217,5 +217,6 @@ def expected_acceptance_per_position(
 
     sum_v q(v) min(1, f(p(v), eps) / q(v)) = sum_v min(q(v), f(p(v), eps)); lossless (f = identity)
     this is sum_v min(p(v), q(v)) = 1 - TVD(p, q). p, q: (*, V) probabilities. Returns (*,).
+    Clamped to 1: a lenient f often makes the sum sum_v q(v) itself, which rounds to 1 + 1e-7 in float32.
     """
-    return torch.minimum(q, apply_lenience(p, lenience, eps)).sum(dim=-1)
+    return torch.minimum(q, apply_lenience(p, lenience, eps)).sum(dim=-1).clamp(max=1.0)
