@@ -25,9 +25,8 @@ continuation_len=--tokens)``, rather than by ``build_prompts``: the same corpus 
 prompt length, but each window must leave room for ``--tokens`` more tokens of its document, so the
 prompt set differs from the other evaluations' (those keep no continuation).
 
-The decoders' outputs are taken from the evaluator's own generations: each decoder config is a
-:class:`RecordingDecoder` that wraps the engine's decoder and keeps what it generated, so the task
-metrics score exactly the samples whose block efficiency is reported.
+The task metrics score the evaluator's own generations (``evaluate_drafters(on_output=...)``), exactly
+the samples whose block efficiency is reported; the autoregressive row is the evaluator's baseline.
 """
 
 from __future__ import annotations
@@ -39,15 +38,15 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from train.data.lm import make_prompts
 from train.data.sources import DataSourceConfig, load_text_dataset
-from train.decoding import AutoregressiveDecoder, SamplingParams, SpeculativeDecoder, aggregate
+from train.decoding import SamplingParams, aggregate
 from train.decoding.sampling import LENIENCES
-from train.evaluation import EvalConfig, evaluate_drafters, load_decoder_config, to_jsonable
+from train.evaluation import EvalConfig, Generation, evaluate_drafters, load_decoder_config, to_jsonable
 from train.evaluation.task_metrics import continuation_nll, rouge_l
 from train.models.loading import (
     check_same_tokenizer,
@@ -65,59 +64,6 @@ DEFAULT_EPS = (1.0, 0.5, 0.3, 0.2, 0.1, 0.05, 0.02)
 AR_LABEL = "autoregressive"
 TASK_METRICS = ("verifier_nll", "rouge_l_f1")
 _DEFAULT_PARAMS = SamplingParams()
-
-#: What each :class:`RecordingDecoder` generated in this process: {record: [(prompt ids, new tokens)]}
-#: in call order. The evaluator runs temperature -> seed -> prompt, so with one temperature call k is
-#: seed ``seeds[k // n]``, prompt ``k % n`` (checked against the prompt ids in :func:`outputs_by_seed`).
-OUTPUTS: dict[str, list[tuple[list[int], list[int]]]] = {}
-
-
-class RecordingDecoder:
-    """An engine decoder that keeps its seeded generations in :data:`OUTPUTS` (untouched otherwise).
-
-    ``inner="sd"``: :class:`~train.decoding.SpeculativeDecoder` with ``settings`` (gamma, lenience,
-    eps); ``inner="ar"``: :class:`~train.decoding.AutoregressiveDecoder` of the verifier (the drafter
-    is unused). Calls without a generator (the evaluator's warm-up) are not kept. The stats pass
-    through unchanged.
-    """
-
-    drafter_kinds: ClassVar[tuple[str, ...]] = ("model",)
-
-    def __init__(
-        self,
-        verifier: torch.nn.Module,
-        drafter: torch.nn.Module,
-        record: str,
-        inner: str = "sd",
-        **settings: Any,
-    ) -> None:
-        if inner not in ("sd", "ar"):
-            raise ValueError(f"inner must be 'sd' or 'ar', got {inner!r}")
-        self.inner: Any = (
-            SpeculativeDecoder(verifier, drafter, **settings)
-            if inner == "sd"
-            else AutoregressiveDecoder(verifier)
-        )
-        self.record = record
-
-    @property
-    def lossless(self) -> bool:
-        return bool(getattr(self.inner, "lossless", True))
-
-    def generate(
-        self,
-        input_ids: torch.Tensor,
-        max_new_tokens: int,
-        params: SamplingParams = _DEFAULT_PARAMS,
-        eos_token_id: Any = None,
-        generator: torch.Generator | None = None,
-    ) -> Any:
-        result = self.inner.generate(input_ids, max_new_tokens, params, eos_token_id, generator)
-        if generator is not None:
-            OUTPUTS.setdefault(self.record, []).append(
-                (input_ids.reshape(-1).tolist(), result.tokens.reshape(-1).tolist())
-            )
-        return result
 
 
 class Point(NamedTuple):
@@ -141,16 +87,39 @@ def sweep_points(leniences: Sequence[str], eps_grid: Sequence[float]) -> list[Po
     return points
 
 
-def decoder_configs(points: Sequence[Point], gamma: int, target: str) -> list[dict[str, Any]]:
-    configs = []
-    for pt in points:
-        cfg: dict[str, Any] = {"name": pt.label, "_target_": target, "_partial_": True, "record": pt.label}
-        if pt.eps is None:
-            cfg["inner"] = "ar"
-        else:
-            cfg.update(inner="sd", gamma=gamma, lenience=pt.lenience, eps=pt.eps)
-        configs.append(cfg)
-    return configs
+def decoder_configs(points: Sequence[Point], gamma: int) -> list[dict[str, Any]]:
+    """``conf/decoding/sd.yaml`` at ``gamma`` with each point's lenience and eps (the autoregressive
+    point is the evaluator's own baseline, not a decoder config)."""
+    sd = load_decoder_config("sd")
+    return [
+        {**sd, "name": pt.label, "gamma": gamma, "lenience": pt.lenience, "eps": pt.eps}
+        for pt in points
+        if pt.eps is not None
+    ]
+
+
+class OutputCollector:
+    """The evaluator's generations by decoder label, seed and prompt (``evaluate_drafters(on_output=...)``);
+    the autoregressive baseline's are filed under :data:`AR_LABEL`."""
+
+    def __init__(self, n_prompts: int) -> None:
+        self.n_prompts = n_prompts
+        self.outputs: dict[str, dict[int, list[list[int] | None]]] = {}
+
+    def __call__(self, generation: Generation) -> None:
+        label = AR_LABEL if generation.drafter is None else generation.decoder
+        per_seed = self.outputs.setdefault(label, {})
+        per_seed.setdefault(generation.seed, [None] * self.n_prompts)[generation.prompt_index] = (
+            generation.tokens
+        )
+
+    def by_seed(self, label: str, seeds: Sequence[int]) -> dict[int, list[list[int]]]:
+        """{seed: [new tokens of prompt i]} of one decoder; every seed and prompt must be there."""
+        per_seed = self.outputs.get(label, {})
+        missing = [s for s in seeds if s not in per_seed or any(t is None for t in per_seed[s])]
+        if missing:
+            raise RuntimeError(f"{label}: no generations for every prompt at seeds {missing}")
+        return {s: [t for t in per_seed[s] if t is not None] for s in seeds}
 
 
 def cut_prompts(
@@ -172,26 +141,6 @@ def cut_prompts(
         )
     prompts = [torch.tensor([ids], dtype=torch.long) for ids in ds["input_ids"]]
     return prompts, [list(c) for c in ds["continuation_ids"]]
-
-
-def outputs_by_seed(
-    record: str, prompts: Sequence[torch.Tensor], seeds: Sequence[int]
-) -> dict[int, list[list[int]]]:
-    """{seed: [new tokens of prompt i]} from :data:`OUTPUTS`, checked against the prompts."""
-    got = OUTPUTS.get(record, [])
-    n = len(prompts)
-    if len(got) != n * len(seeds):
-        raise RuntimeError(
-            f"{record}: {len(got)} recorded generations, expected {n} prompts x {len(seeds)} seeds"
-        )
-    out: dict[int, list[list[int]]] = {}
-    for k, (prompt_ids, tokens) in enumerate(got):
-        if prompt_ids != prompts[k % n].reshape(-1).tolist():
-            raise RuntimeError(
-                f"{record}: generation {k} is not of prompt {k % n}; the evaluator's order changed"
-            )
-        out.setdefault(seeds[k // n], []).append(tokens)
-    return out
 
 
 def task_metrics(
@@ -233,21 +182,21 @@ def rows_and_table(
     runs = {r["decoder"]: r for r in results["runs"]}
     rows, cells = [], []
     for pt in points:
-        run = runs[pt.label]
+        run = runs.get(pt.label)  # None: the autoregressive baseline
         metrics = {
-            "block_efficiency": run["metrics"]["block_efficiency"],
-            "acceptance_rate": run["metrics"]["acceptance_rate"],
+            "block_efficiency": run["metrics"]["block_efficiency"] if run else None,
+            "acceptance_rate": run["metrics"]["acceptance_rate"] if run else None,
             **{k: task[pt.label][k] for k in TASK_METRICS},
         }
-        rule = "lossless" if run["lossless"] else "lossy"
+        rule = "lossless" if run is None or run["lossless"] else "lossy"
         rows.append({"decoder": pt.label, "lenience": pt.lenience, "eps": pt.eps, "rule": rule, **metrics})
         cells.append(
             [
                 "autoregressive" if pt.eps is None else (pt.lenience or "any"),
                 "n/a" if pt.eps is None else f"{pt.eps:g}",
                 rule,
-                format_metric(metrics["block_efficiency"], 2),
-                "n/a" if pt.eps is None else format_metric(metrics["acceptance_rate"], 3),
+                "n/a" if run is None else format_metric(metrics["block_efficiency"], 2),
+                "n/a" if run is None else format_metric(metrics["acceptance_rate"], 3),
                 format_metric(metrics["verifier_nll"], 3),
                 format_metric(metrics["rouge_l_f1"], 3),
             ]
@@ -382,20 +331,24 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     cfg = EvalConfig(
         temperatures=[1.0],
         seeds=list(args.seeds),
-        decoders=decoder_configs(points, gamma, f"{RecordingDecoder.__module__}.RecordingDecoder"),
+        decoders=decoder_configs(points, gamma),
         max_new_tokens=args.tokens,
         progress=False,
         plots=False,
     )
-    OUTPUTS.clear()
+    collected = OutputCollector(len(prompts))
     results = evaluate_drafters(
-        verifier, {"drafter": drafter}, prompts, cfg, eos_token_id=eos_token_ids(tokenizer, verifier, drafter)
+        verifier,
+        {"drafter": drafter},
+        prompts,
+        cfg,
+        eos_token_id=eos_token_ids(tokenizer, verifier, drafter),
+        on_output=collected,
     )
     task = {
-        pt.label: task_metrics(verifier, prompts, references, outputs_by_seed(pt.label, prompts, args.seeds))
+        pt.label: task_metrics(verifier, prompts, references, collected.by_seed(pt.label, args.seeds))
         for pt in points
     }
-    OUTPUTS.clear()
     rows, table = rows_and_table(points, results, task)
     elapsed = time.perf_counter() - started
 

@@ -167,6 +167,28 @@ def test_sampling_is_reproducible_per_seed(verifier, drafter, prompts):
         assert runs[0][key] == runs[1][key], key
 
 
+def test_on_output_hands_out_every_timed_generation(verifier, drafter, prompts):
+    """Every (entry, temperature, seed, prompt) once, warm-ups excluded, with the new tokens only; at
+    T = 0 the speculative decoder's tokens are the baseline's."""
+    got = []
+    cfg = _cfg(temperatures=[0.0, 1.0], decoders=["sd_g2"], seeds=[0, 1], max_new_tokens=6)
+    evaluate_drafters(verifier, {"d": drafter}, prompts, cfg, on_output=got.append)
+    keys = [(g.drafter, g.decoder, g.temperature, g.seed, g.prompt_index) for g in got]
+    expected = {
+        (d, label, t, seed, i)
+        for d, label in ((None, "ar"), ("d", "sd_g2"))
+        for t in (0.0, 1.0)
+        for seed in (0, 1)
+        for i in range(len(prompts))
+    }
+    assert len(keys) == len(expected) and set(keys) == expected
+    assert all(0 < len(g.tokens) <= 6 for g in got)
+    tokens = {k: g.tokens for k, g in zip(keys, got, strict=True)}
+    for seed in (0, 1):
+        for i in range(len(prompts)):
+            assert tokens[(None, "ar", 0.0, seed, i)] == tokens[("d", "sd_g2", 0.0, seed, i)]
+
+
 def test_bad_inputs(verifier, drafter, prompts):
     with pytest.raises(ValueError, match="at least one drafter"):
         evaluate_drafters(verifier, {}, prompts, _cfg())

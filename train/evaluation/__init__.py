@@ -22,7 +22,7 @@ from train.evaluation.results import (
     temperature_key,
     to_jsonable,
 )
-from train.evaluation.runner import build_decoders, evaluate_drafters, write_outputs
+from train.evaluation.runner import Generation, build_decoders, evaluate_drafters, write_outputs
 from train.evaluation.tracking import log_results, scalar_metrics
 from train.tables import format_metric
 
@@ -37,6 +37,7 @@ __all__ = [
     "build_eval_config",
     "build_prompts",
     "by_temperature",
+    "Generation",
     "evaluate_drafters",
     "find_run",
     "format_metric",

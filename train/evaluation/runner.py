@@ -22,7 +22,7 @@ import logging
 import os
 import platform
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -56,7 +56,29 @@ from train.tables import format_value
 
 log = logging.getLogger(__name__)
 
-__all__ = ["build_decoders", "decoder_kinds", "drafter_kind", "evaluate_drafters", "write_outputs"]
+__all__ = [
+    "Generation",
+    "build_decoders",
+    "decoder_kinds",
+    "drafter_kind",
+    "evaluate_drafters",
+    "write_outputs",
+]
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One timed generation of an evaluation, handed to ``evaluate_drafters(on_output=...)``."""
+
+    drafter: str | None
+    """The drafter's name; None for the autoregressive baseline."""
+    decoder: str
+    """The decoder config's label (``"ar"`` for the baseline)."""
+    temperature: float
+    seed: int
+    prompt_index: int
+    tokens: list[int]
+    """The new tokens (the prompt not included)."""
 
 
 @dataclass
@@ -195,6 +217,7 @@ def evaluate_drafters(
     out_dir: str | os.PathLike[str] | None = None,
     loggers: Sequence[Any] | None = None,
     step: int | None = None,
+    on_output: Callable[[Generation], None] | None = None,
 ) -> dict[str, Any]:
     """Evaluate every drafter under every decoder against ``verifier``; return the results (results.json).
 
@@ -207,6 +230,8 @@ def evaluate_drafters(
     out_dir: where results.json, results.md and the plots go (None: nothing is written).
     loggers: Lightning loggers; each gets the ``eval/...`` scalar means at ``step``, a ``WandbLogger``
     also the table and the plots.
+    on_output: called with every timed generation's :class:`Generation` (the warm-up's are not),
+    for metrics of the outputs themselves (a task score, a likelihood).
 
     Read the figures with :func:`find_run` / :func:`by_temperature`; render them with
     :func:`results_table`. Raises :class:`GreedyMismatchError` at a temperature-0 difference from
@@ -230,7 +255,7 @@ def evaluate_drafters(
     for m in models:
         m.eval()
     try:
-        results = _evaluate(verifier, dict(drafters), prompt_list, cfg, _eos_ids(eos_token_id))
+        results = _evaluate(verifier, dict(drafters), prompt_list, cfg, _eos_ids(eos_token_id), on_output)
     finally:
         for m, mode in zip(models, modes, strict=True):
             m.train(mode)
@@ -282,6 +307,7 @@ def _evaluate(
     prompts: list[torch.Tensor],
     cfg: EvalConfig,
     eos: list[int],
+    on_output: Callable[[Generation], None] | None = None,
 ) -> dict[str, Any]:
     v_params = param_count(verifier)
     c_param = {name: param_count(d) / v_params for name, d in drafters.items()}
@@ -315,6 +341,10 @@ def _evaluate(
                     _run_prompt(entries, p, i, params, cfg, eos, seed, progress)
                     for i, p in enumerate(prompts)
                 ]
+                if on_output is not None:
+                    for i, per_entry in enumerate(outcome):
+                        for entry, (_, tokens) in zip(entries, per_entry, strict=True):
+                            on_output(Generation(entry.drafter, entry.label, t, seed, i, tokens))
                 ar_stats = [o[0][0] for o in outcome]
                 ar_tokens = [o[0][1] for o in outcome]
                 ar_summary = summarize(pool(ar_stats))
