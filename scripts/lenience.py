@@ -20,8 +20,8 @@ over seeds:
   sampling's, which the ``autoregressive`` row measures on the same prompts and seeds;
 * ROUGE-L F1 between the generated token ids and the corpus's true continuation of the prompt.
 
-The true continuation is why the prompts are cut here, with ``train.data.lm.make_prompts(...,
-continuation_len=--tokens)``, rather than by ``build_prompts``: the same corpus test split, seed and
+The true continuation is why the prompts come from ``build_prompts_with_references(...,
+continuation_len=--tokens)`` rather than ``build_prompts``: the same corpus test split, seed and
 prompt length, but each window must leave room for ``--tokens`` more tokens of its document, so the
 prompt set differs from the other evaluations' (those keep no continuation).
 
@@ -42,11 +42,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from train.data.lm import make_prompts
-from train.data.sources import DataSourceConfig, load_text_dataset
+from train.data.sources import DataSourceConfig
 from train.decoding import SamplingParams, aggregate
 from train.decoding.sampling import LENIENCES
 from train.evaluation import EvalConfig, Generation, evaluate_drafters, load_decoder_config, to_jsonable
+from train.evaluation.prompts import build_prompts_with_references
 from train.evaluation.task_metrics import continuation_nll, rouge_l
 from train.models.loading import (
     check_same_tokenizer,
@@ -120,27 +120,6 @@ class OutputCollector:
         if missing:
             raise RuntimeError(f"{label}: no generations for every prompt at seeds {missing}")
         return {s: [t for t in per_seed[s] if t is not None] for s in seeds}
-
-
-def cut_prompts(
-    tokenizer: Any, data: DataSourceConfig, n: int, prompt_len: int, continuation_len: int, seed: int = 0
-) -> tuple[list[torch.Tensor], list[list[int]]]:
-    """Prompts (1, prompt_len) from the test split and the next ``continuation_len`` true tokens of each."""
-    ds = make_prompts(
-        load_text_dataset(data, tokenizer)["test"],
-        tokenizer,
-        prompt_len,
-        max_prompts=n,
-        seed=seed,
-        continuation_len=continuation_len,
-        mode="random",
-    )
-    if len(ds) == 0:
-        raise SystemExit(
-            f"error: no test document holds {prompt_len} + {continuation_len} tokens; lower --tokens"
-        )
-    prompts = [torch.tensor([ids], dtype=torch.long) for ids in ds["input_ids"]]
-    return prompts, [list(c) for c in ds["continuation_ids"]]
 
 
 def task_metrics(
@@ -324,7 +303,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         if args.data_files
         else DataSourceConfig(corpus_dir=os.path.join(project_root(), "data", "stdlib_corpus"))
     )
-    prompts, references = cut_prompts(tokenizer, data, args.prompts, args.prompt_len, args.tokens)
+    try:
+        prompts, references = build_prompts_with_references(
+            tokenizer, data, args.prompts, args.prompt_len, continuation_len=args.tokens
+        )
+    except ValueError as err:
+        parser.error(f"{err} (--prompt-len / --tokens)")
 
     gamma = args.gamma if args.gamma is not None else int(load_decoder_config("sd")["gamma"])
     points = sweep_points(args.leniences, args.eps)
