@@ -311,6 +311,7 @@ class Workspace:
 
     def __init__(self, root: Path) -> None:
         self.root = root
+        self.resumes = 0
 
     def newest(self, pattern: str) -> str:
         found = sorted(glob.glob(str(self.root / "checkpoints" / pattern)))
@@ -360,7 +361,10 @@ class Workspace:
             return [*command.flags, *args, *extra]
         extra = list(MICRO_ARGS[command.entry])
         if command.entry == "train.py" and any(a.startswith("ckpt_path=") for a in args):
-            extra.append("trainer.max_steps=4")  # resume a finished 2-step run into two more steps
+            # Each resume continues the newest run (2 steps, then 4 after the first resume, ...) for
+            # two more steps: a finished run is refused by design.
+            self.resumes += 1
+            extra.append(f"trainer.max_steps={2 + 2 * self.resumes}")
         if command.entry == "scripts/trees.py":  # its default output is docs/trees.md
             extra += ["--out", str(self.root / "trees.md")]
         return [*command.flags, *args, *extra]
