@@ -180,6 +180,27 @@ def test_training_step_runs_for_every_source_and_divergence(source, div):
     assert all(p.grad is None for p in module.teacher.parameters())
 
 
+def test_each_rank_draws_its_own_on_policy_rollouts(monkeypatch):
+    """Under DDP the ranks hold different prompts (Lightning's distributed sampler) and, at the same
+    step, differently seeded rollouts: training_step salts the rollout generator with the rank."""
+    module, data = _module(_cfg(data_source="student"))
+    data.setup()
+    batch = next(iter(data.train_dataloader()))
+    real, seen = module.make_batch, []
+
+    def recorded(*args):
+        rollout = real(*args)
+        seen.append(rollout.sequences)
+        return rollout
+
+    monkeypatch.setattr(module, "make_batch", recorded)
+    for rank in (0, 1, 0):
+        monkeypatch.setattr(type(module), "global_rank", property(lambda self, r=rank: r))
+        module.training_step(batch, 0)
+    assert torch.equal(seen[0], seen[2])  # reproducible per (step, rank)
+    assert not torch.equal(seen[0], seen[1])  # another rank, other samples
+
+
 def test_teacher_rollouts_are_cached_per_prompt():
     module, data = _module(_cfg(data_source="teacher"))
     data.setup()

@@ -198,13 +198,38 @@ def test_medusa2_self_distillation_regenerates_blocks_and_keeps_the_verifier_clo
     )
     module = MedusaModule(verifier, MedusaHeads.from_verifier(verifier, 2, 1), cfg)
     ids = torch.randint(0, 200, (3, 24))
-    regenerated = module._regenerate(ids)
+    regenerated = module._regenerate(ids, module._generator(0, 0))
     assert regenerated.shape == ids.shape and torch.equal(regenerated[:, :8], ids[:, :8])
+    # seeded by (run seed, step, rank): a resumed run regenerates the same blocks, another rank others
+    assert torch.equal(module._regenerate(ids, module._generator(0, 0)), regenerated)
+    assert not torch.equal(module._regenerate(ids, module._generator(0, 1))[:, 8:], regenerated[:, 8:])
     # at the start the adapters are zero: the KL to the frozen verifier is 0
     logits = module.verifier(input_ids=ids).logits
     assert float(module._base_loss(ids, logits)) == pytest.approx(0.0, abs=1e-6)
     _trainer(tmp_path, 2).fit(module, datamodule=_data())
     assert all(torch.isfinite(p).all() for p in module.heads.parameters())
+
+
+def test_each_rank_regenerates_its_own_blocks(monkeypatch):
+    """training_step seeds the regeneration by (run seed, step, rank): reproducible, distinct per rank."""
+    verifier = tiny_llama(hidden=32, seed=0)
+    cfg = MedusaConfig(
+        optimizer=ADAMW, num_heads=2, seq_len=24, batch_size=4, self_distill=True, prompt_len=8
+    )
+    module = MedusaModule(verifier, MedusaHeads.from_verifier(verifier, 2, 1), cfg, seed=3)
+    real, seen = module._regenerate, []
+
+    def recorded(ids, generator=None):
+        out = real(ids, generator)
+        seen.append(out)
+        return out
+
+    monkeypatch.setattr(module, "_regenerate", recorded)
+    batch = {"input_ids": torch.randint(0, 200, (2, 24))}
+    for rank in (0, 1, 0):
+        monkeypatch.setattr(type(module), "global_rank", property(lambda self, r=rank: r))
+        module.training_step(batch, 0)
+    assert torch.equal(seen[0], seen[2]) and not torch.equal(seen[0], seen[1])
 
 
 def test_soft_targets_are_the_verifiers_shifted_distributions():

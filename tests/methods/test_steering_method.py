@@ -221,6 +221,25 @@ def test_training_step_trains_every_arm_and_the_steering_module():
     assert all(p.grad is None for p in module.verifier.parameters())
 
 
+def test_each_rank_samples_its_own_verifier_responses(monkeypatch):
+    """Under DDP the ranks hold different prompts and, for a prompt, differently seeded responses: the
+    response generator is salted with the rank (one run, two ranks, the same batch)."""
+    seen = []
+    for rank in (0, 1):
+        module, data = _module(_cfg())
+        monkeypatch.setattr(type(module), "global_rank", property(lambda self, r=rank: r))
+        cache = module.responses
+
+        def recorded(*args, cache=cache):
+            rollout = cache(*args)
+            seen.append(rollout.sequences)
+            return rollout
+
+        monkeypatch.setattr(module, "responses", recorded)
+        module.training_step(_batch(module, data), 0)
+    assert seen[0].shape[0] == seen[1].shape[0] and not torch.equal(seen[0], seen[1])
+
+
 def test_train_drafter_false_trains_the_steering_module_alone(tmp_path):
     module, data = _module(_cfg(train_drafter=False, distilled_baseline=False))
     before = {k: v.clone() for k, v in module.drafters[MAIN_ARM].state_dict().items()}
