@@ -99,6 +99,8 @@ class EvalRun:
     model: Any
     data: Any
     logger: Any
+    kinds: set[str]
+    """The drafter kinds the decoders take (``model``, ``heads``, ...)."""
 
 
 def validate(cfg: DictConfig) -> EvalRun:
@@ -117,13 +119,14 @@ def validate(cfg: DictConfig) -> EvalRun:
         model=instantiate_group(cfg, "model"),
         data=instantiate_group(cfg, "data"),
         logger=instantiate_group(cfg, "logger"),
+        kinds={k for taken in decoder_kinds(eval_cfg).values() for k in taken},
     )
     steered = [label for label, settings in eval_cfg.decoder_configs.items() if settings.get("steering")]
     if steered and cfg.get("steering") is None:
         raise ConfigError(f"steering: the decoders {steered} steer the drafter; pass steering=PATH")
     if cfg.get("steering") is not None:
         check_model_source("steering", str(cfg.steering))
-    kinds = {k for taken in decoder_kinds(eval_cfg).values() for k in taken}
+    kinds = run.kinds
     heads_source = cfg.get("heads")
     if "heads" in kinds and heads_source is None:
         raise ConfigError(
@@ -148,8 +151,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     OmegaConf.save(cfg, os.path.join(run_dir, "config.yaml"))
     if model_cfg.tiny is not None:
         ensure_tiny_pair(model_cfg.tiny)
-    kinds = {k for taken in decoder_kinds(eval_cfg).values() for k in taken}
-    heads_source = cfg.get("heads")
+    kinds, heads_source = run.kinds, cfg.get("heads")
     pair = load_pair(model_cfg, freeze_drafter=True)
     drafter_source = cfg.get("drafter")
     name = _drafter_label(str(drafter_source)) if drafter_source is not None else "drafter"

@@ -54,6 +54,7 @@ from train.methods.responses import (
     continuation_logits,
     mix_seed,
     prompt_data,
+    seeded_generator,
     with_continuation,
 )
 from train.models.loading import eos_token_ids, load_model, output_vocab_size
@@ -211,10 +212,8 @@ class DistillSpecModule(L.LightningModule):
         return configure_optimizers(params, self.cfg.optimizer, self.cfg.scheduler)
 
     def _generator(self, *salt: int) -> torch.Generator:
-        """Seeded by (run seed, salt): a resumed run draws the same rollouts the killed one would have."""
-        gen = torch.Generator(device=self.device)
-        gen.manual_seed(mix_seed(self.seed, *salt))
-        return gen
+        """Seeded by (run seed, salt): reproducible on resume, distinct per rank."""
+        return seeded_generator(self.device, self.seed, *salt)
 
     # ---------------------------------------------------------------- data
 

@@ -54,7 +54,7 @@ from train.decoding.rollout import rollout
 from train.decoding.sampling import SamplingParams
 from train.export import export_drafter
 from train.export_heads import export_vllm_medusa
-from train.methods.responses import mix_seed
+from train.methods.responses import seeded_generator
 from train.models.heads import MedusaHeads, medusa_loss, shifted_targets
 from train.models.lora import LoraSettings, apply_lora, merge_lora
 from train.models.ngram import NGramLM
@@ -298,11 +298,8 @@ class MedusaModule(L.LightningModule):
         return out.sequences[:, : ids.shape[1]]
 
     def _generator(self, *salt: int) -> torch.Generator:
-        """Seeded by (run seed, salt): a resumed run regenerates what the killed one would have, and each
-        rank draws its own blocks."""
-        gen = torch.Generator(device=self.device)
-        gen.manual_seed(mix_seed(self.seed, *salt))
-        return gen
+        """Seeded by (run seed, salt): reproducible on resume, distinct per rank."""
+        return seeded_generator(self.device, self.seed, *salt)
 
     def _base_loss(self, ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """Medusa-2's kept verifier loss: next-token CE, or KL to the frozen verifier when self-distilling."""

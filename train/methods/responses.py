@@ -26,6 +26,7 @@ __all__ = [
     "check_prompt_settings",
     "continuation_logits",
     "mix_seed",
+    "seeded_generator",
     "prompt_data",
     "with_continuation",
 ]
@@ -115,6 +116,14 @@ def mix_seed(*values: int) -> int:
     for v in values:
         seed = (seed * 1_000_003 + int(v)) % (2**61 - 1)
     return seed
+
+
+def seeded_generator(device: torch.device | str, *values: int) -> torch.Generator:
+    """A generator on ``device`` seeded by :func:`mix_seed` of (run seed, step, rank, ...): a resumed run
+    draws what the killed one would have, and each rank its own."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(mix_seed(*values))
+    return gen
 
 
 def check_prompt_settings(cfg: Any) -> None:

@@ -63,6 +63,7 @@ from train.methods.responses import (
     continuation_logits,
     mix_seed,
     prompt_data,
+    seeded_generator,
 )
 from train.models.loading import eos_token_ids, load_drafter, output_vocab_size
 from train.models.lora import LoraSettings, apply_lora, merge_lora
@@ -308,10 +309,8 @@ class SteeringTrainingModule(L.LightningModule):
             _clip_norm(params, float(gradient_clip_val))
 
     def _generator(self, *salt: int) -> torch.Generator:
-        """Seeded by (run seed, salt): a resumed run draws what the killed one would have."""
-        gen = torch.Generator(device=self.device)
-        gen.manual_seed(mix_seed(self.seed, *salt))
-        return gen
+        """Seeded by (run seed, salt): reproducible on resume, distinct per rank."""
+        return seeded_generator(self.device, self.seed, *salt)
 
     def _generate(self, ids: torch.Tensor, attn: torch.Tensor, gen: torch.Generator) -> Rollout:
         return rollout(
