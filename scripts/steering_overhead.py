@@ -2,8 +2,9 @@
 
     python scripts/steering_overhead.py [--prompts 8] [--tokens 64]
 
-Steered chain SD (gamma 4) on the embedded pair with a random nonzero steering module: the time to
-project one guide (once per verification) against one drafter step, and the steered decoder's tokens/s
+Steered chain SD (gamma 4) on the embedded pair with a random nonzero steering module: the steering
+time per verification (projecting its guide, choosing each drafter forward's biases) against one
+drafter step, and the steered decoder's tokens/s
 against the unsteered one on the same prompts (greedy, so both emit the same tokens).
 """
 

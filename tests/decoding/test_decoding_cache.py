@@ -8,11 +8,13 @@ from transformers import DynamicCache
 
 from train.decoding import SamplingParams, SpeculativeDecoder
 from train.decoding.cache import crop_cache
+from train.decoding.model_call import cache_keyword, returned_cache
 
 
 class CheckedLM(torch.nn.Module):
     """Wraps a HF causal LM; on every cached call, compares the returned logits with a fresh
-    (cache-free) forward over the tokens the cache should hold plus the new ones."""
+    (cache-free) forward over the tokens the cache should hold plus the new ones. It takes the cache
+    by its pre-5.24 name, as a model written for older transformers does."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
@@ -31,11 +33,11 @@ class CheckedLM(torch.nn.Module):
         self.mirror = self.mirror[:held] + input_ids[0].tolist()
         out = self.model(
             input_ids=input_ids,
-            past_key_values=past_key_values,
             use_cache=True,
             logits_to_keep=logits_to_keep,
+            **{cache_keyword(self.model): past_key_values},
         )
-        assert out.past_key_values.get_seq_length() == len(self.mirror)
+        assert returned_cache(out).get_seq_length() == len(self.mirror)
         fresh = self.model(input_ids=torch.tensor([self.mirror]), use_cache=False).logits
         k = out.logits.shape[1]
         err = float((out.logits[0] - fresh[0, -k:]).abs().max())
@@ -70,11 +72,11 @@ def test_crop_then_extend_equals_fresh(llama_pair):
     tokens = torch.randint(2, 128, (1, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         out = verifier(input_ids=tokens, use_cache=True)
-        cache = out.past_key_values
+        cache = returned_cache(out)
         assert isinstance(cache, DynamicCache)
         crop_cache(cache, 8)  # reject the last 4 positions
         assert cache.get_seq_length() == 8
         alt = torch.tensor([[5, 6]])
-        cached = verifier(input_ids=alt, past_key_values=cache, use_cache=True).logits
+        cached = verifier(input_ids=alt, use_cache=True, **{cache_keyword(verifier): cache}).logits
         fresh = verifier(input_ids=torch.cat([tokens[:, :8], alt], 1)).logits[:, -2:]
     torch.testing.assert_close(cached, fresh, atol=1e-5, rtol=1e-5)

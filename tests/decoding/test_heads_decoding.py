@@ -4,6 +4,7 @@ output law at T > 0 (deterministic candidates verified by sampling p without rep
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import pytest
@@ -90,6 +91,19 @@ def test_bad_trees_are_rejected(tiny_pairs):
     assert len(MedusaDecoder(verifier, heads).tree) == len(DEFAULT_CHOICES)
 
 
+@pytest.mark.parametrize("num_heads", [1, 2, 3])
+def test_the_default_tree_fits_fewer_heads(num_heads, tiny_pairs):
+    verifier, _ = tiny_pairs["qwen3"]
+    heads = MedusaHeads.from_verifier(verifier, num_heads, 1)
+    decoder = MedusaDecoder(verifier, heads)
+    assert decoder.depth == num_heads
+    assert decoder.tree == [p for p in DEFAULT_CHOICES if len(p) <= num_heads]
+    ids = torch.tensor([[0, 5, 9, 3, 7]])
+    assert decoder.generate(ids, 12).tokens.tolist() == hf_greedy(verifier, ids, 12)
+    with pytest.raises(ValueError, match="deep but the heads number"):  # a tree given is never cut
+        MedusaDecoder(verifier, heads, chain_choices(num_heads + 1))
+
+
 VOCAB = 6
 
 
@@ -153,13 +167,17 @@ def test_sampling_test_catches_a_residual_drawn_from_p(small_verifier, monkeypat
 # ----------------------------------------------------------------------------- trees from accuracies
 
 
-def _closed_trees(max_depth: int, max_rank: int, size: int):
-    """Every tree of ``size`` paths (ranks < max_rank, depth <= max_depth) that holds each path's parent."""
+@functools.cache
+def _closed_trees(max_depth: int, max_rank: int, size: int) -> list[frozenset[tuple[int, ...]]]:
+    """Every tree of ``size`` paths (ranks < max_rank, depth <= max_depth) that holds each path's parent.
+    A path does not need its lower-rank siblings: the proposer drafts any path whose parent it drafts,
+    and the verifier accepts a candidate for being its token, whatever the siblings."""
     paths = [p for d in range(1, max_depth + 1) for p in itertools.product(range(max_rank), repeat=d)]
-    for combo in itertools.combinations(paths, size):
-        chosen = set(combo)
-        if all(len(p) == 1 or p[:-1] in chosen for p in chosen):
-            yield chosen
+    return [
+        frozenset(combo)
+        for combo in itertools.combinations(paths, size)
+        if all(len(p) == 1 or p[:-1] in combo for p in combo)
+    ]
 
 
 def _expected_length(tree, acc) -> float:
@@ -172,21 +190,50 @@ def _expected_length(tree, acc) -> float:
     return total
 
 
-@pytest.mark.parametrize("size", [1, 3, 5])
-def test_tree_from_accuracies_is_the_best_tree_of_its_size(size):
-    acc = [[0.6, 0.2, 0.1], [0.4, 0.15, 0.05], [0.3, 0.1, 0.02]]
+ACCURACIES = {
+    "falling with rank": [[0.6, 0.2, 0.1], [0.4, 0.15, 0.05], [0.3, 0.1, 0.02]],
+    "not falling with rank": [[0.2, 0.6, 0.1], [0.1, 0.3, 0.5], [0.05, 0.4, 0.2]],
+    "ties, zeros and ones": [[0.3, 0.3, 0.0], [0.0, 0.7, 0.7], [1.0, 0.0, 0.5]],
+}
+
+
+@pytest.mark.parametrize("accuracy", list(ACCURACIES), ids=list(ACCURACIES))
+@pytest.mark.parametrize("size", [1, 2, 3, 5])
+def test_tree_from_accuracies_is_the_best_tree_of_its_size(size, accuracy):
+    acc = ACCURACIES[accuracy]
     tree = tree_from_accuracies(acc, size)
     assert len(tree) == size and all(len(p) == 1 or p[:-1] in tree for p in tree)
     best = max(_expected_length(t, acc) for t in _closed_trees(3, 3, size))
-    assert _expected_length(tree, acc) == pytest.approx(best)
+    assert _expected_length(tree, acc) == pytest.approx(best, abs=1e-12)
 
 
 def test_tree_from_accuracies_by_hand():
     # head 0 is sure of its top-1, head 1 is split between ranks 0 and 1
     assert tree_from_accuracies([[0.9, 0.05], [0.45, 0.4]], 3) == ((0,), (0, 0), (0, 1))
     assert tree_from_accuracies([[0.9, 0.05]], 5) == ((0,), (1,))  # no more paths than heads x ranks
+    # a rank more accurate than the ranks before it is taken without them
+    assert tree_from_accuracies([[0.2, 0.6]], 1) == ((1,),)
+    assert tree_from_accuracies([[0.9], [0.1, 0.5, 0.4]], 3) == ((0,), (0, 1), (0, 2))
+    assert tree_from_accuracies([[0.1, 0.2, 0.7], [0.3, 0.0, 0.9]], 3) == ((2,), (2, 0), (2, 2))
     with pytest.raises(ValueError):
         tree_from_accuracies([[0.5]], 0)
+    with pytest.raises(ValueError, match="head 1 rank 0"):
+        tree_from_accuracies([[0.5], [1.5]], 2)
+
+
+def test_tree_from_accuracies_takes_the_likeliest_paths_at_real_sizes():
+    acc = torch.rand(5, 10, generator=torch.Generator().manual_seed(0), dtype=torch.float64)  # in no order
+    tree = tree_from_accuracies(acc.tolist(), 64)
+    assert len(tree) == 64 and all(len(p) == 1 or p[:-1] in tree for p in tree)
+    chosen = min(_expected_length([p], acc.tolist()) for p in tree)
+    chance = torch.ones(())
+    for depth in range(5):  # every path's chance, depth by depth (10 + 100 + ... + 100 000 paths)
+        chance = (chance.unsqueeze(-1) * acc[depth]).to(torch.float64)
+        left = chance.clone()
+        for p in tree:
+            if len(p) == depth + 1:
+                left[p] = -1.0
+        assert float(left.max()) <= chosen + 1e-15  # no path left out beats a chosen one
 
 
 def test_decoder_takes_the_tree_the_heads_carry_and_refuses_other_verifiers(tiny_pairs, tmp_path):

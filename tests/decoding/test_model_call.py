@@ -3,11 +3,27 @@
 
 from __future__ import annotations
 
+import logging
+import warnings
+
 import pytest
 import torch
 
-from train.decoding import TimedModel, cache_length, keep_positions
+from train.decoding import (
+    AsyncSpeculativeDecoder,
+    AutoregressiveDecoder,
+    MedusaDecoder,
+    SamplingParams,
+    SpeculativeDecoder,
+    TimedModel,
+    TreeSpeculativeDecoder,
+    cache_length,
+    keep_positions,
+)
+from train.decoding.model_call import cache_keyword
+from train.decoding.rollout import rollout
 from train.decoding.tree import tree_attention_mask
+from train.models.heads import MedusaHeads
 
 from .decoding_helpers import build, tiny_config
 
@@ -77,3 +93,45 @@ def test_keep_positions_validates():
         keep_positions(cache, [0, 9])
     assert keep_positions(cache, [0, 1, 2]) == 3 and cache_length(cache) == 3
     assert keep_positions(cache, []) == 0 and cache_length(cache) == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt2"])
+def test_models_are_called_the_way_the_installed_transformers_wants(arch, tiny_pairs, monkeypatch):
+    """transformers 5.24 renamed ``past_key_values`` to ``cache`` (the old keyword warns with a
+    FutureWarning, reading ``out.past_key_values`` logs a deprecation): no decoder and no rollout may
+    trigger either."""
+    verifier, drafter = tiny_pairs[arch]
+    logged: list[str] = []
+    monkeypatch.setattr(logging.Logger, "warning_once", lambda self, msg, *a, **k: logged.append(str(msg)))
+    ids = torch.tensor([[0, 5, 9, 3, 7]])
+    decoders = [
+        AutoregressiveDecoder(verifier),
+        SpeculativeDecoder(verifier, drafter, gamma=3),
+        TreeSpeculativeDecoder(verifier, drafter, method="rsd_c", branching=(2, 2)),
+        TreeSpeculativeDecoder(verifier, drafter, method="rsd_s", depth=2, beam_width=2),
+        AsyncSpeculativeDecoder(verifier, drafter, max_block=3),
+        MedusaDecoder(verifier, MedusaHeads.from_verifier(verifier, 2, 1)),
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        for decoder in decoders:
+            for params in (SamplingParams(), SamplingParams(temperature=1.0)):
+                decoder.generate(ids, 8, params, generator=torch.Generator().manual_seed(0))
+        padded = torch.tensor([[0, 0, 5, 9], [3, 4, 5, 6]])
+        rollout(verifier, padded, torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]]), 4, SamplingParams())
+    assert not [m for m in logged if "past_key_values" in m], logged
+
+
+def test_the_cache_keyword_follows_the_forward_signature():
+    class Old(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None): ...
+
+    class New(torch.nn.Module):
+        def forward(self, input_ids, cache=None): ...
+
+    class Wrapper(torch.nn.Module):  # a peft-style wrapper: the installed transformers decides
+        def forward(self, *args, **kwargs): ...
+
+    assert cache_keyword(Old()) == "past_key_values"
+    assert cache_keyword(New()) == "cache"
+    assert cache_keyword(Wrapper()) in ("cache", "past_key_values")

@@ -1,14 +1,17 @@
 """Steered speculative decoding (SD^2): greedy equality with HF ``generate`` for a random nonzero
 steering module, the exact output law at T > 0, a zero module equal to no steering for the same seed,
-the guide refreshed once per verification, and the drafter left unsteered afterwards."""
+the guides at decode time exactly the ones training uses, and the drafter left unsteered afterwards."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
 
-from train.decoding import SamplingParams, SpeculativeDecoder
-from train.models.steering import SteeringModule
+from train.decoding import SamplingParams, SpeculativeDecoder, speculative
+from train.decoding.steered import SteeredProposer
+from train.models.steering import SteeringModule, guide_positions, stale_guide_states, swiglu_mlps
 
 from .decoding_helpers import build, hf_greedy, tiny_config
 from .spec_reference import chi2_critical, chi_square, run_many
@@ -45,6 +48,78 @@ def test_greedy_equals_hf_generate_with_a_nonzero_steering_module(arch, tiny_pai
     unsteered = plain.generate(ids, 30, params, generator=torch.Generator().manual_seed(0)).stats
     assert steered.sum_expected_acceptance != pytest.approx(unsteered.sum_expected_acceptance)
     assert torch.equal(drafter(ids).logits, before)
+
+
+class RecordingProposer(SteeredProposer):
+    """Records the committed length at every draft and, through a hook on the drafter's first MLP
+    (after the steering hook), the bias that reached each drafter position, whatever sets it."""
+
+    made: list[RecordingProposer] = []
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.lengths: list[int] = []
+        self.forwards: list[tuple[int, torch.Tensor]] = []  # (first position, (T, d_ff) bias at layer 0)
+        up = swiglu_mlps(self.base.drafter.model)[0].up_proj
+        self.hook = up.register_forward_hook(self._record)
+        RecordingProposer.made.append(self)
+
+    def _record(self, module, inputs, output) -> None:
+        bias = output - torch.nn.functional.linear(inputs[0], module.weight, module.bias)
+        self.forwards.append((self.base._length, bias[0].clone()))  # the forward's first position
+
+    def propose(self, sequence, *args):
+        self.lengths.append(len(sequence))
+        return super().propose(sequence, *args)
+
+
+def test_decode_time_guides_are_the_training_guides(monkeypatch):
+    """Which verifier position's state steered each drafter position during real steered decoding equals
+    what training's :func:`stale_guide_states` gives for the same guide positions (the producers of each
+    verification's last committed token), and that is the latest guide strictly before the position.
+    The drafter is a copy of the verifier, so blocks are fully accepted (the last draft is read in the
+    next block's catch-up: it must keep the previous guide) as well as rejected."""
+    verifier = build(tiny_config("llama", 64), 1).double()
+    drafter = copy.deepcopy(verifier)
+    steering = random_steering(verifier, drafter, scale=0.05).double()
+    monkeypatch.setattr(speculative, "SteeredProposer", RecordingProposer)
+    prompt, gamma = [0, 5, 9, 3, 7], 3
+    decoder = SpeculativeDecoder(verifier, drafter, gamma=gamma, steering=steering)
+    result = decoder.generate(torch.tensor([prompt]), 40)
+    rec = RecordingProposer.made[-1]
+    rec.hook.remove()
+    assert result.tokens.tolist() == hf_greedy(verifier, torch.tensor([prompt]), 40)
+    commits = [b - a for a, b in zip(rec.lengths, rec.lengths[1:], strict=False)]
+    assert gamma + 1 in commits[1:] and min(commits) < gamma + 1  # steered full acceptances and rejections
+    guides = guide_positions(len(prompt), commits)
+
+    # the guide each processed drafter position got: the verifier position whose state, projected,
+    # equals the bias that reached it (-1: none), from the verifier's states over the whole output
+    seq = torch.tensor([prompt + result.tokens.tolist()])
+    with torch.no_grad():
+        hidden = verifier(seq, output_hidden_states=True).hidden_states
+        states = torch.stack([hidden[i][0] for i in steering.verifier_layers], dim=1)  # (T, S, d)
+        biases = steering(states)[:, 0]  # layer 0: (T, d_ff)
+    candidates = torch.cat([torch.zeros_like(biases[:1]), biases])
+    decoded: dict[int, int] = {}
+    mixed = 0
+    for first, applied in rec.forwards:
+        got = []
+        for i, t in enumerate(range(first, first + applied.shape[0])):
+            gaps = (candidates - applied[i]).abs().amax(dim=1)
+            assert float(gaps.min()) < 1e-9, (t, float(gaps.min()))
+            decoded[t] = int(gaps.argmin()) - 1
+            got.append(decoded[t])
+        mixed += len(set(got) - {-1}) > 1
+
+    numbered = torch.arange(1, seq.shape[1] + 1, dtype=torch.float64).view(1, -1, 1, 1)
+    trained, has_guide = stale_guide_states(numbered, guides)
+    trained_source = torch.where(has_guide, trained[..., 0, 0] - 1, -1)[0]
+    assert decoded == {t: int(trained_source[t]) for t in decoded}
+    # and that is the latest guide strictly before the position (never its own state)
+    assert decoded == {t: max((g for g in guides if g < t), default=-1) for t in decoded}
+    assert any(t - g > 1 for t, g in decoded.items() if g >= 0)
+    assert mixed > 0  # a catch-up forward steered its positions with different guides
 
 
 def test_a_zero_module_equals_no_steering_for_the_same_seed(tiny_pairs):

@@ -22,9 +22,11 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import open_dict
 
 from tests.conftest import CONF_DIR, REPO_ROOT, make_tokenizer, tiny_llama
+from tests.fsdp import RecordingRoot, fake_fsdp_trainer
 from train.callbacks import GracefulStop, NonFiniteLossError, NonFiniteLossGuard
 from train.config import ConfigError
 from train.data.datamodule import PromptDataModule
+from train.losses import divergence
 from train.methods.distillspec import DATA_SOURCES, DistillSpecConfig, DistillSpecModule
 from train.run import load_spec
 
@@ -199,6 +201,45 @@ def test_each_rank_draws_its_own_on_policy_rollouts(monkeypatch):
         module.training_step(batch, 0)
     assert torch.equal(seen[0], seen[2])  # reproducible per (step, rank)
     assert not torch.equal(seen[0], seen[1])  # another rank, other samples
+
+
+def _fixed_batch(module: DistillSpecModule, data: PromptDataModule) -> dict[str, torch.Tensor]:
+    data.setup()
+    return next(iter(data.train_dataloader()))
+
+
+def test_training_loss_adds_the_ground_truth_ce_times_ce_weight():
+    """loss = divergence + ce_weight x CE on the corpus continuation (ce_weight 0: the divergence alone)."""
+    module, data = _module(_cfg(data_source="fixed", ce_weight=0.3))
+    batch = _fixed_batch(module, data)
+    with torch.no_grad():
+        div = module.distill_loss(module._fixed(batch))[0]
+        ce = module.ground_truth_ce(batch)
+        assert float(ce) > 0.1
+        torch.testing.assert_close(module.training_step(batch, 0), div + 0.3 * ce)
+        module.cfg.ce_weight = 0.0
+        torch.testing.assert_close(module.training_step(batch, 0), div)
+
+
+def test_distill_loss_uses_the_configured_jsd_beta():
+    module, data = _module(_cfg(data_source="fixed", divergence="jsd", beta=0.1))
+    ro = module._fixed(_fixed_batch(module, data))
+    with torch.no_grad():
+        loss, s_logits, t_logits, mask = module.distill_loss(ro)
+        want = divergence("jsd", s_logits, t_logits, mask, beta=0.1)
+        other = divergence("jsd", s_logits, t_logits, mask, beta=0.5)
+    torch.testing.assert_close(loss, want)
+    assert abs(float(want) - float(other)) > 1e-4  # beta matters for these logits
+
+
+def test_gradient_clipping_under_fsdp_goes_through_the_fsdp_root():
+    """trainer=fsdp (bf16-mixed): Lightning's FSDPPrecision refuses clipping by norm, so the default hook
+    raised at the first optimizer step; the norm of the whole sharded drafter is the FSDP root's."""
+    module, _ = _module(_cfg())
+    root = RecordingRoot()
+    module.trainer = fake_fsdp_trainer(root)
+    module.configure_gradient_clipping(module.configure_optimizers(), 1.0, "norm")
+    assert root.clipped == [1.0]
 
 
 def test_teacher_rollouts_are_cached_per_prompt():

@@ -12,6 +12,7 @@ import torch
 from datasets import Dataset
 
 from tests.conftest import make_tokenizer, tiny_llama
+from tests.fsdp import RecordingRoot, fake_fsdp_trainer
 from train.config import ConfigError
 from train.data.datamodule import LMDataModule
 from train.export_heads import export_heads, load_vllm_medusa
@@ -182,6 +183,51 @@ def test_medusa2_trains_heads_first_then_adapters_never_the_base(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, module.verifier(input_ids=ids).logits)
     assert not hasattr(merged, "disable_adapter")
+
+
+def test_medusa2_loss_is_the_base_loss_plus_heads_weight_times_the_heads_loss():
+    verifier = tiny_llama(hidden=32, seed=0)
+    cfg = MedusaConfig(optimizer=ADAMW, num_heads=2, seq_len=24, batch_size=4, joint=True, lora=LORA)
+    module = MedusaModule(verifier, MedusaHeads.from_verifier(verifier, 2, 1), cfg)
+    ids = torch.randint(0, 200, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        head_logits, logits = module._forward(ids)
+        heads, _ = medusa_loss(head_logits, ids, decay=cfg.decay)
+        base = module._base_loss(ids, logits)
+        for weight in (0.2, 0.7):
+            cfg.heads_weight = weight
+            torch.testing.assert_close(module.training_step({"input_ids": ids}, 0), base + weight * heads)
+
+
+def test_the_heads_loss_decays_by_the_configured_decay():
+    """Training and validation weight head k by method.decay**k (not medusa_loss's default)."""
+    verifier = tiny_llama(hidden=32, seed=0)
+    cfg = MedusaConfig(optimizer=ADAMW, num_heads=3, seq_len=24, batch_size=4, decay=0.3)
+    heads = MedusaHeads.from_verifier(verifier, 3, 1)
+    with torch.no_grad():
+        for p in heads.blocks.parameters():
+            p.normal_(std=0.5)  # heads that differ from one another
+    module = MedusaModule(verifier, heads, cfg)
+    ids = torch.randint(0, 200, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        _, per_head = medusa_loss(module._forward(ids)[0], ids)
+        want = sum(0.3**k * loss for k, loss in enumerate(per_head))
+        torch.testing.assert_close(module.training_step({"input_ids": ids}, 0), want)
+        module.validation_step({"input_ids": ids}, 0)
+    assert module._sums["loss"] == pytest.approx(float(want) * 2, rel=1e-5)  # summed over the 2 blocks
+
+
+@pytest.mark.parametrize("joint", [False, True])
+def test_gradient_clipping_under_fsdp_goes_through_the_fsdp_root(joint):
+    """trainer=fsdp (bf16-mixed): Lightning's FSDPPrecision refuses clipping by norm, so the default hook
+    raised at the first optimizer step; the norm of everything sharded is the FSDP root's."""
+    verifier = tiny_llama(hidden=32, seed=0)
+    cfg = MedusaConfig(optimizer=ADAMW, num_heads=2, seq_len=24, joint=joint, lora=LORA if joint else None)
+    module = MedusaModule(verifier, MedusaHeads.from_verifier(verifier, 2, 1), cfg)
+    root = RecordingRoot()
+    module.trainer = fake_fsdp_trainer(root)
+    module.configure_gradient_clipping(module.configure_optimizers(), 1.0, "norm")
+    assert root.clipped == [1.0]
 
 
 def test_medusa2_self_distillation_regenerates_blocks_and_keeps_the_verifier_close(tmp_path):

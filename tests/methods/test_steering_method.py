@@ -185,18 +185,23 @@ def test_at_zero_initialisation_the_steered_arm_equals_the_distilled_arm():
     torch.testing.assert_close(module.arm_logits(BASELINE_ARM, ro, states, 2), plain, rtol=0, atol=0)
 
 
-def test_the_guide_depends_on_the_offset_and_only_the_response_is_steered():
+def test_the_first_block_is_unsteered_and_later_blocks_one_to_offset_stale():
+    """Offset o simulates verifications committing o tokens each (decoding's guide positions): the first
+    o response tokens are drafted before any verification, unsteered, as in decoding; then guides are
+    1..o positions stale."""
     module, data = _module(_cfg())
     batch = _batch(module, data)
     ro = module.responses(batch["input_ids"], batch["attention_mask"], module._generator(0))
     _, states = module.verifier_view(ro)
     with torch.no_grad():
         module.steering_of(MAIN_ARM).project.weight.normal_(0, 0.5)
-        by_offset = [module.arm_logits(MAIN_ARM, ro, states, o) for o in (1, 2, 3)]
+        by_offset = {o: module.arm_logits(MAIN_ARM, ro, states, o) for o in (1, 2, 3)}
         plain = module.arm_logits(BASELINE_ARM, ro, states, 1)
-    assert not torch.allclose(by_offset[0], by_offset[2])
-    # the first response token is predicted from the last prompt position: no guide there (first block)
-    torch.testing.assert_close(by_offset[0][:, 0], plain[:, 0], rtol=0, atol=0)
+    assert not torch.allclose(by_offset[1], by_offset[3])
+    for o, logits in by_offset.items():
+        torch.testing.assert_close(logits[:, :o], plain[:, :o], rtol=0, atol=0)
+        assert not torch.allclose(logits[:, o], plain[:, o]), o
+    assert module.staleness(ro, 2).tolist() == [0, 0, 1, 2, 1, 2][: ro.sequences.shape[1] - ro.prompt_width]
 
 
 def test_offsets_cover_one_to_gamma_and_are_reproducible():
@@ -241,13 +246,21 @@ def test_each_rank_samples_its_own_verifier_responses(monkeypatch):
 
 
 def test_train_drafter_false_trains_the_steering_module_alone(tmp_path):
-    module, data = _module(_cfg(train_drafter=False, distilled_baseline=False))
-    before = {k: v.clone() for k, v in module.drafters[MAIN_ARM].state_dict().items()}
+    """No drafter parameter trains (the unsteered baseline arm would be the untouched drafter: it is left
+    out), and ratios are taken against the untouched drafter (``pretrained``)."""
+    module, data = _module(_cfg(train_drafter=False))  # distilled_baseline on, as by default
+    assert not any(p.requires_grad for p in module.drafters.parameters())
+    before = {k: v.clone() for k, v in module.drafters.state_dict().items()}
     _trainer(tmp_path, 3).fit(module, datamodule=data)
-    after = module.drafters[MAIN_ARM].state_dict()
-    assert all(torch.equal(before[k], after[k]) for k in before)
+    after = module.drafters.state_dict()
+    assert set(after) == set(before) and all(torch.equal(before[k], after[k]) for k in before)
     assert module.steering_of(MAIN_ARM).project.weight.abs().sum() > 0
+    assert BASELINE_ARM not in module.drafters
     assert module.reference_drafter == "pretrained"
+    evaluated = module.drafters_to_evaluate()
+    assert set(evaluated) == {"pretrained", MAIN_ARM}
+    untouched = tiny_llama(hidden=32, seed=1).state_dict()
+    assert all(torch.equal(v, untouched[k]) for k, v in evaluated["pretrained"].state_dict().items())
 
 
 def test_arms_do_not_interact(tmp_path):
@@ -401,6 +414,12 @@ def test_main_job_end_to_end_with_the_distillspec_row(tmp_path):
         run_dir / "drafter" / "config.json"
     ).is_file()
     assert "## Arms (last validation)" in (run_dir / "report.md").read_text()
+    # method.train_drafter=false: no drafter trains, so no distilled arm; ratios to the untouched drafter
+    proc, run_dir = _micro_run(tmp_path, ["method.train_drafter=false"], "frozen")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["reference"] == "pretrained"
+    assert set(report["drafters"]) == {"pretrained", MAIN_ARM, "distillspec", "distillspec_steered"}
 
 
 @pytest.mark.slow

@@ -7,7 +7,15 @@ import pytest
 import torch
 
 from tests.decoding.decoding_helpers import build, tiny_config
-from train.models.steering import SteeringModule, default_verifier_layers, stale_guide_states, swiglu_mlps
+from train.models.steering import (
+    SteeringModule,
+    default_verifier_layers,
+    guide_for,
+    guide_positions,
+    simulated_guides,
+    stale_guide_states,
+    swiglu_mlps,
+)
 
 
 def test_default_layers_scale_the_authors_choice():
@@ -91,35 +99,45 @@ def test_save_and_load_keep_the_layers_and_weights(pair, tmp_path):
     torch.testing.assert_close(loaded(states), module(states))
 
 
-def test_stale_guides_by_hand():
-    # one row, 6 positions, response from position 2; states numbered by position
-    states = torch.arange(6, dtype=torch.float32).view(1, 6, 1, 1).expand(1, 6, 2, 3).clone()
-    out, has_guide = stale_guide_states(states, 2, torch.tensor([2]))
-    # positions 0, 1 (prompt): zeros and no guide; t >= 2 takes max(t - 2, 1), 1 = the last prompt position
-    assert out[0, :, 0, 0].tolist() == [0.0, 0.0, 1.0, 1.0, 2.0, 3.0]
-    assert has_guide[0].tolist() == [False, False, True, True, True, True]
-    out, has_guide = stale_guide_states(states, 1, torch.tensor([0]))
-    # no prompt: position 0 has no earlier state to be steered by
-    assert out[0, :, 1, 2].tolist() == [0.0, 0.0, 1.0, 2.0, 3.0, 4.0]
-    assert has_guide[0].tolist() == [False, True, True, True, True, True]
+def test_guide_rule_by_hand():
+    # a 5-token prompt (positions 0..4); verifications commit 1, 4, 2 tokens: the last committed tokens sit
+    # at 5, 9, 11 and were produced by the verifier at 4, 8, 10
+    guides = guide_positions(5, [1, 4, 2])
+    assert guides == [4, 8, 10]
+    # the latest guide strictly before the position: the first block (0..4) has none; the last draft of
+    # the fully accepted second block (position 8) keeps the guide of 4, the bonus token at 9 gets 8's
+    assert [guide_for(t, guides) for t in range(13)] == [-1] * 5 + [4, 4, 4, 4, 8, 8, 10, 10]
     with pytest.raises(ValueError):
-        stale_guide_states(states, 0, torch.tensor([0]))
+        guide_positions(5, [1, 0])
+
+
+def test_simulated_guides_by_hand():
+    # response from position 3, blocks of 2: the first block (drafter positions 2, 3) is unsteered, then
+    # staleness 1, 2, 1, 2, ...
+    assert simulated_guides(3, 2, 10) == [3, 5, 7]
+    assert simulated_guides(3, 2, 10) == guide_positions(3, [2, 2, 2])
+    # blocks of one: every response position t is steered by t - 1, from the last prompt position on
+    assert simulated_guides(3, 1, 6) == [2, 3, 4]
+    states = torch.arange(1, 11, dtype=torch.float32).view(1, 10, 1, 1).expand(2, 10, 2, 3).clone()
+    out, has_guide = stale_guide_states(states, simulated_guides(3, 2, 10))
+    assert out[1, :, 1, 2].tolist() == [0.0] * 4 + [4.0, 4.0, 6.0, 6.0, 8.0, 8.0]  # state t + 1 = position t
+    assert has_guide.tolist() == [[False] * 4 + [True] * 6] * 2
+    for bad in ((3, 0, 10), (0, 1, 10)):
+        with pytest.raises(ValueError):
+            simulated_guides(*bad)
 
 
 @pytest.mark.parametrize("offset", [1, 2, 4, 7])
-def test_stale_guides_never_come_from_the_position_itself_or_later(offset):
+def test_simulated_guides_are_one_to_offset_stale_and_never_the_position_itself(offset):
     # The drafter at t predicts t + 1; the verifier's state at t already encodes that token's distribution,
     # so a guide from t or later would leak the target (decoding never has one).
-    batch, length = 3, 12
-    states = torch.arange(length, dtype=torch.float32).view(1, length, 1, 1).expand(batch, length, 1, 2) + 1
-    start = torch.tensor([1, 4, 9])
-    out, has_guide = stale_guide_states(states, offset, start)
-    source = out[..., 0, 0] - 1  # the position each guide came from (-1: none)
-    t = torch.arange(length).expand(batch, length)
-    assert bool((source[has_guide] < t[has_guide]).all())
-    assert bool((source[has_guide] >= (start.view(-1, 1) - 1).expand(batch, length)[has_guide]).all())
-    assert bool((source[has_guide] >= (t - offset)[has_guide]).all())
-    assert has_guide.tolist() == (t >= start.view(-1, 1)).tolist()
+    start, length = 5, 40
+    guides = simulated_guides(start, offset, length)
+    sources = [guide_for(t, guides) for t in range(length)]
+    # the prompt and the first block (drafter positions start - 1 .. start + offset - 2) have no guide
+    assert sources[: start - 1 + offset] == [-1] * (start - 1 + offset)
+    assert sorted({t - g for t, g in enumerate(sources) if g >= 0}) == list(range(1, offset + 1))
+    assert min(g for g in sources if g >= 0) == start - 2 + offset
 
 
 def test_per_position_guides_match_one_guide_for_every_position(pair):

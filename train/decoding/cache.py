@@ -3,18 +3,91 @@
 Works on any ``transformers`` ``Cache`` whose layers hold ``keys`` / ``values`` tensors of shape
 (batch, heads, positions, head_dim) (``DynamicCache`` and the caches of Llama, Qwen3, GPT-2 and most
 decoder-only models), and on any object with ``get_seq_length()`` / ``crop(-n)`` for cropping (the
-table-driven fakes of the tests). Sliding-window and recurrent layers cannot have arbitrary positions
-removed; they raise a clear error instead of silently keeping stale entries.
+table-driven fakes of the tests). Recurrent layers, and Hugging Face's sliding-window layers (which drop
+what falls out of the window), cannot have positions removed; they raise a clear error instead of
+silently keeping stale entries. The decoders never meet the latter: :func:`rollback_cache` gives a
+sliding-window model full-length layers, the window being applied by the attention mask.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
-__all__ = ["cache_length", "crop_cache", "keep_positions"]
+__all__ = [
+    "SlidingLayout",
+    "cache_length",
+    "crop_cache",
+    "keep_positions",
+    "rollback_cache",
+    "sliding_layout",
+]
+
+
+@dataclass(frozen=True)
+class SlidingLayout:
+    """A model's sliding-window attention layers, as the decoders treat them.
+
+    window: a query attends to the keys fewer than ``window`` positions behind it (itself included), as
+        Hugging Face's ``sliding_window_overlay`` says; None when the windowed layers are chunked
+        (Llama 4), whose tree masks are not built here. mixed: full-attention layers sit beside them, so a
+        tree mask goes to the model as one mask per layer type.
+    """
+
+    window: int | None
+    mixed: bool
+
+
+def _library_cache(model: Any) -> Any:
+    """The cache the model would build for itself (``DynamicCache(config=...)``), or None for a stand-in."""
+    config = getattr(model, "config", None)
+    if not callable(getattr(config, "get_text_config", None)):
+        return None
+    try:
+        return DynamicCache(config=config)
+    except (TypeError, ValueError, AttributeError, KeyError):  # a config the cache cannot read: leave it be
+        return None
+
+
+def sliding_layout(model: Any) -> SlidingLayout | None:
+    """The model's sliding-window layers (:class:`SlidingLayout`), or None when it has none."""
+    cache = _library_cache(model)
+    if cache is None or not any(type(layer) is DynamicSlidingWindowLayer for layer in cache.layers):
+        return None
+    text = model.config.get_text_config(decoder=True)
+    window = getattr(text, "sliding_window", None)
+    types = getattr(text, "layer_types", None)
+    if types is None:  # Mistral: every layer shares the window (or the chunk size)
+        types = ["sliding_attention" if window is not None else "chunked_attention"]
+    kinds = set(types)
+    return SlidingLayout(
+        window=int(window) if window is not None and "chunked_attention" not in kinds else None,
+        mixed=bool(kinds - {"sliding_attention", "chunked_attention"}),
+    )
+
+
+def rollback_cache(model: Any) -> Any:
+    """A fresh cache for ``model`` in which every layer can be cropped and compacted: the model's own
+    ``DynamicCache(config=...)`` with each sliding-window layer replaced by a full ``DynamicLayer``; None
+    where the model's default already can be (a model without such layers builds its own).
+
+    A ``DynamicSlidingWindowLayer`` keeps only the last ``window - 1`` positions, so a rollback past
+    them raises (transformers' ``crop``) or would lose entries. Keeping all positions costs memory
+    (the cache grows with the sequence, as a full-attention model's does) but not exactness: the model
+    applies the window through its attention mask, built from its config for a causal forward, and the
+    decoders narrow their tree masks the same way (:func:`~train.decoding.tree.sliding_window_mask`).
+    """
+    cache = _library_cache(model)
+    if cache is None or not any(type(layer) is DynamicSlidingWindowLayer for layer in cache.layers):
+        return None
+    cache.layers = [
+        DynamicLayer() if type(layer) is DynamicSlidingWindowLayer else layer for layer in cache.layers
+    ]
+    return cache
 
 
 def cache_length(cache: Any) -> int:

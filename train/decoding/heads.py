@@ -62,27 +62,47 @@ def tree_from_accuracies(
     accuracies: Sequence[Sequence[float]], num_nodes: int
 ) -> tuple[tuple[int, ...], ...]:
     """The sparse tree of ``num_nodes`` paths with the largest expected accepted length (the Medusa
-    paper's construction). ``accuracies[k][r]``: how often head k's rank-r candidate is the verifier's
-    token (measured on validation data). Taking heads as independent, a path's chance of being accepted
-    is the product of its ranks' accuracies, and the expected accepted length of a tree is the sum over
-    its paths; a path's chance never exceeds its parent's, so adding the best remaining child greedily
-    gives the best tree of each size. Returns the paths, parents first."""
+    paper's construction). ``accuracies[k][r]`` in [0, 1]: how often head k's rank-r candidate is the
+    verifier's token (measured on validation data). Returns the paths, parents first.
+
+    Taking heads as independent, a path is accepted with the product of its ranks' accuracies, and a
+    tree's expected accepted length is the sum of that over its paths. A path needs its parent in the
+    tree, not its lower-rank siblings (:class:`HeadsProposer` drafts any path whose parent is drafted,
+    and a candidate is accepted for being the verifier's token, whoever its siblings are), so the best
+    tree of each size is the ``num_nodes`` paths of largest chance: a child's chance never exceeds its
+    parent's, so those paths hold their parents (ties go to the shorter path). They are enumerated best
+    first without scoring every path: each head's ranks are visited in decreasing accuracy (which need
+    not fall with the rank), and a popped path offers its next sibling in that order and its best child,
+    neither more likely than itself.
+    """
     if num_nodes < 1:
         raise ValueError(f"num_nodes must be >= 1, got {num_nodes}")
     acc = [[float(a) for a in row] for row in accuracies]
     if not acc or any(not row for row in acc):
         raise ValueError("accuracies needs one non-empty row of per-rank accuracies per head")
+    bad = [(k, r, a) for k, row in enumerate(acc) for r, a in enumerate(row) if not 0.0 <= a <= 1.0]
+    if bad:
+        k, r, a = bad[0]
+        raise ValueError(f"accuracies are probabilities in [0, 1]; head {k} rank {r} has {a}")
+    order = [sorted(range(len(row)), key=row.__getitem__, reverse=True) for row in acc]  # ties: by rank
+    # heap entries: (-chance, depth, path of ranks, parent's chance, place in the sibling order)
     chosen: list[tuple[int, ...]] = []
-    frontier: list[tuple[float, tuple[int, ...]]] = [(-acc[0][0], (0,))]
+    frontier: list[tuple[float, int, tuple[int, ...], float, int]] = [
+        (-acc[0][order[0][0]], 1, (order[0][0],), 1.0, 0)
+    ]
     while frontier and len(chosen) < num_nodes:
-        neg, path = heapq.heappop(frontier)
+        neg, depth, path, parent_chance, place = heapq.heappop(frontier)
         chosen.append(path)
-        depth, rank = len(path) - 1, path[-1]
-        if rank + 1 < len(acc[depth]):  # the next sibling
-            parent_chance = -neg / acc[depth][rank] if acc[depth][rank] > 0 else 0.0
-            heapq.heappush(frontier, (-parent_chance * acc[depth][rank + 1], (*path[:-1], rank + 1)))
-        if depth + 1 < len(acc):  # the first child
-            heapq.heappush(frontier, (neg * acc[depth + 1][0], (*path, 0)))
+        head = depth - 1
+        if place + 1 < len(order[head]):  # the next sibling, in decreasing accuracy
+            rank = order[head][place + 1]
+            heapq.heappush(
+                frontier,
+                (-parent_chance * acc[head][rank], depth, (*path[:-1], rank), parent_chance, place + 1),
+            )
+        if depth < len(acc):  # the best child
+            rank = order[depth][0]
+            heapq.heappush(frontier, (neg * acc[depth][rank], depth + 1, (*path, rank), -neg, 0))
     return tuple(sorted(chosen, key=lambda p: (len(p), p)))
 
 
@@ -207,7 +227,8 @@ class MedusaDecoder:
 
     tree: paths of ranks (Medusa's "choices"); None: the tree the heads carry (``heads.tree``, built from
     their measured accuracies by :func:`tree_from_accuracies` when they were trained), else
-    :data:`DEFAULT_CHOICES`; :func:`chain_choices` gives blockwise decoding. tree_nodes: instead of a
+    :data:`DEFAULT_CHOICES` without its paths deeper than the heads (``heads.num_heads``);
+    :func:`chain_choices` gives blockwise decoding. tree_nodes: instead of a
     tree, build one of that many nodes from the heads' measured ``rank_accuracy`` (a size sweep).
     refiner: draft from the lattice of the heads' top-k instead of a fixed tree (BPD,
     :mod:`train.decoding.refine`): its drafts are merged into a trie and verified like a tree.
@@ -242,9 +263,11 @@ class MedusaDecoder:
                     "a tree, for heads trained by draftsmith (their config holds rank_accuracy)"
                 )
             tree = tree_from_accuracies(accuracy, tree_nodes)
-        if tree is None:
-            tree = getattr(heads, "tree", None) or DEFAULT_CHOICES
         num_heads = getattr(heads, "num_heads", None)
+        if tree is None:
+            tree = getattr(heads, "tree", None) or [  # the default, cut to the heads there are
+                p for p in DEFAULT_CHOICES if num_heads is None or len(p) <= num_heads
+            ]
         refine_depth = getattr(refiner, "depth", None) or num_heads
         self._proposer = HeadsProposer(heads, tree, self._verifier.vocab_size, refiner, refine_depth)
         if num_heads is not None and self._proposer.depth > num_heads:

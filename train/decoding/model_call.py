@@ -2,10 +2,19 @@
 
 :class:`TimedModel` wraps a Hugging Face causal LM (or anything with the same call signature) for the
 decoders: it knows the model's device, its output vocabulary and how many ids it can embed, and runs
-``model(input_ids, past_key_values, ...)`` with optional explicit ``position_ids``, an optional 4-D
+``model(input_ids, cache, ...)`` with optional explicit ``position_ids``, an optional 4-D
 attention mask (tree attention), ``logits_to_keep`` and the capture of chosen layers' hidden states.
 The clock stops after the model's *own* device has finished (``torch.cuda.synchronize(device)``), so
 two models on two GPUs are each timed on the GPU that ran them.
+
+transformers renamed the cache argument and output in 5.24 (``past_key_values`` -> ``cache``; the old
+name warns and goes in 5.40): :func:`cache_keyword` and :func:`returned_cache` are the one place that
+knows, so every model call here (and the batched rollout) speaks each version's own name.
+
+Sliding-window models (Mistral, Qwen2/3 with ``use_sliding_window``, Gemma 2/3) get a cache whose every
+layer keeps all its positions (:func:`~train.decoding.cache.rollback_cache`): the window is applied by
+the attention mask, the model's own for a causal forward and :func:`~train.decoding.tree.sliding_window_mask`
+on a tree mask, so rollbacks and tree compaction work and every logit is the model's.
 """
 
 from __future__ import annotations
@@ -17,15 +26,30 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import transformers
+from packaging.version import Version
+
+from .cache import SlidingLayout, rollback_cache, sliding_layout
+from .tree import sliding_window_mask
 
 __all__ = [
     "CallResult",
     "TimedModel",
+    "cache_keyword",
     "input_vocab_size",
     "model_device",
     "output_vocab_size",
+    "returned_cache",
     "supports_logits_to_keep",
 ]
+
+#: What the installed transformers calls the KV cache argument: ``cache`` from 5.24 (5.23 and earlier know
+#: only ``past_key_values``, which 5.24 deprecates with a FutureWarning and 5.40 removes).
+LIBRARY_CACHE_KEYWORD = (
+    "cache"
+    if Version(Version(transformers.__version__).base_version) >= Version("5.24")
+    else "past_key_values"
+)
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
@@ -69,6 +93,27 @@ def supports_logits_to_keep(model: torch.nn.Module) -> bool:
         return False
 
 
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword ``model.forward`` takes its KV cache by: the one its signature names (``cache`` in
+    transformers >= 5.24, ``past_key_values`` before, and in stand-ins written for either), else, for a
+    wrapper taking ``**kwargs`` (peft), the installed transformers' own (:data:`LIBRARY_CACHE_KEYWORD`)."""
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError, AttributeError):
+        return LIBRARY_CACHE_KEYWORD
+    for name in ("cache", "past_key_values"):
+        if name in parameters:
+            return name
+    return LIBRARY_CACHE_KEYWORD
+
+
+def returned_cache(out: Any) -> Any:
+    """The updated cache a forward returned: ``out.cache`` (transformers >= 5.24, where reading
+    ``out.past_key_values`` warns), else ``out.past_key_values``."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else getattr(out, "past_key_values", None)
+
+
 @dataclass
 class CallResult:
     """What one forward returned.
@@ -100,6 +145,9 @@ class TimedModel:
             dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
         )
         self._sync = self.device.type == "cuda"
+        self._cache_kw = cache_keyword(model)
+        #: Sliding-window layers, which get full-length cache layers and windowed tree masks (None: none).
+        self._sliding: SlidingLayout | None = sliding_layout(model)
 
     def synchronize(self) -> None:
         """Wait for this model's device (only its own: the other model may sit on another GPU)."""
@@ -128,20 +176,22 @@ class TimedModel:
         else:
             ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         keep = logits_to_keep is not None and self.supports_logits_to_keep
+        if cache is None and self._sliding is not None:
+            cache = rollback_cache(self.model)
         if position_ids is None and attention_mask is None and not hidden_layers:  # the hot path
             start = time.perf_counter()
             if keep:
                 out = self.model(
-                    input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep
+                    input_ids=ids, **{self._cache_kw: cache}, use_cache=True, logits_to_keep=logits_to_keep
                 )
             else:
-                out = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
+                out = self.model(input_ids=ids, **{self._cache_kw: cache}, use_cache=True)
         else:
-            kwargs: dict[str, Any] = {"past_key_values": cache, "use_cache": True}
+            kwargs: dict[str, Any] = {self._cache_kw: cache, "use_cache": True}
             if position_ids is not None:
                 kwargs["position_ids"] = position_ids.to(self.device)
             if attention_mask is not None:
-                kwargs["attention_mask"] = attention_mask.to(self.device)
+                kwargs["attention_mask"] = self._layer_masks(attention_mask.to(self.device), position_ids)
             if keep:
                 kwargs["logits_to_keep"] = logits_to_keep
             if hidden_layers:
@@ -158,4 +208,29 @@ class TimedModel:
         if hidden_layers:
             states = out.hidden_states
             hidden = {int(i): states[i][0] for i in hidden_layers}
-        return CallResult(logits=logits, cache=out.past_key_values, seconds=seconds, hidden=hidden)
+        return CallResult(logits=logits, cache=returned_cache(out), seconds=seconds, hidden=hidden)
+
+    def _layer_masks(
+        self, mask: torch.Tensor, position_ids: torch.Tensor | None
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """A 4-D mask (1, 1, T, cached + T) as the model's layers need it: unchanged without sliding-window
+        layers; else narrowed to the window for those layers (keys at positions 0..cached - 1, then the
+        fed tokens at ``position_ids``), one mask per layer type where full and sliding layers mix."""
+        layout = self._sliding
+        if layout is None or mask.dim() != 4:
+            return mask
+        if layout.window is None:
+            raise ValueError(
+                f"{type(self.model).__name__} has chunked-attention layers: tree masks for them are not built"
+            )
+        rows, width = mask.shape[-2], mask.shape[-1]
+        cached = width - rows
+        if position_ids is None:
+            queries = torch.arange(cached, width, device=mask.device)
+        else:
+            queries = position_ids.reshape(-1).to(mask.device)
+        keys = torch.cat([torch.arange(cached, device=mask.device), queries])
+        windowed = sliding_window_mask(mask, queries, keys, layout.window)
+        if not layout.mixed:
+            return windowed
+        return {"full_attention": mask, "sliding_attention": windowed}

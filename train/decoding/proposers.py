@@ -21,7 +21,7 @@ drafters, trees) are new proposers; the schedule and the verification rules stay
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -70,6 +70,9 @@ class ModelProposer:
         self._slice = self._shared < drafter.vocab_size  # drop the drafter's extra logits
         self._cache: Any = None
         self._length = 0
+        #: Called as ``(first position, count)`` before every drafter forward, whose tokens sit at
+        #: positions first .. first + count - 1 (a steered drafter sets their guides, train/decoding/steered.py).
+        self.before_forward: Callable[[int, int], None] | None = None
 
     def start(self) -> None:
         self._cache, self._length = None, 0
@@ -95,6 +98,8 @@ class ModelProposer:
     ) -> CallResult:
         """One drafter forward on top of its cache, recorded in ``stats`` (the first one as prefill)."""
         prefill = self._cache is None
+        if self.before_forward is not None:
+            self.before_forward(self._length, len(feed))
         out = self.drafter(
             feed,
             self._cache,

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ._common import eos_set
-from .model_call import output_vocab_size, supports_logits_to_keep
+from .model_call import cache_keyword, output_vocab_size, returned_cache, supports_logits_to_keep
 from .sampling import SamplingParams, sample, warp
 
 __all__ = ["Rollout", "position_ids_from_mask", "rollout"]
@@ -69,7 +69,9 @@ def rollout(
 
     Args:
         model: a Hugging Face causal LM (anything taking ``input_ids``, ``attention_mask``,
-            ``position_ids``, ``past_key_values`` and returning ``.logits`` / ``.past_key_values``).
+            ``position_ids`` and its cache as ``cache`` or ``past_key_values``, whichever its
+            transformers takes (:func:`~train.decoding.model_call.cache_keyword`), returning
+            ``.logits`` and the cache).
         input_ids: (B, P) long, prompts left-padded (see :func:`train.data.lm.collate_left_pad`).
         attention_mask: (B, P) 0/1, or None when no row is padded.
         params: the decoding regime; temperature 0 is greedy (argmax), otherwise :func:`warp` then
@@ -91,6 +93,7 @@ def rollout(
     vocab = vocab_size or output_vocab_size(model)
     eos = torch.tensor(sorted(eos_set(eos_token_id)), dtype=torch.long, device=device)
     keep = {"logits_to_keep": 1} if supports_logits_to_keep(model) else {}
+    cache_kw = cache_keyword(model)
     was_training = model.training
     model.eval()  # no dropout in rollouts
     try:
@@ -104,11 +107,11 @@ def rollout(
                 input_ids=feed,
                 attention_mask=mask,
                 position_ids=feed_pos,
-                past_key_values=cache,
                 use_cache=True,
+                **{cache_kw: cache},
                 **keep,
             )
-            cache = out.past_key_values
+            cache = returned_cache(out)
             logits = out.logits[:, -1, :vocab]
             if params.temperature == 0.0:
                 x = logits.argmax(dim=-1)

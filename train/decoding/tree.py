@@ -24,7 +24,14 @@ from .draft import Draft
 from .sampling import SamplingParams, expected_acceptance_per_position, sample_with_uniform, uniforms, warp
 from .verification import recursive_rejection
 
-__all__ = ["TreeVerdict", "ancestors", "tree_attention_mask", "tree_position_ids", "verify_tree"]
+__all__ = [
+    "TreeVerdict",
+    "ancestors",
+    "sliding_window_mask",
+    "tree_attention_mask",
+    "tree_position_ids",
+    "verify_tree",
+]
 
 
 def ancestors(parents: Sequence[int]) -> list[list[int]]:
@@ -64,6 +71,22 @@ def tree_position_ids(cached: int, context: int, depths: Sequence[int]) -> torch
     below the last context token."""
     last = cached + context - 1
     return torch.tensor([[*range(cached, cached + context), *(last + d for d in depths)]], dtype=torch.long)
+
+
+def sliding_window_mask(
+    mask: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor, window: int
+) -> torch.Tensor:
+    """``mask`` (1, 1, T, K) narrowed to a sliding window: the query at position i keeps the key at
+    position j only when ``i - j < window`` (Hugging Face's ``sliding_window_overlay``, Mistral's window).
+
+    Positions are the sequence positions the model sees (``tree_position_ids`` for tree nodes), so a node
+    sees what it would see at the end of its own path. ``mask`` is additive (0.0 / the dtype's minimum)
+    or boolean (True = attend); the result has the same kind. query_positions: (T,); key_positions: (K,).
+    """
+    near = (query_positions.reshape(-1, 1) - key_positions.reshape(1, -1)) < window
+    if mask.dtype == torch.bool:
+        return mask & near
+    return mask.masked_fill(~near, torch.finfo(mask.dtype).min)
 
 
 class TreeVerdict:

@@ -59,7 +59,13 @@ from train.methods.responses import (
 )
 from train.models.loading import eos_token_ids, load_model, output_vocab_size
 from train.models.lora import LoraSettings, apply_lora, merge_lora
-from train.optim import check_optimizer, configure_optimizers
+from train.optim import (
+    check_optimizer,
+    clip_gradients,
+    configure_optimizers,
+    float32_trainables,
+    weights_dtype,
+)
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +177,9 @@ class DistillSpecModule(L.LightningModule):
         super().__init__()
         self.cfg = cfg
         self.seed = seed
-        self.student = apply_lora(student, cfg.lora) if cfg.lora.enabled else student
+        self.export_dtype = weights_dtype(student)  # model.dtype: what the export is written in
+        # float32 master weights for what trains (full drafter or adapters); the frozen base keeps its dtype
+        self.student = float32_trainables(apply_lora(student, cfg.lora) if cfg.lora.enabled else student)
         # Not a registered child: the frozen verifier stays out of state_dict, checkpoints and the optimizer.
         object.__setattr__(self, "teacher", teacher)
         teacher.eval()
@@ -210,6 +218,15 @@ class DistillSpecModule(L.LightningModule):
     def configure_optimizers(self) -> Any:
         params = [p for p in self.student.parameters() if p.requires_grad]
         return configure_optimizers(params, self.cfg.optimizer, self.cfg.scheduler)
+
+    def configure_gradient_clipping(
+        self,
+        optimizer: Any,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
+        """Lightning's clipping, with the norm taken over the whole sharded drafter under FSDP."""
+        clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def _generator(self, *salt: int) -> torch.Generator:
         """Seeded by (run seed, salt): reproducible on resume, distinct per rank."""
@@ -345,8 +362,9 @@ class DistillSpecModule(L.LightningModule):
     # ---------------------------------------------------------------- finish
 
     def distilled_drafter(self) -> torch.nn.Module:
-        """The student as a plain Hugging Face model (LoRA adapters merged into a copy)."""
-        return merge_lora(self.student)
+        """The student as a plain Hugging Face model (LoRA adapters merged into a copy) in the dtype it
+        was loaded in (``model.dtype``): what is exported and evaluated as ``after``."""
+        return merge_lora(self.student, self.export_dtype)
 
     def drafters_to_evaluate(self) -> dict[str, torch.nn.Module]:
         """``before`` (the pretrained drafter, reloaded) and ``after`` (the distilled one)."""

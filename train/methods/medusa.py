@@ -58,7 +58,14 @@ from train.methods.responses import seeded_generator
 from train.models.heads import MedusaHeads, medusa_loss, shifted_targets
 from train.models.lora import LoraSettings, apply_lora, merge_lora
 from train.models.ngram import NGramLM
-from train.optim import check_optimizer, configure_optimizers, partial_kwarg
+from train.optim import (
+    check_optimizer,
+    clip_gradients,
+    configure_optimizers,
+    float32_trainables,
+    partial_kwarg,
+    weights_dtype,
+)
 from train.report import heads_section
 
 __all__ = ["MedusaConfig", "MedusaModule", "head_metrics"]
@@ -233,10 +240,12 @@ class MedusaModule(L.LightningModule):
         self.seed = seed
         self.tokenizer = tokenizer
         self.training_documents = training_documents
-        self.heads = heads
+        self.export_dtype = weights_dtype(verifier)  # model.dtype: heads are served beside this verifier
+        self.heads = float32_trainables(heads)  # float32 master weights, whatever the verifier's dtype
         if cfg.joint:
             verifier.requires_grad_(False)
-            self.verifier = apply_lora(verifier, cfg.lora_settings)  # a child: DDP sees the adapters
+            # a child: DDP sees the adapters (float32; the frozen base keeps its dtype)
+            self.verifier = float32_trainables(apply_lora(verifier, cfg.lora_settings))
             self.verifier.train()  # the pair is loaded in eval mode; the adapters train
             self.strict_loading = False  # checkpoints hold the trainable tensors only
         else:
@@ -265,6 +274,15 @@ class MedusaModule(L.LightningModule):
             {"params": list(self.heads.parameters()), "lr": lr * self.cfg.heads_lr_multiplier},
         ]
         return configure_optimizers(groups, self.cfg.optimizer, self.cfg.scheduler)
+
+    def configure_gradient_clipping(
+        self,
+        optimizer: Any,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
+        """Lightning's clipping, with the norm taken over everything sharded under FSDP."""
+        clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def _backbone_trains(self) -> bool:
         return self.cfg.joint and self.training and self.global_step >= self.cfg.backbone_frozen_steps
@@ -388,14 +406,16 @@ class MedusaModule(L.LightningModule):
         return [list(p) for p in tree_from_accuracies(self.rank_accuracy, self.cfg.tree_nodes)]
 
     def trained_heads(self) -> MedusaHeads:
-        """The heads, recording the measured tree and per-rank accuracies in their config."""
-        return self.heads.with_tree(self.measured_tree(), self.rank_accuracy or None).eval()
+        """A copy of the heads in the verifier's dtype (``model.dtype``, what is exported and evaluated),
+        recording the measured tree and per-rank accuracies in their config."""
+        heads = self.heads.with_tree(self.measured_tree(), self.rank_accuracy or None)
+        return heads.to(self.export_dtype).eval()
 
     def evaluation_verifier(self, verifier: torch.nn.Module) -> torch.nn.Module:
         """Medusa-1: the pair's verifier; Medusa-2: the fine-tuned one (adapters merged into a copy)."""
         if not self.cfg.joint:
             return verifier
-        merged = merge_lora(self.verifier)
+        merged = merge_lora(self.verifier, self.export_dtype)
         merged.eval()
         return merged
 

@@ -18,17 +18,20 @@ each with its own parameters (one verifier forward per batch serves them all):
 ==========================  ===================================================================
 
 The drafters train fully, through LoRA (``lora``) or not at all (``train_drafter: false``: the
-steering module alone; the baseline then is the untouched drafter). The loss is a divergence of
+steering modules alone; no ``distilled`` arm, since nothing of it would train, and the baseline of the
+ratios is the untouched drafter, ``pretrained``). The loss is a divergence of
 :mod:`train.losses` by name (forward KL by default) between the verifier's and the drafter's
 distributions on response tokens. Gradients are clipped per arm, so arms never interact.
 
-**Stale guides.** In decoding a block is steered by the verifier's state from before the block, 1 to
-gamma positions stale. Each batch draws one offset o in 1..gamma (the authors' scheme) and steers the
-drafter at position t with the verifier's states at t - o (:func:`train.models.steering.
-stale_guide_states`: never later than t - 1, at the earliest the last prompt position; no guide on the
-prompt). Validation measures each steered arm at every offset and logs ``val/expected_acceptance``
-(mean over offsets) and ``val/simulated_block_efficiency`` (block position i with staleness i) for the
-``steered`` arm, ``val/<arm>/...`` for every arm.
+**Stale guides.** Training steers each drafter position with the guide decoding would give it, by
+the same rule (:func:`train.models.steering.guide_for`: the latest guide position strictly before
+it). Guide positions are the verifier positions that produced each verification's last committed token;
+each batch draws one o in 1..gamma (the authors' draw) and simulates verifications that commit o
+tokens each (:func:`~train.models.steering.simulated_guides`): the first o response tokens are drafted
+unsteered (decoding's first block, before any verification), then staleness runs 1..o in every block.
+Validation measures each steered arm at every o and logs ``val/expected_acceptance`` (mean over
+staleness 1..gamma) and ``val/simulated_block_efficiency`` (block position i with the acceptance at
+staleness i) for the ``steered`` arm, ``val/<arm>/...`` for every arm.
 
 **Finish** (:func:`train.report.finish`): exports ``steering/`` (mixin folder; its config records the
 verifier layers, the sizes and the pair it fits) with ``drafter/`` beside it (loads alone as a plain
@@ -67,8 +70,21 @@ from train.methods.responses import (
 )
 from train.models.loading import eos_token_ids, load_drafter, output_vocab_size
 from train.models.lora import LoraSettings, apply_lora, merge_lora
-from train.models.steering import SteeredDrafter, SteeringModule, stale_guide_states
-from train.optim import check_optimizer, configure_optimizers, partial_kwarg
+from train.models.steering import (
+    SteeredDrafter,
+    SteeringModule,
+    guide_for,
+    simulated_guides,
+    stale_guide_states,
+)
+from train.optim import (
+    check_optimizer,
+    clip_gradients,
+    configure_optimizers,
+    float32_trainables,
+    partial_kwarg,
+    weights_dtype,
+)
 from train.rundir import newest_artifact
 from train.tables import format_value, markdown_table
 
@@ -153,7 +169,7 @@ class SteeringConfig:
         source = self.drafter or m.drafter
         drafter = pair.drafter if self.drafter is None else load(source, key="method.drafter")
         arms: dict[str, tuple[torch.nn.Module, SteeringModule | None]] = {}
-        if self.distilled_baseline:
+        if self.distilled_baseline and self.train_drafter:  # frozen, it would be the pretrained drafter
             arms[BASELINE_ARM] = (copy.deepcopy(drafter), None)
         arms[MAIN_ARM] = (drafter, self.steering_for(pair.verifier, drafter))
         references: dict[str, Callable[[], torch.nn.Module]] = {
@@ -192,11 +208,6 @@ class SteeringConfig:
         return SteeringModule.for_pair(verifier, drafter, self.layers).float()
 
 
-def _clip_norm(params: list[torch.nn.Parameter], max_norm: float) -> None:
-    if params:
-        torch.nn.utils.clip_grad_norm_(params, max_norm)
-
-
 class SteeringTrainingModule(L.LightningModule):
     """Every arm's drafter (and steering module) learns the verifier's distributions on its responses.
 
@@ -229,9 +240,12 @@ class SteeringTrainingModule(L.LightningModule):
         verifier.requires_grad_(False)
         self.drafters = torch.nn.ModuleDict()
         self.steering = torch.nn.ModuleDict()
+        if not cfg.train_drafter and any(steering is None for _, steering in arms.values()):
+            log.info("method.train_drafter=false: unsteered arms have nothing to train and are left out")
+            arms = {label: arm for label, arm in arms.items() if arm[1] is not None}
         for label, (drafter, steering) in arms.items():
-            if not (cfg.train_drafter or steering is None):
-                drafter.requires_grad_(False)  # the steering module alone trains
+            if not cfg.train_drafter:
+                drafter.requires_grad_(False)  # the steering modules alone train; no drafter moves
             elif cfg.lora.enabled:
                 drafter = apply_lora(drafter, cfg.lora)  # adapters train, the base stays frozen
             else:
@@ -242,6 +256,9 @@ class SteeringTrainingModule(L.LightningModule):
                 for other in self.steering.values():  # one verifier forward must serve every module
                     if other.verifier_layers != steering.verifier_layers:
                         raise ValueError("every steering module must read the same verifier layers")
+        self.export_dtype = weights_dtype(arms[MAIN_ARM][0])  # model.dtype, read before the upcast
+        float32_trainables(self.drafters)  # float32 master weights for all that trains (docs/scale.md)
+        float32_trainables(self.steering)
         self.layers = list(self.steering_of(MAIN_ARM).verifier_layers)
         self.params = SamplingParams(temperature=float(cfg.temperature))
         first = next(iter(self.drafters.values()))
@@ -254,8 +271,9 @@ class SteeringTrainingModule(L.LightningModule):
         self.responses = ResponseCache(self._generate, self.pad_token_id)
         self._val_cache: dict[int, Rollout] = {}
         self._val_sums: dict[tuple[str, int], list[float]] = {}
+        self._val_stale: dict[tuple[str, int], list[float]] = {}  # (arm, staleness) -> [sum of ea, count]
         self.last_validation: dict[str, float] = {}
-        # ratios are taken against the paper's baseline when it trains, else against the pretrained drafter
+        # ratios are taken against the paper's baseline when it trains, else against the untouched drafter
         self.reference_drafter: str | None = BASELINE_ARM if BASELINE_ARM in self.drafters else "pretrained"
 
     # ---------------------------------------------------------------- plumbing
@@ -296,17 +314,15 @@ class SteeringTrainingModule(L.LightningModule):
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str | None = None,
     ) -> None:
-        """Clip each arm on its own: a global norm over all arms would couple their updates."""
-        if gradient_clip_val is None or gradient_clip_val <= 0:
-            return
-        if gradient_clip_algorithm not in (None, "norm"):
-            self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
-            return
+        """Clip each arm by its own norm (drafter and steering module together): a global norm over all
+        arms would couple their updates. Under FSDP each arm's norm is summed over the shards."""
+        groups = []
         for label, drafter in self.drafters.items():
-            params = [p for p in drafter.parameters() if p.grad is not None]
+            params = list(drafter.parameters())
             if label in self.steering:
-                params += [p for p in self.steering[label].parameters() if p.grad is not None]
-            _clip_norm(params, float(gradient_clip_val))
+                params += self.steering[label].parameters()
+            groups.append(params)
+        clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm, groups)
 
     def _generator(self, *salt: int) -> torch.Generator:
         """Seeded by (run seed, salt): reproducible on resume, distinct per rank."""
@@ -352,13 +368,22 @@ class SteeringTrainingModule(L.LightningModule):
         if label not in self.steering:
             return continuation_logits(drafter, ro)
         steering = self.steering_of(label)
-        start = torch.full((states.shape[0],), ro.prompt_width, device=states.device)
-        guides, has_guide = stale_guide_states(states, offset, start)
+        guides, has_guide = stale_guide_states(
+            states, simulated_guides(ro.prompt_width, offset, states.shape[1])
+        )
         deltas = steering(guides.to(steering.norm.weight.dtype))
         deltas = deltas * has_guide[..., None, None].to(deltas.dtype)
         with steering.attach(drafter) as handle:
             handle.set(deltas)
             return continuation_logits(drafter, ro)
+
+    def staleness(self, ro: Rollout, offset: int) -> torch.Tensor:
+        """(N,) how stale the guide of each response logit is in :meth:`arm_logits` (t - guide of its
+        drafter position t; 0: no guide, the first block)."""
+        width, length = ro.prompt_width, ro.sequences.shape[1]
+        guides = simulated_guides(width, offset, length)
+        sources = {t: guide_for(t, guides) for t in range(width - 1, length - 1)}
+        return torch.tensor([t - g if g >= 0 else 0 for t, g in sources.items()], device=ro.sequences.device)
 
     def _divergence(self, logits: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return divergence(
@@ -392,6 +417,7 @@ class SteeringTrainingModule(L.LightningModule):
 
     def on_validation_epoch_start(self) -> None:
         self._val_sums = {}
+        self._val_stale = {}
 
     @torch.no_grad()
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
@@ -404,8 +430,8 @@ class SteeringTrainingModule(L.LightningModule):
         n = float(mask.sum())
         teacher, states = self.verifier_view(ro)
         for label in self.drafters:
-            offsets = range(1, self.cfg.gamma + 1) if label in self.steering else (0,)
-            for o in offsets:
+            steered = label in self.steering
+            for o in range(1, self.cfg.gamma + 1) if steered else (0,):
                 logits = self.arm_logits(label, ro, states, max(o, 1))
                 ea = float(expected_acceptance(logits, teacher, mask, temperature=self.cfg.temperature))
                 loss = float(self._divergence(logits, teacher, mask))
@@ -413,6 +439,19 @@ class SteeringTrainingModule(L.LightningModule):
                 sums[0] += loss * n
                 sums[1] += ea * n
                 sums[2] += n
+                if not steered:
+                    continue
+                stale = self.staleness(ro, o)
+                for s in range(1, o + 1):  # acceptance by staleness: draft i of a block has staleness i
+                    selected = mask & (stale == s)
+                    count = float(selected.sum())
+                    if count:
+                        a = float(
+                            expected_acceptance(logits, teacher, selected, temperature=self.cfg.temperature)
+                        )
+                        by_staleness = self._val_stale.setdefault((label, s), [0.0, 0.0])
+                        by_staleness[0] += a * count
+                        by_staleness[1] += count
 
     def on_validation_epoch_end(self) -> None:
         metrics: dict[str, float] = {}
@@ -420,9 +459,10 @@ class SteeringTrainingModule(L.LightningModule):
             per_offset = {o: s for (arm, o), s in self._val_sums.items() if arm == label and s[2] > 0}
             if not per_offset:
                 continue
-            acceptance = [min(max(s[1] / s[2], 0.0), 1.0) for _, s in sorted(per_offset.items())]
-            if len(acceptance) == 1:  # unsteered: the same at every block position
-                acceptance = acceptance * self.cfg.gamma
+            overall = sum(s[1] for s in per_offset.values()) / sum(s[2] for s in per_offset.values())
+            # block position i is drafted with staleness i; unsteered: the same at every position
+            stale = [self._val_stale.get((label, i), [0.0, 0.0]) for i in range(1, self.cfg.gamma + 1)]
+            acceptance = [min(max(a / k if k > 0 else overall, 0.0), 1.0) for a, k in stale]
             prefix = "val" if label == MAIN_ARM else f"val/{label}"
             metrics[f"{prefix}/loss"] = sum(s[0] / s[2] for s in per_offset.values()) / len(per_offset)
             metrics[f"{prefix}/expected_acceptance"] = sum(acceptance) / len(acceptance)
@@ -434,8 +474,9 @@ class SteeringTrainingModule(L.LightningModule):
     # ---------------------------------------------------------------- finish
 
     def plain_drafter(self, label: str) -> torch.nn.Module:
-        """The arm's drafter as a plain Hugging Face model (LoRA adapters merged into a copy)."""
-        return merge_lora(self.drafters[label])
+        """The arm's drafter as a plain Hugging Face model (LoRA adapters merged into a copy) in the dtype
+        it was loaded in (``model.dtype``), as exported and evaluated."""
+        return merge_lora(self.drafters[label], self.export_dtype)
 
     def trained(self, label: str) -> torch.nn.Module:
         """What the arm evaluates as: its drafter, with its steering module when it has one."""
@@ -513,5 +554,11 @@ class SteeringTrainingModule(L.LightningModule):
             table.rstrip(),
             f"Every arm trained on the same verifier responses (T = {self.cfg.temperature}), steps and loss "
             f"({self.cfg.divergence}). Steered arms are measured with guides 1..{self.cfg.gamma} positions "
-            "stale (block position i with staleness i); the evaluation below decodes with them.",
+            "stale (block position i with staleness i); the evaluation below decodes with them."
+            + (
+                ""
+                if self.cfg.train_drafter
+                else " method.train_drafter=false: only the steering modules trained, the drafters stayed "
+                "as loaded, and ratios are to the untouched drafter (pretrained)."
+            ),
         ]

@@ -66,10 +66,21 @@ def apply_lora(model: torch.nn.Module, cfg: LoraSettings) -> torch.nn.Module:
     return get_peft_model(model, lora)
 
 
-def merge_lora(model: torch.nn.Module) -> torch.nn.Module:
+def merge_lora(model: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.nn.Module:
     """A plain model: a peft model's adapters merged into a copy (``model`` is left as it is);
-    any other model is returned unchanged."""
+    any other model is returned as it is, or as a copy when ``dtype`` asks for a cast.
+
+    ``dtype``: the dtype of the result's floating-point parameters (the run's ``model.dtype``, what
+    export writes): weights trained in float32 are cast in a copy, never in place; buffers are left
+    as they are (a reloaded model rebuilds them the same way). None: as trained.
+    """
     if hasattr(model, "merge_and_unload"):
         merged: Any = copy.deepcopy(model)
-        return merged.merge_and_unload()
+        model = merged.merge_and_unload()  # merged weights take their base layer's dtype
+    elif dtype is not None and any(p.is_floating_point() and p.dtype != dtype for p in model.parameters()):
+        model = copy.deepcopy(model)
+    if dtype is not None:
+        for param in model.parameters():
+            if param.is_floating_point():
+                param.data = param.data.to(dtype)
     return model

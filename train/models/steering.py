@@ -18,7 +18,8 @@ records the verifier layers read and the sizes of the pair it fits.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import bisect
+from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -30,6 +31,9 @@ __all__ = [
     "SteeringHandle",
     "SteeringModule",
     "default_verifier_layers",
+    "guide_for",
+    "guide_positions",
+    "simulated_guides",
     "stale_guide_states",
     "swiglu_mlps",
 ]
@@ -53,30 +57,61 @@ def swiglu_mlps(drafter: nn.Module) -> list[nn.Module]:
     ]
 
 
-def stale_guide_states(
-    states: torch.Tensor, offset: int, response_start: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The verifier states each drafter position is steered with in training, as stale as in decoding.
+def guide_positions(prompt_length: int, commits: Iterable[int]) -> list[int]:
+    """The verifier positions whose states guide the drafter, from the tokens each verification commits.
 
-    states: (B, T, S, d), the verifier's states at every position; offset: o >= 1 (the authors draw one
-    per batch from 1..gamma); response_start: (B,), the first response position of each row.
+    A verification commits c >= 1 tokens (accepted drafts, then the correction or bonus token); the
+    guide it hands the drafter is the verifier's state at the position that produced the last of them,
+    one before it: with n tokens committed after a prompt of ``prompt_length``, position
+    prompt_length + n - 2. Decoding observes exactly these (:mod:`train.decoding.steered`); training
+    simulates verifications that each commit ``offset`` tokens (:func:`simulated_guides`). The first
+    block is drafted before any verification, so it has no guide."""
+    out, n = [], 0
+    for c in commits:
+        if c < 1:
+            raise ValueError(f"a verification commits at least one token, got {c}")
+        n += int(c)
+        out.append(prompt_length + n - 2)
+    return out
 
-    In decoding, the guide of a block comes from the verifier's state at the position that produced the
-    block's first input token (the correction or bonus), never later: the drafter at position t (which
-    predicts token t + 1) is steered by a state from t - gamma .. t - 1, at the earliest the last prompt
-    position; the first block is drafted unsteered. So position t >= response_start gets the states of
-    position max(t - o, response_start - 1), always before t (a state at t itself would hand the drafter
-    the verifier's own prediction of its target); positions before the response have no guide: zeros,
-    and ``has_guide`` False, where the caller must zero the biases (a trained module maps zero states to
-    a nonzero bias). Returns (states (B, T, S, d), has_guide (B, T) bool)."""
+
+def guide_for(position: int, guides: Sequence[int]) -> int:
+    """The one rule, in training and decoding, for which verifier state steers the drafter at
+    ``position`` (where it reads token ``position`` and predicts the next): the latest of ``guides``
+    (increasing verifier positions, :func:`guide_positions`) strictly before ``position``; -1: none
+    (no bias). Never ``position`` itself: the verifier's state there already encodes its distribution of
+    the drafter's target. In decoding, the last draft of a fully accepted block sits at the new guide's
+    position, so it keeps the previous guide while the bonus token after it gets the new one."""
+    i = bisect.bisect_left(guides, position)
+    return guides[i - 1] if i else -1
+
+
+def simulated_guides(response_start: int, offset: int, length: int) -> list[int]:
+    """Training's guide positions for a sequence of ``length`` whose response starts at
+    ``response_start``: decoding's (:func:`guide_positions`) when every verification commits ``offset``
+    tokens (the authors draw one o in 1..gamma per batch). The response's first ``offset`` tokens are
+    drafted unsteered (the first block), then block after block the drafter sees staleness 1..offset,
+    as decoding's draft i of a block is predicted with staleness i."""
     if offset < 1:
         raise ValueError(f"offset must be >= 1, got {offset}")
+    if response_start < 1:
+        raise ValueError(f"response_start must be >= 1 (a prompt of one token or more), got {response_start}")
+    blocks = max(0, (length - response_start) // offset + 1)
+    return [g for g in guide_positions(response_start, [offset] * blocks) if g < length - 1]
+
+
+def stale_guide_states(states: torch.Tensor, guides: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The verifier states each drafter position is steered with in training, exactly as in decoding.
+
+    states: (B, T, S, d), the verifier's states at every position; guides: the guide positions
+    (:func:`simulated_guides`; the same for every row: responses start at one column). Position t gets
+    the states of ``guide_for(t, guides)``; positions with no guide (the prompt and the first block) get
+    zeros and ``has_guide`` False, where the caller must zero the biases (a trained module maps zero
+    states to a nonzero bias). Returns (states (B, T, S, d), has_guide (B, T) bool)."""
     batch, length = states.shape[:2]
-    t = torch.arange(length, device=states.device).expand(batch, length)
-    start = response_start.to(states.device).view(batch, 1)
-    has_guide = (t >= start) & (t >= 1)
-    source = torch.maximum(t - offset, start - 1).clamp(min=0, max=length - 1)
-    picked = torch.gather(states, 1, source[..., None, None].expand(-1, -1, *states.shape[2:]))
+    source = torch.tensor([guide_for(t, guides) for t in range(length)], device=states.device)
+    has_guide = (source >= 0).expand(batch, length)
+    picked = states[:, source.clamp(min=0)]
     return torch.where(has_guide[..., None, None], picked, torch.zeros_like(picked)), has_guide
 
 

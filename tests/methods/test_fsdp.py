@@ -1,0 +1,128 @@
+"""Lightning's FSDP strategy for real, on two CPU processes (gloo; :class:`tests.fsdp.CPUFSDPStrategy`):
+a method trains two steps under ``bf16-mixed`` with gradient clipping (what ``trainer=fsdp`` sets), its
+trainable weights sharded, and every norm it clips by is the norm of the whole, unsharded gradients."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import torch.multiprocessing as mp
+from datasets import Dataset
+
+from tests.conftest import make_tokenizer, tiny_llama
+from tests.fsdp import CPUFSDPStrategy, gloo_rank
+from train.data.datamodule import PromptDataModule
+from train.methods.distillspec import DistillSpecConfig, DistillSpecModule
+from train.methods.steering import BASELINE_ARM, MAIN_ARM, SteeringConfig, SteeringTrainingModule
+from train.optim import grad_norm
+
+CLIP = 1e-3  # tight enough to bite on every step
+PROMPTS = dict(max_new_tokens=6, prompt_len=8, batch_size=2, num_prompts=8, num_val_prompts=4)
+ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
+
+
+def _data(cfg) -> PromptDataModule:
+    docs = [f"def add(a, b):\n    return a + b  # doc {i} " + "x" * (i % 5) for i in range(16)]
+    splits = {
+        "train": Dataset.from_dict({"text": docs[:12]}),
+        "validation": Dataset.from_dict({"text": docs[12:]}),
+    }
+    return PromptDataModule(
+        splits,
+        make_tokenizer(),
+        prompt_len=cfg.prompt_len,
+        batch_size=cfg.batch_size,
+        continuation_len=cfg.max_new_tokens,
+        max_prompts=cfg.num_prompts,
+        max_val_prompts=cfg.num_val_prompts,
+    )
+
+
+def _distillspec() -> tuple[L.LightningModule, PromptDataModule, list[list[str]]]:
+    cfg = DistillSpecConfig(optimizer=ADAMW, data_source="teacher", **PROMPTS)
+    student, teacher = tiny_llama(hidden=32, seed=1), tiny_llama(hidden=64, seed=0)
+    module = DistillSpecModule(student.to(torch.bfloat16), teacher.to(torch.bfloat16), make_tokenizer(), cfg)
+    return module, _data(cfg), [["student."]]  # one global norm
+
+
+def _steering() -> tuple[L.LightningModule, PromptDataModule, list[list[str]]]:
+    cfg = SteeringConfig(optimizer=ADAMW, gamma=2, **PROMPTS)
+    verifier, drafter = tiny_llama(hidden=64, seed=0).to(torch.bfloat16), tiny_llama(hidden=32, seed=1)
+    arms = {
+        BASELINE_ARM: (tiny_llama(hidden=32, seed=2).to(torch.bfloat16), None),
+        MAIN_ARM: (drafter.to(torch.bfloat16), cfg.steering_for(verifier, drafter)),
+    }
+    module = SteeringTrainingModule(verifier, arms, make_tokenizer(), cfg)
+    groups = [[f"drafters.{BASELINE_ARM}."], [f"drafters.{MAIN_ARM}.", f"steering.{MAIN_ARM}."]]  # per arm
+    return module, _data(cfg), groups
+
+
+METHODS = {"distillspec": _distillspec, "steering": _steering}
+
+
+def _worker(rank: int, out: str, method: str) -> None:
+    with gloo_rank(rank, 2, out):
+        _train(rank, out, method)
+
+
+def _train(rank: int, out: str, method: str) -> None:
+    module, data, prefixes = METHODS[method]()
+    named = dict(module.named_parameters())
+    groups = [[p for n, p in named.items() if n.startswith(tuple(pre))] for pre in prefixes]
+    full_sizes = [sum(p.numel() for p in g) for g in groups]
+    norms: list[list[list[float]]] = []
+    clip = module.configure_gradient_clipping
+
+    def recorded(optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        shards = module.trainer.strategy.model.process_group  # type: ignore[union-attr]
+        before = [float(grad_norm(g, shards)) for g in groups]
+        clip(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        norms.append([before, [float(grad_norm(g, shards)) for g in groups]])
+
+    module.configure_gradient_clipping = recorded  # type: ignore[method-assign]
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=CPUFSDPStrategy(),
+        precision="bf16-mixed",
+        max_steps=2,
+        gradient_clip_val=CLIP,
+        limit_val_batches=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=out,
+    )
+    trainer.fit(module, datamodule=data)
+    result = {
+        "steps": trainer.global_step,
+        "norms": norms,
+        "full_sizes": full_sizes,
+        "local_sizes": [sum(p.numel() for p in g) for g in groups],
+        "dtypes": sorted({str(p.dtype) for g in groups for p in g}),
+    }
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["distillspec", "steering"])
+def test_two_steps_under_lightning_fsdp_clip_by_the_whole_gradient_norm(method, tmp_path):
+    mp.spawn(_worker, args=(str(tmp_path), method), nprocs=2)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["steps"] for r in ranks] == [2, 2]
+    for r in ranks:
+        assert r["dtypes"] == ["torch.float32"]  # float32 master weights, sharded
+        assert 0 < sum(r["local_sizes"]) < sum(r["full_sizes"])  # a shard (an arm may lie on one rank only)
+    assert [a + b for a, b in zip(ranks[0]["local_sizes"], ranks[1]["local_sizes"], strict=True)] == ranks[0][
+        "full_sizes"
+    ]
+    assert ranks[0]["norms"] == ranks[1]["norms"] and len(ranks[0]["norms"]) == 2  # one global value per step
+    for before, after in ranks[0]["norms"]:
+        for b, a in zip(before, after, strict=True):
+            assert b > CLIP and a == pytest.approx(CLIP, rel=1e-3)  # each group clipped to exactly CLIP
