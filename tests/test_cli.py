@@ -143,3 +143,32 @@ def test_train_py_prints_one_line_and_exits_2_on_a_bad_value(tmp_path: Path) -> 
     assert proc.stderr.strip().splitlines()[-1] == "error: trainer.max_steps must be >= 1, got 0"
     assert "Traceback" not in proc.stderr + proc.stdout
     assert not (tmp_path / "run").exists()
+
+
+def test_library_warnings_go_to_the_log_file_not_the_terminal(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import logging
+    import warnings
+
+    from train.cli import warnings_to_log_file
+
+    root = logging.getLogger()
+    log_file = logging.FileHandler(tmp_path / "train.log")
+    console = logging.StreamHandler(sys.stderr)
+    root.addHandler(log_file)
+    root.addHandler(console)
+    try:
+        warnings_to_log_file()
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.warn("past_key_values is deprecated", FutureWarning, stacklevel=1)
+    finally:
+        root.removeHandler(log_file)
+        root.removeHandler(console)
+        logging.captureWarnings(False)
+        logging.getLogger("py.warnings").handlers.clear()
+        log_file.close()
+    captured = capsys.readouterr()
+    assert "past_key_values" not in captured.err + captured.out
+    assert "FutureWarning: past_key_values is deprecated" in (tmp_path / "train.log").read_text()

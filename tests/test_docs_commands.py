@@ -65,6 +65,8 @@ def not_runnable_here(command: DocCommand) -> str | None:
         return "needs GPUs"
     if "cuda:" in args:
         return "needs two GPUs"
+    if command.entry == "scripts/gpu_smoke.py" and "--dry-run" not in args:
+        return "needs a GPU (scripts/gpu_smoke.py refuses to run without CUDA)"
     if "logger.offline=false" in args:
         return "logs online: needs the network"
     if "trainer.plugins=" in args:
@@ -295,6 +297,7 @@ MICRO_ARGS: dict[str, list[str]] = {
     "scripts/steering_overhead.py": ["--prompts", "1", "--tokens", "8"],
     "scripts/lenience.py": ["--prompts", "1", "--tokens", "8", "--seeds", "0"],
     "scripts/sweep_table.py": [],
+    "scripts/gpu_smoke.py": [],
 }
 BENCH_MICRO = {
     "decoding": "--prompts 1 --min-prompt-len 8 --max-prompt-len 8 --max-new-tokens 8 --repeats 1",

@@ -152,3 +152,18 @@ def test_short_metric_names() -> None:
     assert short_metric_name("train/expected_acceptance") == "accept"
     assert short_metric_name("val/expected_acceptance") == "val_accept"
     assert short_metric_name("val/perplexity") == "val_perplexity"
+
+
+def test_the_finish_step_runs_on_the_training_device_after_teardown_moved_the_module():
+    """Lightning's teardown leaves the module on the CPU; the finish step moves it (and the verifier,
+    for Medusa-2 a child of it) back to the device training ran on."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from train.run import on_training_device
+
+    module, verifier = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("meta")))
+    on_training_device(module, verifier, trainer)  # type: ignore[arg-type]
+    assert module.weight.device.type == verifier.weight.device.type == "meta"

@@ -42,3 +42,16 @@ def test_other_strategies_are_left_alone(monkeypatch):
     for strategy in (DDPStrategy(), SimpleNamespace(model=None)):
         with full_weights_on_rank_zero(SimpleNamespace(strategy=strategy)):  # type: ignore[arg-type]
             pass
+
+
+def test_wandb_prints_no_run_history_or_summary(tmp_path, monkeypatch, capfd):
+    monkeypatch.delenv("WANDB_SILENT", raising=False)
+    from train.config import LoggerConfig
+    from train.trainer import build_loggers, close_loggers
+
+    loggers = build_loggers(LoggerConfig(offline=True), str(tmp_path), "quiet")
+    for step in range(3):
+        loggers[-1].log_metrics({"train/loss": 1.0 / (step + 1)}, step=step)
+    close_loggers(loggers)
+    out = capfd.readouterr()
+    assert "wandb" not in (out.out + out.err).lower()

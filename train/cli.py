@@ -81,6 +81,24 @@ def quiet_console() -> None:
     datasets.disable_progress_bars()
     for pattern in KNOWN_NOISE:
         warnings.filterwarnings("ignore", message=pattern)
+    warnings_to_log_file()
+
+
+def warnings_to_log_file() -> None:
+    """Python warnings (library FutureWarnings, Lightning's hints) go to the job's log file only.
+
+    They are logged by ``py.warnings`` to the root logger's file handlers (Hydra's ``train.log``), not to
+    its console handler, which shows our own warnings and errors."""
+    logging.captureWarnings(True)
+    captured = logging.getLogger("py.warnings")
+    captured.propagate = False
+    for handler in list(captured.handlers):
+        captured.removeHandler(handler)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            captured.addHandler(handler)
+    if not captured.handlers:  # no log file (a bare script): keep them off the terminal all the same
+        captured.addHandler(logging.NullHandler())
 
 
 def run_command(fn: Callable[..., T], *args: Any) -> T:

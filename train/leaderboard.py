@@ -32,7 +32,14 @@ from train.evaluation import build_eval_config, build_prompts, evaluate_drafters
 from train.evaluation.config import DECODING_CONF_DIR, known_decoder_configs
 from train.evaluation.leaderboard import leaderboard_markdown, leaderboard_rows
 from train.models.heads import MedusaHeads
-from train.models.loading import eos_token_ids, load_drafter, load_model, load_pair
+from train.models.loading import (
+    eos_token_ids,
+    load_drafter,
+    load_model,
+    load_pair,
+    place_pair,
+    resolve_devices,
+)
 from train.models.steering import SteeredDrafter, SteeringModule
 from train.models.tiny import ensure_tiny_pair
 from train.paths import PROJECT_ROOT
@@ -119,6 +126,7 @@ def validate(cfg: DictConfig) -> tuple[Any, Any, Any]:
     eval_node = OmegaConf.to_container(cfg.eval, resolve=True)
     assert isinstance(eval_node, dict)
     build_eval_config({**eval_node, "decoders": _decoder_nodes(cfg, list(cfg.eval.decoders), "HEADS")})
+    resolve_devices(cfg.get("device"), cfg.get("drafter_device"))
     return paths, model_cfg, data_cfg
 
 
@@ -136,8 +144,8 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     os.makedirs(run_dir, exist_ok=True)
     OmegaConf.save(cfg, os.path.join(run_dir, "config.yaml"))
 
-    pair = load_pair(model_cfg, freeze_drafter=True)
-    device = next(pair.verifier.parameters()).device
+    device, drafter_device = resolve_devices(cfg.get("device"), cfg.get("drafter_device"))
+    pair = place_pair(load_pair(model_cfg, freeze_drafter=True), device, drafter_device)
     heads_dir = artifacts.get("medusa")
     names = list(cfg.eval.decoders)
     eval_node = OmegaConf.to_container(cfg.eval, resolve=True)
@@ -159,8 +167,9 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         drafters["steered"] = SteeredDrafter(steered, SteeringModule.from_pretrained(steer_dir))
     if heads_dir is not None:
         drafters["medusa-1"] = MedusaHeads.from_pretrained(heads_dir).eval()
-    for model in drafters.values():
-        model.to(device).requires_grad_(False)
+    for model in drafters.values():  # heads read the verifier's states: they sit on its device
+        placed = device if isinstance(model, MedusaHeads) else (drafter_device or device)
+        model.to(placed).requires_grad_(False)
     eos = eos_token_ids(pair.tokenizer, pair.verifier, pair.drafter)
     evaluations: dict[str, dict[str, Any]] = {}
     print(f"Evaluating {list(drafters)} under {names} ({len(prompts)} prompts)", flush=True)

@@ -27,6 +27,7 @@ from typing import Any
 import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
+from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.model_summary import ModelSummary
 from omegaconf import DictConfig, OmegaConf
@@ -256,6 +257,7 @@ def finish_run(module: Any, trainer: L.Trainer, spec: RunSpec, pair: Any, config
     if isinstance(module, Finishable):
         if not trainer.is_global_zero:
             return None
+        on_training_device(module, pair.verifier, trainer)
         return finish(
             module,
             pair.verifier,
@@ -271,6 +273,19 @@ def finish_run(module: Any, trainer: L.Trainer, spec: RunSpec, pair: Any, config
         )
     own_finish = getattr(module, "finish", None)
     return own_finish(trainer, spec) if own_finish is not None else None
+
+
+def on_training_device(module: torch.nn.Module, verifier: torch.nn.Module, trainer: L.Trainer) -> None:
+    """Move the trained module and the verifier back to the device training ran on, for the finish step.
+
+    Lightning's teardown moves the LightningModule to the CPU after fit, so without this a GPU run would
+    export and evaluate on the CPU (Medusa-2's LoRA verifier, a child module, included). Under FSDP the
+    weights are gathered in place by ``full_weights_on_rank_zero`` and stay where FSDP keeps them."""
+    if isinstance(trainer.strategy, FSDPStrategy):
+        return
+    device = trainer.strategy.root_device
+    module.to(device)
+    verifier.to(device)
 
 
 class FinishedRunError(ConfigError):

@@ -65,7 +65,8 @@ def _wandb_logger(cfg: LoggerConfig, run_dir: str, name: str, offline: bool) -> 
         save_dir=run_dir,
         offline=offline,
         tags=list(cfg.tags),
-        settings=wandb.Settings(init_timeout=cfg.init_timeout),
+        # silent: no run history / summary block in the terminal (it is in the run's W&B files)
+        settings=wandb.Settings(init_timeout=cfg.init_timeout, silent=True),
     )
     # Lightning passes anonymous=None, which wandb now answers with a deprecation warning on every run.
     logger._wandb_init.pop("anonymous", None)

@@ -22,7 +22,7 @@ from train.evaluation.prompts import build_prompts
 from train.evaluation.results import results_table
 from train.evaluation.runner import decoder_kinds, evaluate_drafters
 from train.models.heads import MedusaHeads
-from train.models.loading import eos_token_ids, load_pair
+from train.models.loading import eos_token_ids, load_pair, place_pair, resolve_devices
 from train.models.tiny import ensure_tiny_pair
 from train.tables import format_value
 from train.trainer import build_loggers
@@ -101,6 +101,8 @@ class EvalRun:
     logger: Any
     kinds: set[str]
     """The drafter kinds the decoders take (``model``, ``heads``, ...)."""
+    devices: tuple[Any, Any] = (None, None)
+    """(verifier device, drafter device or None for the verifier's): ``device`` / ``drafter_device``."""
 
 
 def validate(cfg: DictConfig) -> EvalRun:
@@ -120,6 +122,7 @@ def validate(cfg: DictConfig) -> EvalRun:
         data=instantiate_group(cfg, "data"),
         logger=instantiate_group(cfg, "logger"),
         kinds={k for taken in decoder_kinds(eval_cfg).values() for k in taken},
+        devices=resolve_devices(cfg.get("device"), cfg.get("drafter_device")),
     )
     steered = [label for label, settings in eval_cfg.decoder_configs.items() if settings.get("steering")]
     if steered and cfg.get("steering") is None:
@@ -152,7 +155,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     if model_cfg.tiny is not None:
         ensure_tiny_pair(model_cfg.tiny)
     kinds, heads_source = run.kinds, cfg.get("heads")
-    pair = load_pair(model_cfg, freeze_drafter=True)
+    pair = place_pair(load_pair(model_cfg, freeze_drafter=True), *run.devices)
     drafter_source = cfg.get("drafter")
     name = _drafter_label(str(drafter_source)) if drafter_source is not None else "drafter"
     drafters: dict[str, Any] = {}

@@ -18,7 +18,7 @@ from huggingface_hub import constants as hf_constants
 from huggingface_hub.errors import HfHubHTTPError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from train.config import ModelConfig, looks_local
+from train.config import ConfigError, ModelConfig, looks_local
 
 
 class TokenizerMismatchError(ValueError):
@@ -217,6 +217,44 @@ def load_drafter(
     drafter = load_model(source, cfg.dtype, cfg.attn_implementation, cfg.trust_remote_code, key)
     check_vocab_covers_tokenizer(tokenizer, verifier, drafter)
     return drafter
+
+
+def resolve_device(value: Any, key: str = "device") -> torch.device:
+    """The device a config value names: ``auto`` (or None) is CUDA when available, else the CPU.
+
+    A CUDA device on a machine without one is a config error naming ``key``, raised before any model
+    loads (the alternative is an 8B verifier silently decoding on the CPU, or a crash mid-run)."""
+    if value is None or str(value) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(str(value))
+    except RuntimeError:
+        raise ConfigError(f"{key} must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {value!r}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"{key}={value}: CUDA is not available on this machine (use {key}=cpu)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(
+                f"{key}={value}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+            )
+    return device
+
+
+def resolve_devices(device: Any, drafter_device: Any) -> tuple[torch.device, torch.device | None]:
+    """An entry point's ``device`` (default auto) and ``drafter_device`` (None: the verifier's), checked
+    before anything loads; ``device=cuda:0 drafter_device=cuda:1`` puts the two models on two GPUs."""
+    drafter = None if drafter_device is None else resolve_device(drafter_device, "drafter_device")
+    return resolve_device(device, "device"), drafter
+
+
+def place_pair(
+    pair: ModelPair, device: torch.device, drafter_device: torch.device | None = None
+) -> ModelPair:
+    """Move the verifier to ``device`` and the drafter to ``drafter_device`` (default: the same one).
+    The engine reads each model's device from its parameters, so the two may differ."""
+    pair.verifier.to(device)
+    pair.drafter.to(drafter_device or device)
+    return pair
 
 
 def load_pair(cfg: ModelConfig, freeze_drafter: bool = False) -> ModelPair:
