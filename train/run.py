@@ -275,7 +275,7 @@ def finish_run(module: Any, trainer: L.Trainer, spec: RunSpec, pair: Any, config
     return own_finish(trainer, spec) if own_finish is not None else None
 
 
-def on_training_device(module: torch.nn.Module, verifier: torch.nn.Module, trainer: L.Trainer) -> None:
+def on_training_device(module: Any, verifier: torch.nn.Module, trainer: L.Trainer) -> None:
     """Move the trained module and the verifier back to the device training ran on, for the finish step.
 
     Lightning's teardown moves the LightningModule to the CPU after fit, so without this a GPU run would

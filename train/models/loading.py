@@ -234,9 +234,7 @@ def resolve_device(value: Any, key: str = "device") -> torch.device:
         if not torch.cuda.is_available():
             raise ConfigError(f"{key}={value}: CUDA is not available on this machine (use {key}=cpu)")
         if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ConfigError(
-                f"{key}={value}: this machine has {torch.cuda.device_count()} CUDA device(s)"
-            )
+            raise ConfigError(f"{key}={value}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return device
 
 
@@ -252,8 +250,9 @@ def place_pair(
 ) -> ModelPair:
     """Move the verifier to ``device`` and the drafter to ``drafter_device`` (default: the same one).
     The engine reads each model's device from its parameters, so the two may differ."""
-    pair.verifier.to(device)
-    pair.drafter.to(drafter_device or device)
+    modules: list[torch.nn.Module] = [pair.verifier, pair.drafter]
+    modules[0].to(device)
+    modules[1].to(drafter_device or device)
     return pair
 
 

@@ -134,7 +134,9 @@ def check_conversion(loaded: Any, converted: Any, tokenizer: Any, max_new_tokens
     )
     answer = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
     if "def " not in answer:
-        raise RuntimeError(f"SmolLM2 conversion: the greedy answer to {CHECK_PROMPT!r} is not code: {answer!r}")
+        raise RuntimeError(
+            f"SmolLM2 conversion: the greedy answer to {CHECK_PROMPT!r} is not code: {answer!r}"
+        )
     return {"max_logit_diff": diff, "answer_prefix": answer[:120]}
 
 
