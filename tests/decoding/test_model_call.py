@@ -135,3 +135,28 @@ def test_the_cache_keyword_follows_the_forward_signature():
     assert cache_keyword(Old()) == "past_key_values"
     assert cache_keyword(New()) == "cache"
     assert cache_keyword(Wrapper()) in ("cache", "past_key_values")
+
+
+def test_a_kwargs_wrapper_speaks_its_wrapped_models_cache_keyword():
+    """A timing/logging wrapper (or peft's PeftModel -> LoraModel chain) passes ``**kwargs`` on: the name
+    must be the wrapped model's, or the cache is silently dropped (the async law test caught that)."""
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None): ...
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, *args, **kwargs): ...
+
+    class Peftish(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.base_model = Wrapper(model)
+
+        def forward(self, **kwargs): ...
+
+    assert cache_keyword(Wrapper(Old())) == "past_key_values"
+    assert cache_keyword(Peftish(Old())) == "past_key_values"

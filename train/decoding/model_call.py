@@ -95,15 +95,25 @@ def supports_logits_to_keep(model: torch.nn.Module) -> bool:
 
 def cache_keyword(model: torch.nn.Module) -> str:
     """The keyword ``model.forward`` takes its KV cache by: the one its signature names (``cache`` in
-    transformers >= 5.24, ``past_key_values`` before, and in stand-ins written for either), else, for a
-    wrapper taking ``**kwargs`` (peft), the installed transformers' own (:data:`LIBRARY_CACHE_KEYWORD`)."""
-    try:
-        parameters = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError, AttributeError):
-        return LIBRARY_CACHE_KEYWORD
-    for name in ("cache", "past_key_values"):
-        if name in parameters:
-            return name
+    transformers >= 5.24, ``past_key_values`` before, and in stand-ins written for either). A wrapper whose
+    forward takes ``**kwargs`` and passes them on (peft's models, a timing or logging wrapper) speaks its
+    wrapped model's name, found through ``base_model`` / ``model``; failing that, the installed
+    transformers' own (:data:`LIBRARY_CACHE_KEYWORD`)."""
+    current: Any = model
+    for _ in range(8):  # wrappers nest a few deep (PeftModel -> LoraModel -> the model)
+        try:
+            parameters = inspect.signature(current.forward).parameters
+        except (TypeError, ValueError, AttributeError):
+            break
+        for name in ("cache", "past_key_values"):
+            if name in parameters:
+                return name
+        inner = getattr(current, "base_model", None)
+        if inner is None or inner is current:
+            inner = getattr(current, "model", None)
+        if not isinstance(inner, torch.nn.Module) or inner is current:
+            break
+        current = inner
     return LIBRARY_CACHE_KEYWORD
 
 
