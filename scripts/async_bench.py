@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from train.benchmarks.decoding import build_pair
+from train.cli import device_argument
 from train.decoding import AsyncSpeculativeDecoder, AutoregressiveDecoder, DecodeStats, SpeculativeDecoder
 from train.evaluation import build_prompts
 from train.models.loading import load_model, load_tokenizer
@@ -72,7 +73,7 @@ def run_pair(
                     max_ahead=block,
                     min_ahead=min_ahead,
                     idle=idle,
-                    pin_cores=(0, 1) if args.devices[0] == "cpu" else None,
+                    pin_cores=(0, 1) if args.devices[0].type == "cpu" else None,
                 )
                 decoders[f"async max_block {block}, idle {idle}, min_ahead {min_ahead}"] = (decoder, 1)
     reference = {}
@@ -135,13 +136,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--min-ahead", type=int, nargs="+", default=[1, 4])
     parser.add_argument(
-        "--devices", nargs="+", default=["cpu"], help="verifier's device, then the drafter's (cuda:0 cuda:1)"
+        "--devices",
+        nargs="+",
+        type=device_argument("--devices"),
+        default=["auto"],
+        help="verifier's device, then the drafter's (cuda:0 cuda:1); default auto: CUDA when available",
     )
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    args.devices = [device_argument("--devices")(d) if isinstance(d, str) else d for d in args.devices]
     start = time.perf_counter()
     with torch.inference_mode():
         for label, (verifier, drafter, prompts) in _pairs(args.pairs, args.prompts).items():

@@ -2,7 +2,7 @@
 then one final table on test prompts.
 
     python scripts/bpd.py                        # the newest checkpoints/medusa/*/heads (with ngram_2/4)
-    python scripts/bpd.py --heads PATH --prompts 8 --tokens 64
+    python scripts/bpd.py --heads PATH --prompts 8 --tokens 64 --device cuda
 
 1. Analysis (validation split, teacher-forced): per head, top-1 / top-5 agreement with the verifier's
    token, mean entropy, how often a head's top-1 repeats the previous slot's (the verifier's own next
@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from train.cli import add_device_arguments
 from train.data.lm import document_token_ids
 from train.data.sources import DataSourceConfig, load_text_dataset
 from train.decoding import MedusaDecoder
@@ -42,7 +43,7 @@ from train.tables import format_value, markdown_table
 def analyse(verifier: Any, heads: MedusaHeads, blocks: torch.Tensor) -> str:
     """The analysis tables (Markdown) from teacher-forced validation blocks (N, T)."""
     with torch.no_grad():
-        out = verifier(input_ids=blocks, output_hidden_states=True)
+        out = verifier(input_ids=blocks.to(verifier.device), output_hidden_states=True)
         head_logits = heads(out.hidden_states[-1])  # (K, N, T, V)
     num_heads, _, length, _ = head_logits.shape
     usable = length - num_heads - 1
@@ -82,7 +83,7 @@ def analyse(verifier: Any, heads: MedusaHeads, blocks: torch.Tensor) -> str:
         mask = h_max == h
         if bool(mask.any()):
             h_rows.append([str(h), str(int(mask.sum())), format_value(float(tau[mask].float().mean()), 3)])
-    corr = np.corrcoef(h_max.flatten().float().numpy(), tau.flatten().float().numpy())[0, 1]
+    corr = np.corrcoef(h_max.flatten().float().cpu().numpy(), tau.flatten().float().cpu().numpy())[0, 1]
     by_h = markdown_table(["h_max", "positions", "mean chain block efficiency"], h_rows, "lrr")
     return (
         f"{per_head.rstrip()}\n\n{by_h.rstrip()}\n\nPearson correlation of h_max with the chain's block "
@@ -114,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--p", type=int, default=4, help="drafts verified per step by the global methods")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=64)
+    add_device_arguments(parser)  # --drafter-device: the neural rescorer (the heads sit with the verifier)
     return parser
 
 
@@ -134,9 +136,10 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     start = time.perf_counter()
     tokenizer = load_tokenizer(args.verifier)
-    verifier = load_model(args.verifier).eval()
-    drafter = load_model(args.drafter).eval()
-    heads = MedusaHeads.from_pretrained(heads_dir).eval()
+    drafter_device = args.drafter_device or args.device
+    verifier = load_model(args.verifier, device=args.device).eval()
+    drafter = load_model(args.drafter, device=drafter_device).eval()
+    heads = MedusaHeads.from_pretrained(heads_dir).eval().to(args.device)
     ngram = {n: NGramLM.load(os.path.join(heads_dir, f"ngram_{n}")) for n in (2, 4)}
     data = DataSourceConfig(name="stdlib", corpus_dir=os.path.join(project_root(), "data", "stdlib_corpus"))
 
@@ -196,7 +199,11 @@ def main(argv: list[str] | None = None) -> None:
         refiner: dict[str, Any] = {"_target_": "train.decoding.refine.PBestRefiner", "p": args.p, **settings}
         if method == "neural":
             refiner = {"_target_": "train.decoding.refine.LocalNeuralRefiner", **settings}
-            refiner["lm"] = {"_target_": "train.models.loading.load_model", "source": args.drafter}
+            refiner["lm"] = {
+                "_target_": "train.models.loading.load_model",
+                "source": args.drafter,
+                "device": str(drafter_device),
+            }
         elif method.endswith("-gram") and method[0].isdigit():
             refiner["lm"] = {
                 "_target_": "train.models.ngram.NGramLM.load",

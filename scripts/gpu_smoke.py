@@ -1,12 +1,17 @@
-"""GPU smoke run: every method for a few steps on one GPU in bf16, FSDP on the GPUs present, and the
-evaluator on CUDA, on a micro pair (built in seconds), then one table of what ran.
+"""GPU smoke run: every method for a few steps on one GPU in bf16, every method under FSDP on the GPUs
+present, and the evaluator on CUDA, on a micro pair (built in seconds), then one table of what ran.
 
     python scripts/gpu_smoke.py             # on a machine with CUDA; exits 1 if any stage failed
     python scripts/gpu_smoke.py --dry-run   # print the commands it would run (any machine)
 
-Each stage is the same command a user would type (``python train.py ... trainer=gpu``), run in its own
-process under a scratch ``DRAFTSMITH_ROOT``, so nothing lands in the checkout. The gpu-marked tests
-(``python -m pytest -m gpu``) cover the same paths at the unit level.
+Each stage is the command a user would type (``python train.py ... trainer=gpu``), run in its own
+process under a scratch ``DRAFTSMITH_ROOT``, so nothing lands in the checkout. The bf16 stages load the
+pair in bfloat16 under ``bf16-mixed``, as a real pair (``model=qwen3``) trains: float32 trainables beside
+a bfloat16 verifier. The FSDP stages run on every GPU present (one is enough for FSDP's precision
+plugin and the sharded-gradient clipping); Medusa-2 loads the pair in float32 there (docs/scale.md).
+A stage passes when its command exits 0 and every evaluation it wrote (``results.json``) ran on CUDA:
+a training run's finish step on the device it trained on, ``scripts/evaluate.py`` on ``device=cuda``.
+The tests marked ``gpu`` run the same stages (tests/decoding/test_decoding_gpu.py).
 """
 
 from __future__ import annotations
@@ -14,12 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -33,63 +40,106 @@ MICRO_PAIR = [
         for kv in f"hidden_size={h},num_layers=2,num_heads=2,intermediate_size=128,max_steps=20".split(",")
     ),
 ]
-MICRO_RUN = [
-    "trainer.max_steps=4",
-    "trainer.val_check_interval=4",
-    "trainer.limit_val_batches=1",
-    "method.batch_size=4",
-    "logger=csv",
+MICRO_EVAL = [
     "eval.num_prompts=2",
     "eval.max_new_tokens=16",
     "eval.seeds=[0]",
     "eval.plots=false",
     "eval.progress=false",
 ]
+MICRO_RUN = [
+    "trainer.max_steps=4",
+    "trainer.val_check_interval=4",
+    "trainer.limit_val_batches=1",
+    "method.batch_size=4",
+    "logger=csv",
+    *MICRO_EVAL,
+]
 METHODS = ("distillspec", "medusa", "medusa2", "steering")
+STAGE_TIMEOUT = 900
+"""Seconds one stage may run (a micro stage takes well under a minute on a GPU)."""
 
 
-def stages(gpus: int) -> list[tuple[str, list[str]]]:
-    """(label, argv) of every stage; FSDP runs on every GPU present (one is enough to exercise its
-    precision plugin and clipping)."""
+class Stage(NamedTuple):
+    label: str
+    argv: list[str]
+    skip: str | None = None
+    """Why the stage does not run on this machine (None: it runs)."""
+
+
+def stages(gpus: int) -> list[Stage]:
+    """Every stage, in order. DistillSpec runs first: SD^2 then trains its ``distillspec_steered`` arm on
+    that drafter."""
     train = [sys.executable, "train.py"]
+    evaluate = [sys.executable, "scripts/evaluate.py", "logger=csv", *MICRO_PAIR, *MICRO_EVAL]
     out = [
-        (f"{m} bf16 (trainer=gpu)", [*train, f"experiment={m}", "trainer=gpu", *MICRO_PAIR, *MICRO_RUN])
+        Stage(
+            f"{m} bf16 (trainer=gpu)",
+            [*train, f"experiment={m}", "trainer=gpu", "model.dtype=bfloat16", *MICRO_PAIR, *MICRO_RUN],
+        )
         for m in METHODS
     ]
-    # Medusa-2 keeps a bf16 verifier beside float32 adapters: one FSDP1 unit refuses mixed dtypes
-    # (docs/scale.md), so it is left out of the FSDP stages.
-    out += [
-        (
-            f"{m} FSDP x{gpus}",
-            [*train, f"experiment={m}", "trainer=fsdp", f"trainer.devices={gpus}", *MICRO_PAIR, *MICRO_RUN],
-        )
-        for m in ("distillspec", "medusa", "steering")
-    ]
+    for m in METHODS:
+        # one FSDP1 unit holds Medusa-2's verifier and its float32 adapters: one dtype (docs/scale.md)
+        dtype = "float32" if m == "medusa2" else "bfloat16"
+        fsdp = ["trainer=fsdp", f"trainer.devices={gpus}", f"model.dtype={dtype}"]
+        out.append(Stage(f"{m} FSDP x{gpus}", [*train, f"experiment={m}", *fsdp, *MICRO_PAIR, *MICRO_RUN]))
+    out.append(Stage("evaluate device=cuda", [*evaluate, "device=cuda"]))
     out.append(
-        (
-            "evaluate device=cuda",
-            [sys.executable, "scripts/evaluate.py", "device=cuda", "logger=csv", *MICRO_PAIR, *MICRO_RUN[5:]],
+        Stage(
+            "evaluate device=cuda:0 drafter_device=cuda:1",
+            [*evaluate, "device=cuda:0", "drafter_device=cuda:1"],
+            None if gpus >= 2 else "needs two GPUs",
         )
     )
     return out
 
 
-def key_figure(root: Path, label: str) -> str:
-    """The best measured speedup of the newest report or evaluation under ``root`` (or '-')."""
-    reports = sorted(root.glob("checkpoints/**/report.json"), key=os.path.getmtime)
-    if label.startswith("evaluate"):
-        reports = sorted(root.glob("checkpoints/eval/**/results.json"), key=os.path.getmtime)
-    if not reports:
-        return "-"
-    data = json.loads(reports[-1].read_text())
-    speedups = [
-        t.get("speedup")
-        for by_t in data.get("best", {}).values()
-        for t in by_t.values()
-        if isinstance(t, dict)
-    ]
-    best = max((s for s in speedups if isinstance(s, (int, float))), default=None)
-    return f"best speedup {best:.2f}x" if best is not None else reports[-1].parent.name
+def evaluations(root: Path) -> set[Path]:
+    return set(root.glob("checkpoints/**/results.json"))
+
+
+def summarize(results: list[Path]) -> tuple[bool, str]:
+    """(every evaluation ran on CUDA, the figure to show: devices and the best measured speedup)."""
+    devices, speedups = set(), []
+    for path in results:
+        data = json.loads(path.read_text())
+        devices.add(str(data.get("environment", {}).get("device")))
+        speedups += [
+            r["metrics"]["speedup"]["mean"]
+            for r in data.get("runs", [])
+            if isinstance(r.get("metrics", {}).get("speedup", {}).get("mean"), (int, float))
+        ]
+    if not results:
+        return False, "no results.json written"
+    on_cuda = all(d.startswith("cuda") for d in devices)
+    figure = f"evaluated on {', '.join(sorted(devices))}"
+    if speedups:
+        figure += f", best speedup {max(speedups):.2f}x"
+    return on_cuda, figure
+
+
+def run_stage(label: str, cmd: list[str], root: Path) -> tuple[str, float, str]:
+    """Run one stage under ``root`` (its DRAFTSMITH_ROOT): (status, seconds, figure). The full output of
+    a failed stage is kept beside the runs (``<root>/<label>.log``)."""
+    env = {**os.environ, "DRAFTSMITH_ROOT": str(root), "WANDB_MODE": "offline"}
+    before = evaluations(root)
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, timeout=STAGE_TIMEOUT, check=False)
+        returncode, output = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as err:
+        returncode = -1
+        output = (err.stdout or b"") + (err.stderr or b"") + f"\ntimed out after {STAGE_TIMEOUT} s".encode()
+    seconds = time.perf_counter() - start
+    if returncode != 0:
+        log = root / (re.sub(r"[^\w.-]+", "_", label) + ".log")
+        text = output.decode(errors="replace")
+        log.write_text(text)
+        last = (text.strip().splitlines() or ["?"])[-1]
+        return f"FAILED ({returncode})", seconds, f"{last[:100]} (log: {log})"
+    on_cuda, figure = summarize(sorted(evaluations(root) - before))
+    return ("ok" if on_cuda else "FAILED (not on CUDA)"), seconds, figure
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,32 +156,32 @@ def main(argv: list[str] | None = None) -> int:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     plan = stages(max(gpus, 1))
     if args.dry_run:
-        for label, cmd in plan:
-            print(f"# {label}\n{' '.join(cmd[1:])}")
+        for stage in plan:
+            print(f"# {stage.label}" + (f" (skipped: {stage.skip})" if stage.skip else ""))
+            print(" ".join(stage.argv[1:]))
         return 0
     if gpus == 0:
         print("No CUDA device on this machine: the GPU smoke run needs one (--dry-run lists its commands).")
         return 2
     root = Path(tempfile.mkdtemp(prefix="draftsmith-gpu-smoke-"))
-    env = {**os.environ, "DRAFTSMITH_ROOT": str(root), "WANDB_MODE": "offline"}
     rows = []
-    for label, cmd in plan:
-        start = time.perf_counter()
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-        seconds = time.perf_counter() - start
-        ok = proc.returncode == 0
-        figure = key_figure(root, label) if ok else (proc.stderr.strip().splitlines() or ["?"])[-1][:80]
-        rows.append((label, "ok" if ok else f"FAILED ({proc.returncode})", seconds, figure))
-        print(f"{label}: {rows[-1][1]} in {seconds:.0f} s", flush=True)
+    for label, cmd, skip in plan:
+        if skip is not None:
+            rows.append((label, "skipped", 0.0, skip))
+            continue
+        status, seconds, figure = run_stage(label, cmd, root)
+        rows.append((label, status, seconds, figure))
+        print(f"{label}: {status} in {seconds:.0f} s", flush=True)
     print(f"\nGPU smoke run on {gpus} x {torch.cuda.get_device_name(0)}")
-    print("| stage | status | seconds | figure |\n|---|---|---|---|")
+    print("| stage | status | seconds | figure |\n|---|---|---:|---|")
     for label, status, seconds, figure in rows:
         print(f"| {label} | {status} | {seconds:.0f} | {figure} |")
-    if args.keep:
+    failed = [r for r in rows if r[1].startswith("FAILED")]
+    if args.keep or failed:
         print(f"outputs: {root}")
     else:
         shutil.rmtree(root, ignore_errors=True)
-    return 0 if all(r[1] == "ok" for r in rows) else 1
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from train.cli import add_device_arguments
 from train.data.sources import DataSourceConfig
 from train.decoding import SamplingParams, aggregate
 from train.decoding.sampling import LENIENCES
@@ -278,6 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--json", default=None, help="write the table's figures and the evaluator's results here"
     )
     parser.add_argument("--plot", default=None, help="write the trade-off curves (PNG) here")
+    add_device_arguments(parser)
     return parser
 
 
@@ -292,8 +294,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     drafter_path = resolve_drafter(args.drafter, args.verifier)
     tokenizer = load_tokenizer(args.verifier, role="--verifier")
-    verifier = load_model(args.verifier, role="--verifier").eval()
-    drafter = load_model(drafter_path, role="--drafter").eval()
+    verifier = load_model(args.verifier, role="--verifier", device=args.device).eval()
+    drafter = load_model(drafter_path, role="--drafter", device=args.drafter_device or args.device).eval()
     tok_source = drafter_tokenizer_source(drafter_path, "--drafter")
     if tok_source is not None:
         check_same_tokenizer(tokenizer, load_tokenizer(tok_source, role="--drafter"))

@@ -3,7 +3,7 @@ measured per-rank accuracies, and the blockwise top-1 chain, against autoregress
 (docs/medusa.md). Reports tau and the paired wall-clock speedup of each size on this machine.
 
     python scripts/medusa_eval.py                          # the newest checkpoints/medusa/*/heads
-    python scripts/medusa_eval.py --heads PATH --sizes 4 8 16 32 --prompts 8 --tokens 64
+    python scripts/medusa_eval.py --heads PATH --sizes 4 8 16 32 --prompts 8 --tokens 64 --device cuda
 
 The evaluator does the measuring (``train.evaluation.evaluate_drafters``: same prompts, paired timing,
 greedy check at T = 0). A single evaluation of saved heads is ``python scripts/evaluate.py
@@ -18,6 +18,7 @@ import os
 
 import torch
 
+from train.cli import add_device_arguments
 from train.evaluation import EvalConfig, build_prompts, evaluate_drafters, results_table
 from train.models.heads import MedusaHeads
 from train.models.loading import eos_token_ids, load_model, load_tokenizer
@@ -34,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=64)
+    add_device_arguments(parser, drafter=False)  # the heads read the verifier's states: they sit with it
     return parser
 
 
@@ -50,8 +52,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     torch.set_num_threads(1)
     tokenizer = load_tokenizer(verifier_dir)
-    verifier = load_model(verifier_dir).eval()
-    heads = MedusaHeads.from_pretrained(heads_dir).eval()
+    verifier = load_model(verifier_dir, device=args.device).eval()
+    heads = MedusaHeads.from_pretrained(heads_dir).eval().to(args.device)
     prompts = build_prompts(tokenizer, num_prompts=args.prompts, prompt_len=64)
     medusa = {"_target_": "train.decoding.MedusaDecoder"}
     decoders = [{"name": f"tree {n}", **medusa, "tree_nodes": n} for n in args.sizes]

@@ -1,6 +1,6 @@
 """The cost of SD^2 steering per block on this machine (docs/steering.md).
 
-    python scripts/steering_overhead.py [--prompts 8] [--tokens 64]
+    python scripts/steering_overhead.py [--prompts 8] [--tokens 64] [--device cuda]
 
 Steered chain SD (gamma 4) on the embedded pair with a random nonzero steering module: the steering
 time per verification (projecting its guide, choosing each drafter forward's biases) against one
@@ -15,6 +15,7 @@ import os
 
 import torch
 
+from train.cli import add_device_arguments
 from train.decoding import SpeculativeDecoder
 from train.evaluation import build_prompts
 from train.models.loading import load_model, load_tokenizer
@@ -26,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=64)
+    add_device_arguments(parser)
     return parser
 
 
@@ -33,12 +35,13 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     torch.set_num_threads(1)
     tiny = os.path.join(project_root(), "checkpoints", "tiny")
-    verifier = load_model(os.path.join(tiny, "verifier")).eval()
-    drafter = load_model(os.path.join(tiny, "drafter")).eval()
+    drafter_device = args.drafter_device or args.device
+    verifier = load_model(os.path.join(tiny, "verifier"), device=args.device).eval()
+    drafter = load_model(os.path.join(tiny, "drafter"), device=drafter_device).eval()
     prompts = build_prompts(
         load_tokenizer(os.path.join(tiny, "verifier")), num_prompts=args.prompts, prompt_len=64
     )
-    steering = SteeringModule.for_pair(verifier, drafter)
+    steering = SteeringModule.for_pair(verifier, drafter).to(drafter_device)
     with torch.no_grad():
         steering.project.weight.normal_(0, 0.02)
     steered = SpeculativeDecoder(verifier, drafter, gamma=4, steering=steering)

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from train.cli import add_device_arguments
 from train.decoding import TimedModel, keep_positions
 from train.decoding.tree import tree_attention_mask, tree_position_ids
 from train.decoding.tree_decoder import tree_size
@@ -226,14 +227,19 @@ def sibling_duplicate_rate(
 
 
 @torch.inference_mode()
-def bench_pair_overhead(prompts: int = 3, new_tokens: int = 96) -> str:
+def bench_pair_overhead(
+    prompts: int = 3, new_tokens: int = 96, devices: tuple[Any, Any] = ("cpu", "cpu")
+) -> str:
     """Loop overhead (wall / model forward time - 1) of each decoder on the benchmark pair of
     ``scripts/bench.py decoding`` (random-weight Llama, 33.7M / 2.6M parameters, sharing a bigram
-    component so acceptance is realistic), where a verifier forward costs several milliseconds."""
+    component so acceptance is realistic), where a verifier forward costs several milliseconds;
+    ``devices``: the verifier's and the drafter's."""
     from train.benchmarks.decoding import build_pair
     from train.decoding import SamplingParams, SpeculativeDecoder, TreeSpeculativeDecoder, loop_overhead
 
     verifier, drafter = build_pair()
+    verifier.to(devices[0])
+    drafter.to(devices[1])
     g = torch.Generator().manual_seed(0)
     inputs = [torch.randint(0, 8192, (1, 48), generator=g) for _ in range(prompts)]
     decoders = {
@@ -266,6 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--pair", default=os.path.join(project_root(), "checkpoints", "tiny"))
     parser.add_argument("--out", default=os.path.join(project_root(), "docs", "trees.md"))
     parser.add_argument("--json", default=None, help="also write every result here")
+    add_device_arguments(parser)
     return parser
 
 
@@ -273,8 +280,8 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     torch.set_num_threads(1)
     tokenizer = load_tokenizer(os.path.join(args.pair, "verifier"))
-    verifier = load_model(os.path.join(args.pair, "verifier")).eval()
-    drafter = load_model(os.path.join(args.pair, "drafter")).eval()
+    verifier = load_model(os.path.join(args.pair, "verifier"), device=args.device).eval()
+    drafter = load_model(os.path.join(args.pair, "drafter"), device=args.drafter_device or args.device).eval()
     args.eos = eos_token_ids(tokenizer, verifier, drafter)
     prompts = build_prompts(tokenizer, num_prompts=args.prompts, prompt_len=64)
     pair = (verifier, drafter, prompts)
@@ -282,7 +289,7 @@ def main(argv: list[str] | None = None) -> None:
     depth_table, depth_raw = fixed_depth(pair, args)
     best_table, all_table, budget_raw = fixed_budget(pair, args)
     cost_table = verifier_cost(verifier)
-    overhead_table = bench_pair_overhead()
+    overhead_table = bench_pair_overhead(devices=(args.device, args.drafter_device or args.device))
     duplicates = sibling_duplicate_rate(drafter, prompts)
     elapsed = time.time() - started
     command = "python scripts/trees.py" + (

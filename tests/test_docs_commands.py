@@ -344,8 +344,10 @@ class Workspace:
             value = self.run_dir(m.group(1)) + (m.group(3) or "")
         elif m := re.fullmatch(r"checkpoints/(\w+)/(multirun_<timestamp>|sweep_grid)", value):
             value = self.newest(f"{m.group(1)}/multirun_*")
-        elif value.endswith("/train/decoding") and not os.path.isdir(value):
-            value = str(REPO_ROOT / "train" / "decoding")  # "an older engine": this one
+        elif value.endswith("/train/decoding"):
+            # "an older engine" (a `git archive` of an old commit, which a shallow clone lacks): this one,
+            # whatever the machine's /tmp holds
+            value = str(REPO_ROOT / "train" / "decoding")
         elif value.startswith("/tmp/"):
             value = str(self.root / value[len("/tmp/") :])
         return f"{key}={value}" if sep else value

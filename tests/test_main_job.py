@@ -98,3 +98,28 @@ def test_medusa_main_job_meets_its_block_efficiency_target(tmp_path: Path) -> No
     assert load_vllm_medusa(run_dir / "heads_vllm").num_heads == heads.num_heads
     results = json.loads((run_dir / "eval" / "results.json").read_text())
     assert all(r["greedy_match"] for r in results["runs"] if r["temperature"] == 0.0)
+
+
+@pytest.mark.slow
+def test_a_fresh_main_job_keeps_the_terminal_to_progress_and_results(tmp_path: Path) -> None:
+    """`python train.py experiment=distillspec` as a fresh user runs it (WANDB_SILENT unset, the default
+    W&B + CSV loggers, the pair built on first use), on a micro recipe: the terminal shows the plan,
+    progress and results; W&B's run history and summary, library warnings and Lightning's hints (the pair
+    build's "validation_step but no val_dataloader") go to train.log or W&B's own files."""
+    from tests.conftest import MICRO_PAIR
+    from tests.test_docs_commands import MICRO_EVAL
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env |= {"DRAFTSMITH_ROOT": str(tmp_path), "WANDB_MODE": "offline"}  # offline: nothing leaves the machine
+    micro = ["trainer.max_steps=2", "trainer.val_check_interval=2", "trainer.limit_val_batches=1"]
+    cmd = [sys.executable, "train.py", "experiment=distillspec", *MICRO_PAIR, *micro, *MICRO_EVAL]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    terminal = proc.stdout + proc.stderr
+    assert proc.returncode == 0, terminal[-6000:]
+    (run_dir,) = [p for p in (tmp_path / "checkpoints" / "distillspec").iterdir() if p.is_dir()]
+    assert f"Run directory: {run_dir}" in terminal and "Best measured speedup" in terminal
+    for noise in ("wandb", "Run history", "Run summary", "Warning", "val_dataloader", "Traceback"):
+        assert noise not in terminal, (noise, terminal)
+    log = (run_dir / "train.log").read_text()
+    assert "no `val_dataloader`" in log and "Model summary" in log  # the details are in the log
+    assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))  # and W&B still recorded the run

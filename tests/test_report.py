@@ -71,6 +71,48 @@ def test_export_happens_before_evaluation(module, tmp_path, monkeypatch):
     assert report["drafter_dir"] == str(drafter) and "evaluator exploded" in report["evaluation_error"]
 
 
+class _Heads(torch.nn.Linear):
+    drafter_kind = "heads"
+
+
+@pytest.mark.parametrize(
+    ("device", "drafter_device", "expected"),
+    [
+        ("meta", None, {"verifier": "meta", "after": "meta", "heads": "meta"}),
+        (None, "meta", {"verifier": "cpu", "after": "meta", "heads": "cpu"}),  # heads sit with the verifier
+    ],
+)
+def test_the_evaluation_runs_on_the_device_it_is_given(
+    module, tmp_path, monkeypatch, device, drafter_device, expected
+):
+    """finish(device=, drafter_device=): the verifier and the drafters it evaluates (reloaded or merged
+    copies, made on the CPU) are placed there before the evaluation."""
+    seen: dict[str, str] = {}
+
+    def record(verifier, drafters, *args, **kwargs):
+        seen["verifier"] = next(verifier.parameters()).device.type
+        seen.update({label: next(d.parameters()).device.type for label, d in drafters.items()})
+        raise RuntimeError("recorded")
+
+    monkeypatch.setattr(report_module, "build_prompts", lambda *a, **k: PROMPTS)
+    monkeypatch.setattr(report_module, "evaluate_drafters", record)
+    monkeypatch.setattr(report_module, "eos_token_ids", lambda *a: [257])
+    monkeypatch.setattr(
+        module, "drafters_to_evaluate", lambda: {"after": torch.nn.Linear(2, 2), "heads": _Heads(2, 2)}
+    )
+    with pytest.raises(EvaluationError, match="recorded"):
+        finish(
+            module,
+            module.teacher,
+            module.tokenizer,
+            tmp_path / "run",
+            EvalConfig(temperatures=[0.0], seeds=[0], progress=False),
+            device=device,
+            drafter_device=drafter_device,
+        )
+    assert seen == expected
+
+
 def test_no_eval_config_exports_and_reports_without_figures(module, tmp_path):
     report = _run(module, tmp_path, None)
     assert (tmp_path / "drafter" / "model.safetensors").is_file()

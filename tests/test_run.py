@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import re
 from pathlib import Path
 
 import pytest
@@ -154,16 +155,102 @@ def test_short_metric_names() -> None:
     assert short_metric_name("val/perplexity") == "val_perplexity"
 
 
-def test_the_finish_step_runs_on_the_training_device_after_teardown_moved_the_module():
-    """Lightning's teardown leaves the module on the CPU; the finish step moves it (and the verifier,
-    for Medusa-2 a child of it) back to the device training ran on."""
+class _Trained(torch.nn.Module):
+    """A method module as the finish step sees it (:class:`train.report.Finishable`)."""
+
+    reference_drafter = None
+    artifact_dir = "drafter"
+    card_base = "drafter"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.student = torch.nn.Linear(2, 2)
+
+    def drafters_to_evaluate(self) -> dict:
+        return {}
+
+    def evaluation_verifier(self, verifier: torch.nn.Module) -> torch.nn.Module:
+        return verifier
+
+    def export(self, out_dir: str) -> str:
+        return out_dir
+
+    def report_summary(self) -> dict:
+        return {}
+
+    def report_sections(self) -> list:
+        return []
+
+
+def _finish_on(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, root: str, devices: tuple) -> dict:
+    """finish_run after a fit on ``root`` (the trainer's strategy.root_device) that Lightning's teardown
+    left on the CPU; returns where the module, the verifier and the evaluation were when finish ran."""
     from types import SimpleNamespace
 
-    import torch
+    import train.run as run_module
+    from train.run import finish_run
 
-    from train.run import on_training_device
+    seen: dict = {}
 
-    module, verifier = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
-    trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("meta")))
-    on_training_device(module, verifier, trainer)  # type: ignore[arg-type]
-    assert module.weight.device.type == verifier.weight.device.type == "meta"
+    def fake_finish(module, verifier, *args, **kwargs):
+        seen.update(
+            module=module.student.weight.device.type,
+            verifier=verifier.weight.device.type,
+            device=str(kwargs.get("device")),
+            drafter_device=str(kwargs.get("drafter_device")),
+        )
+
+    monkeypatch.setattr(run_module, "finish", fake_finish)
+    module, pair = _Trained(), SimpleNamespace(verifier=torch.nn.Linear(2, 2), tokenizer=None)
+    trainer = SimpleNamespace(
+        strategy=SimpleNamespace(root_device=torch.device(root)),
+        is_global_zero=True,
+        loggers=[],
+        global_step=2,
+    )
+    spec = SimpleNamespace(devices=devices, run_dir=str(tmp_path), eval=None, data=None, seed=0, name="unit")
+    finish_run(module, trainer, spec, pair, {})  # type: ignore[arg-type]
+    return seen
+
+
+def test_the_finish_step_runs_on_the_training_device_after_teardown_moved_the_module(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Lightning's teardown leaves the module on the CPU; the finish step moves it (and the verifier,
+    for Medusa-2 a child of it) back to the device training ran on, and evaluates there."""
+    seen = _finish_on(monkeypatch, tmp_path, "meta", (None, None))
+    assert seen == {"module": "meta", "verifier": "meta", "device": "meta", "drafter_device": "None"}
+
+
+def test_device_chooses_where_the_finish_step_evaluates(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``python train.py ... device=X drafter_device=Y``: the finish step evaluates on X, drafters on Y."""
+    seen = _finish_on(monkeypatch, tmp_path, "cpu", (torch.device("meta"), torch.device("cpu")))
+    assert seen == {"module": "meta", "verifier": "meta", "device": "meta", "drafter_device": "cpu"}
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("device=cuda", "device=cuda: CUDA is not available on this machine (use device=cpu)"),
+        ("drafter_device=cuda:1", "drafter_device=cuda:1: CUDA is not available"),
+        ("device=gpu0", "device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'gpu0'"),
+    ],
+)
+def test_a_finish_device_the_machine_lacks_fails_at_validation_naming_the_key(
+    tmp_path: Path,
+    tiny_pair_dir: Path,
+    text_file: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    override: str,
+    message: str,
+) -> None:
+    from train.config import ConfigError
+    from train.run import load_spec
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = run_cfg(tmp_path, tiny_pair_dir, text_file, "dev", [override])
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_spec(cfg)
+    assert load_spec(run_cfg(tmp_path, tiny_pair_dir, text_file, "dev", [])).devices == (None, None)

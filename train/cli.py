@@ -10,6 +10,7 @@ traceback.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import sys
@@ -24,11 +25,12 @@ from omegaconf import DictConfig, OmegaConf
 from train.callbacks import NonFiniteLossError
 from train.config import ConfigError, unknown_key_message
 from train.data.sources import DataError
-from train.models.loading import CorruptModelError, TokenizerMismatchError
+from train.models.loading import CorruptModelError, TokenizerMismatchError, resolve_device
 from train.rundir import RunDirLocked
 
 __all__ = [
     "USER_ERRORS",
+    "add_device_arguments",
     "check_overrides",
     "debugging",
     "fail",
@@ -99,6 +101,38 @@ def warnings_to_log_file() -> None:
             captured.addHandler(handler)
     if not captured.handlers:  # no log file (a bare script): keep them off the terminal all the same
         captured.addHandler(logging.NullHandler())
+
+
+def device_argument(flag: str) -> Callable[[str], Any]:
+    """An argparse ``type`` for a device flag: :func:`train.models.loading.resolve_device` (``auto`` is CUDA
+    when available), its error becoming argparse's one line naming ``flag`` (exit 2)."""
+
+    def parse(value: str) -> Any:
+        try:
+            return resolve_device(value, flag)
+        except ConfigError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    return parse
+
+
+def add_device_arguments(parser: argparse.ArgumentParser, drafter: bool = True) -> None:
+    """``--device`` (where the verifier decodes; default auto: CUDA when available, else the CPU) and, for
+    scripts with a drafter model, ``--drafter-device`` (default: the verifier's): the argparse scripts'
+    form of ``device=`` / ``drafter_device=`` (scripts/evaluate.py), checked when the flags are parsed."""
+    parser.add_argument(
+        "--device",
+        type=device_argument("--device"),
+        default="auto",
+        help="where the verifier decodes: auto (CUDA when available), cpu, cuda, cuda:N",
+    )
+    if drafter:
+        parser.add_argument(
+            "--drafter-device",
+            type=device_argument("--drafter-device"),
+            default=None,
+            help="where the drafter decodes (default: the verifier's device)",
+        )
 
 
 def run_command(fn: Callable[..., T], *args: Any) -> T:

@@ -41,6 +41,7 @@ from train.evaluation import (
     results_table,
     to_jsonable,
 )
+from train.evaluation.runner import drafter_kind
 from train.export import write_model_card
 from train.models.loading import eos_token_ids
 from train.tables import format_metric, format_value, markdown_table
@@ -116,13 +117,17 @@ def finish(
     config: Mapping[str, Any] | None = None,
     loggers: Sequence[Any] | None = None,
     step: int | None = None,
+    device: torch.device | str | None = None,
+    drafter_device: torch.device | str | None = None,
 ) -> dict[str, Any]:
     """Export, evaluate and report one finished run (call it on rank 0 only); return the report.
 
     verifier / tokenizer: the run's pair. eval_cfg: the run's ``eval`` config (None: no evaluation).
     data: the run's data config, for :func:`train.evaluation.build_prompts`; seed: the prompt cut's
     seed. name: the run's name (report title). config: the resolved run config, for the model card.
-    loggers / step: passed to the evaluation, which logs ``eval/...`` scalars.
+    loggers / step: passed to the evaluation, which logs ``eval/...`` scalars. device: where the
+    evaluation runs (None: where the verifier is); drafter_device: where the drafter models run (None: the
+    same device; prediction heads always sit with the verifier, whose states they read).
     Raises :class:`EvaluationError` (chained to the cause) when the evaluation fails; the drafter is
     exported by then and ``report.json`` records the error.
     """
@@ -146,7 +151,9 @@ def finish(
         assert eval_cfg is not None
         try:
             target = module.evaluation_verifier(verifier)
-            results = _evaluate(target, tokenizer, drafters, eval_cfg, data, seed, run, loggers, step)
+            results = _evaluate(
+                target, tokenizer, drafters, eval_cfg, data, seed, run, loggers, step, device, drafter_device
+            )
         except Exception as err:
             report["evaluation_error"] = f"{type(err).__name__}: {err}"
             _write_json(run / "report.json", report)
@@ -175,10 +182,14 @@ def _evaluate(
     run: Path,
     loggers: Sequence[Any] | None,
     step: int | None,
+    device: torch.device | str | None = None,
+    drafter_device: torch.device | str | None = None,
 ) -> dict[str, Any]:
+    if device is not None:
+        verifier.to(device)
     device = next(verifier.parameters()).device
-    for drafter in drafters.values():
-        drafter.to(device)
+    for drafter in drafters.values():  # reloaded or merged copies are on the CPU until placed here
+        drafter.to(device if drafter_kind(drafter) == "heads" else (drafter_device or device))
     prompts = build_prompts(tokenizer, data, cfg.num_prompts, cfg.prompt_len, seed=seed)
     return evaluate_drafters(
         verifier,

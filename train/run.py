@@ -42,7 +42,7 @@ from train.config import (
     instantiate_group,
 )
 from train.evaluation import EvalConfig, build_eval_config
-from train.models.loading import load_pair
+from train.models.loading import load_pair, resolve_device
 from train.models.tiny import build_tiny_pair, ensure_tiny_pair, format_report
 from train.report import Finishable, finish
 from train.rundir import RunDirLock, RunDirLocked, remove_if_unused
@@ -75,6 +75,9 @@ class RunSpec:
     cfg: DictConfig
     eval: EvalConfig | None = None
     """The finish step's evaluation (the ``eval`` node); None when the config has none."""
+    devices: tuple[torch.device | None, torch.device | None] = (None, None)
+    """Where the finish step evaluates (``device``, ``drafter_device``); None: the device training ran on
+    (``trainer.strategy.root_device``) and the verifier's."""
 
     @property
     def run_dir(self) -> str:
@@ -90,6 +93,16 @@ def load_eval_config(cfg: DictConfig) -> EvalConfig | None:
     None when the config has no ``eval`` node (the finish step then exports and reports only)."""
     node = cfg.get("eval")
     return build_eval_config(node) if node is not None else None
+
+
+def finish_devices(cfg: DictConfig) -> tuple[torch.device | None, torch.device | None]:
+    """``device`` / ``drafter_device`` of a training config (null: the training device), checked now, so
+    ``device=cuda`` on a machine without CUDA fails before any model loads, naming the key."""
+    device, drafter = cfg.get("device"), cfg.get("drafter_device")
+    return (
+        None if device is None else resolve_device(device, "device"),
+        None if drafter is None else resolve_device(drafter, "drafter_device"),
+    )
 
 
 def load_spec(cfg: DictConfig) -> RunSpec:
@@ -111,6 +124,7 @@ def load_spec(cfg: DictConfig) -> RunSpec:
         ckpt_path=cfg.get("ckpt_path"),
         cfg=cfg,
         eval=load_eval_config(cfg),
+        devices=finish_devices(cfg),
     )
 
 
@@ -257,7 +271,8 @@ def finish_run(module: Any, trainer: L.Trainer, spec: RunSpec, pair: Any, config
     if isinstance(module, Finishable):
         if not trainer.is_global_zero:
             return None
-        on_training_device(module, pair.verifier, trainer)
+        device = spec.devices[0] or trainer.strategy.root_device
+        on_training_device(module, pair.verifier, trainer, device)
         return finish(
             module,
             pair.verifier,
@@ -270,20 +285,26 @@ def finish_run(module: Any, trainer: L.Trainer, spec: RunSpec, pair: Any, config
             config=config,
             loggers=trainer.loggers,
             step=trainer.global_step,
+            device=device,
+            drafter_device=spec.devices[1],
         )
     own_finish = getattr(module, "finish", None)
     return own_finish(trainer, spec) if own_finish is not None else None
 
 
-def on_training_device(module: Any, verifier: torch.nn.Module, trainer: L.Trainer) -> None:
-    """Move the trained module and the verifier back to the device training ran on, for the finish step.
+def on_training_device(
+    module: Any, verifier: torch.nn.Module, trainer: L.Trainer, device: torch.device | None = None
+) -> None:
+    """Move the trained module and the verifier back to the device training ran on (or to ``device``, the
+    run's ``device=``), for the finish step.
 
     Lightning's teardown moves the LightningModule to the CPU after fit, so without this a GPU run would
     export and evaluate on the CPU (Medusa-2's LoRA verifier, a child module, included). Under FSDP the
-    weights are gathered in place by ``full_weights_on_rank_zero`` and stay where FSDP keeps them."""
+    weights are gathered in place by ``full_weights_on_rank_zero`` and stay where FSDP keeps them (the
+    finish step moves the copies it evaluates)."""
     if isinstance(trainer.strategy, FSDPStrategy):
         return
-    device = trainer.strategy.root_device
+    device = device or trainer.strategy.root_device
     module.to(device)
     verifier.to(device)
 

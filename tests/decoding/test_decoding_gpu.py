@@ -3,8 +3,10 @@
 Every random number of the decoders is drawn from the generator on the generator's own device, so a
 CPU generator must work with both models on cuda:0, and with the verifier on cuda:0 and the drafter on
 the CPU (two devices), and give the same tokens as the all-CPU run for the same seed (float32, TF32
-off; greedy: tokens and counts exactly; sampling: the same tokens). Run with ``pytest -m gpu``; these
-tests skip without CUDA.
+off; greedy: tokens and counts exactly; sampling: the same tokens). The entry points on CUDA: the
+evaluator with ``device=cuda``, and every stage of ``scripts/gpu_smoke.py`` (each method trained in bf16
+and under FSDP, its finish step evaluating on the GPU). Run with ``pytest -m gpu``; these tests skip
+without CUDA.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO_ROOT
+from tests.test_docs_commands import load_script
 from train.decoding import AsyncSpeculativeDecoder, AutoregressiveDecoder, SamplingParams, SpeculativeDecoder
 
 from .decoding_helpers import build, tiny_config
@@ -177,3 +180,68 @@ def test_async_benchmark_on_two_gpus():
     assert proc.returncode == 0, proc.stderr[-3000:]
     print(proc.stdout)
     assert "async max_block" in proc.stdout
+
+
+# ------------------------------------------------------------------ the entry points on CUDA
+
+
+@pytest.mark.parametrize(("device", "drafter_device"), [("cuda", None), ("cuda:0", "cpu")])
+def test_the_evaluator_decodes_on_cuda(tiny_pair_dir, text_file, tmp_path, device, drafter_device):
+    """scripts/evaluate.py's main with device=cuda (and the drafter on another device): the models are
+    placed there, results.json says so, and the greedy check passes."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from tests.conftest import CONF_DIR
+    from train.evaluation.cli import main as evaluate_main
+
+    overrides = [
+        f"model.verifier={tiny_pair_dir / 'verifier'}",
+        f"model.drafter={tiny_pair_dir / 'drafter'}",
+        "model.tiny=null",
+        "data=local",
+        "data.name=jsonl",
+        f"data.data_files={text_file}",
+        "data.test_fraction=0.5",
+        "logger=none",
+        "eval.num_prompts=2",
+        "eval.prompt_len=12",
+        "eval.max_new_tokens=12",
+        "eval.seeds=[0]",
+        "eval.progress=false",
+        "eval.plots=false",
+        f"device={device}",
+        f"drafter_device={drafter_device if drafter_device else 'null'}",
+        f"paths.root_dir={tmp_path}",
+    ]
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="eval", overrides=overrides, return_hydra_config=True)
+    cfg.paths.run_dir = str(tmp_path / "run")
+    results = evaluate_main(cfg)
+    assert results["environment"]["device"] == "cuda:0"
+    assert all(r["greedy_match"] for r in results["runs"] if r["temperature"] == 0.0)
+
+
+SMOKE = load_script("scripts/gpu_smoke.py")
+
+
+@pytest.fixture(scope="module")
+def smoke_root(tmp_path_factory):
+    """One scratch DRAFTSMITH_ROOT for the smoke stages: the first builds the micro pair, SD^2 finds the
+    DistillSpec run before it, as in scripts/gpu_smoke.py."""
+    return tmp_path_factory.mktemp("gpu_smoke")
+
+
+@pytest.mark.parametrize(
+    "stage", SMOKE.stages(max(torch.cuda.device_count(), 1)), ids=lambda stage: stage.label
+)
+def test_gpu_smoke_stage(stage, smoke_root):
+    """Each stage of scripts/gpu_smoke.py (every method in bf16 on one GPU, under FSDP on the GPUs present,
+    the evaluator on CUDA): it exits 0 and every evaluation it wrote ran on CUDA, the finish step's
+    included."""
+    if stage.skip:
+        pytest.skip(stage.skip)
+    status, seconds, figure = SMOKE.run_stage(stage.label, stage.argv, smoke_root)
+    print(f"{stage.label}: {status} in {seconds:.0f} s ({figure})")
+    assert status == "ok", figure

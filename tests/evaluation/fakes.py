@@ -31,6 +31,15 @@ class RecordingDecoder:
         return self.inner.generate(input_ids, max_new_tokens, params, eos_token_id, generator)
 
 
+class HoldingDecoder(RecordingDecoder):
+    """A :class:`RecordingDecoder` keeping what its config loaded (``steering=``, ``refiner=``) in
+    ``loaded``, as real decoders keep a steering module or a refiner's rescoring LM."""
+
+    def __init__(self, verifier: torch.nn.Module, drafter: torch.nn.Module, **loaded: Any) -> None:
+        super().__init__(verifier, drafter, "hold")
+        self.loaded = loaded
+
+
 class SwapDecoder:
     """Greedy decoding of the verifier, except that new token ``position`` becomes ``token`` (and the
     output ends there): a decoder that breaks exactness at one known place."""

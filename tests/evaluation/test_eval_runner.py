@@ -200,3 +200,24 @@ def test_bad_inputs(verifier, drafter, prompts):
         evaluate_drafters(verifier, {"d": drafter}, prompts, _cfg(max_new_tokens=510))
     with pytest.raises(ConfigError, match=r"eval\.decoders: unknown decoder config"):
         evaluate_drafters(verifier, {"d": drafter}, prompts, {"decoders": ["nope"]})
+
+
+def test_modules_a_decoder_config_loads_sit_with_the_drafter(verifier):
+    """A steering module or a refiner's rescoring LM that a decoder config loads (on the CPU) is moved
+    to the drafter's device, not left on the CPU beside models on a GPU."""
+    linear = {"_target_": "torch.nn.Linear", "in_features": 2, "out_features": 2}
+    cfg = _cfg(
+        decoders=[
+            inline(
+                fakes.HoldingDecoder,
+                "held",
+                steering=linear,
+                refiner={"_target_": "types.SimpleNamespace", "lm": linear, "k": 3},
+            )
+        ]
+    )
+    drafter = torch.nn.Linear(2, 2).to("meta")
+    (decoder,) = runner.build_decoders(verifier, drafter, cfg).values()
+    assert decoder.loaded["steering"].weight.device.type == "meta"
+    assert decoder.loaded["refiner"].lm.weight.device.type == "meta"
+    assert decoder.loaded["refiner"].k == 3

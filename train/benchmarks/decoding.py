@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from train.cli import add_device_arguments
 from train.decoding import (
     AutoregressiveDecoder,
     DecodeStats,
@@ -54,6 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=str, default=None, help="write the results as JSON here")
+    add_device_arguments(parser, drafter=False)
 
 
 def build_pair(vocab: int = 8192, noise: float = 0.15, seed: int = 0) -> tuple[Any, Any]:
@@ -109,6 +111,8 @@ def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     verifier, drafter = build_pair(noise=args.noise, seed=args.seed)
+    verifier.to(args.device)
+    drafter.to(args.device)
     drafter.generation_config.num_assistant_tokens = args.gamma
     drafter.generation_config.num_assistant_tokens_schedule = "constant"
     drafter.generation_config.assistant_confidence_threshold = 0.0
@@ -123,6 +127,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     def hf(ids: torch.Tensor, assisted: bool) -> torch.Tensor:
         kw: dict[str, Any] = {"assistant_model": drafter} if assisted else {}
+        ids = ids.to(args.device)
         out = verifier.generate(
             ids,
             attention_mask=torch.ones_like(ids),
@@ -131,7 +136,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             do_sample=False,
             **kw,
         )
-        return out[0, ids.shape[1] :]
+        return out[0, ids.shape[1] :].cpu()  # our decoders return CPU tokens too (and .cpu() syncs)
 
     def ours(
         decoder: AutoregressiveDecoder | SpeculativeDecoder, ids: torch.Tensor
@@ -174,7 +179,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     tps = {m: tokens[m] / sum(wall[m]) for m in METHODS}
     result: dict[str, Any] = {
-        "config": {k: v for k, v in vars(args).items() if not callable(v)},
+        "config": {
+            k: str(v) if isinstance(v, torch.device) else v for k, v in vars(args).items() if not callable(v)
+        },
         "verifier_params": param_count(verifier),
         "drafter_params": param_count(drafter),
         "tokens_per_second": tps,

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 import train.decoding as current
+from train.cli import add_device_arguments
 
 from .decoding import build_pair
 
@@ -33,6 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
+    add_device_arguments(parser)
 
 
 def load_package(path: str, name: str = "baseline_decoding") -> ModuleType:
@@ -52,6 +54,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     baseline = load_package(os.path.abspath(args.baseline))
     verifier, drafter = build_pair()
+    verifier.to(args.device)
+    drafter.to(args.drafter_device or args.device)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 8192, (1, 48), generator=gen) for _ in range(args.prompts)]
     engines = {"baseline": baseline, "current": current}

@@ -35,6 +35,7 @@ from train.decoding import (
     DecodeStats,
     SamplingParams,
     aggregate,
+    model_device,
     param_count,
     speedup,
     summarize,
@@ -127,10 +128,22 @@ def build_decoders(verifier: torch.nn.Module, drafter: torch.nn.Module, cfg: Eva
             continue
         try:
             factory = instantiate({**settings, "_partial_": True})
+            place_loaded_modules(factory.keywords.values(), drafter)
             out[label] = factory(verifier, drafter)
         except (TypeError, ValueError) as err:
             raise ConfigError(f"eval.decoders[{label}]: {err}") from None
     return out
+
+
+def place_loaded_modules(objects: Any, drafter: torch.nn.Module) -> None:
+    """Put the modules a decoder config loads (an SD^2 steering module, a BPD rescoring LM held by its
+    refiner) on the drafter's device: they load on the CPU, and left there they would run every block
+    on the CPU beside models on a GPU."""
+    device = model_device(drafter)
+    for obj in objects:
+        for candidate in (obj, *getattr(obj, "__dict__", {}).values()):
+            if isinstance(candidate, torch.nn.Module):
+                candidate.to(device)
 
 
 def _generator(seed: int, prompt_index: int) -> torch.Generator:

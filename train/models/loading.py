@@ -102,9 +102,10 @@ def load_model(
     attn_implementation: str | None = "sdpa",
     trust_remote_code: bool = False,
     role: str = "model",
+    device: str | torch.device | None = None,
 ) -> PreTrainedModel:
     """Load a causal LM, with a precise error (naming ``role``, the config key) when the source does
-    not exist or its weights file is corrupt."""
+    not exist or its weights file is corrupt; ``device``: where to put it (None: where it loads, the CPU)."""
     path = os.path.expanduser(source)
     if looks_local(source) and not os.path.isdir(path):
         raise ModelNotFoundError(f"{role}: no model folder at {source!r}")
@@ -116,9 +117,12 @@ def load_model(
     elif not looks_local(source):
         check_hub_reachable(source, role)
     try:
-        return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except OSError as err:
         raise ModelNotFoundError(f"{role}: could not load a model from {source!r}: {err}") from err
+    if device is not None:
+        torch.nn.Module.to(model, device)  # in place; PreTrainedModel.to's stub takes no device
+    return model
 
 
 def load_tokenizer(
