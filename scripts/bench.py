@@ -10,7 +10,7 @@ import argparse
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from train.benchmarks import decoding, distill, overhead
+    from train.benchmarks import decoding, distill, draft_vocab, overhead
 
     parser = argparse.ArgumentParser(prog="bench.py", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -22,6 +22,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("distill", help="on-policy distillation throughput: ours vs TRL's GKDTrainer")
     distill.add_arguments(p)
     p.set_defaults(func=distill.main)
+
+    p = sub.add_parser("draft-vocab", help="a drafter's output head: full vs reduced vocabulary")
+    draft_vocab.add_arguments(p)
+    p.set_defaults(func=draft_vocab.main)
 
     p = sub.add_parser("overhead", help="loop overhead of this engine vs an older copy, interleaved")
     overhead.add_arguments(p)

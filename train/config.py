@@ -173,7 +173,7 @@ class LoggerConfig:
 
 @dataclass
 class ModelConfig:
-    """The verifier/drafter pair. ``tiny`` is set for the embedded pair built on first use."""
+    """The verifier/drafter pair. ``tiny`` / ``smollm2`` hold the recipe of a pair built on first use."""
 
     name: str
     verifier: str
@@ -184,6 +184,8 @@ class ModelConfig:
     trust_remote_code: bool = False
     attn_implementation: str | None = "sdpa"
     tiny: Any = None
+    smollm2: Any = None
+    """The real pair's recipe (:class:`train.models.smol_pair.SmolPairConfig`) for ``model=smollm2``."""
 
     def __post_init__(self) -> None:
         require(self.dtype in DTYPES, "model.dtype", f"one of {DTYPES}", self.dtype)
@@ -193,7 +195,7 @@ class ModelConfig:
             f"null or one of {DTYPES}",
             self.verifier_dtype,
         )
-        built = self.tiny is not None
+        built = self.tiny is not None or self.smollm2 is not None
         check_model_source("model.verifier", self.verifier, may_be_built=built)
         check_model_source("model.drafter", self.drafter, may_be_built=built)
         if self.tokenizer is not None:

@@ -31,6 +31,7 @@ from train.config import instantiate_group, require
 from train.evaluation import build_eval_config, build_prompts, evaluate_drafters, to_jsonable
 from train.evaluation.config import DECODING_CONF_DIR, known_decoder_configs
 from train.evaluation.leaderboard import leaderboard_markdown, leaderboard_rows
+from train.models.built_pairs import ensure_built_pair
 from train.models.heads import MedusaHeads
 from train.models.loading import (
     eos_token_ids,
@@ -41,7 +42,6 @@ from train.models.loading import (
     resolve_devices,
 )
 from train.models.steering import SteeredDrafter, SteeringModule
-from train.models.tiny import ensure_tiny_pair
 from train.paths import PROJECT_ROOT
 from train.rundir import newest_artifact
 
@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 
 ARTIFACTS: dict[str, str] = {
     "distillspec": "drafter",
+    "distillspec_tiny": "drafter",
     "steering": "steering",
     "medusa": "heads",
     "medusa2": "heads",
@@ -137,8 +138,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
             del cfg["hydra"]
     started = time.perf_counter()
     paths, model_cfg, data_cfg = validate(cfg)
-    if model_cfg.tiny is not None:
-        ensure_tiny_pair(model_cfg.tiny)
+    ensure_built_pair(model_cfg)
     artifacts = ensure_artifacts(cfg, paths.checkpoints_dir, model_cfg.verifier)
     run_dir = paths.run_dir
     os.makedirs(run_dir, exist_ok=True)
@@ -155,10 +155,9 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         pair.tokenizer, data_cfg, eval_cfg.num_prompts, eval_cfg.prompt_len, seed=int(cfg.seed)
     )
     drafters: dict[str, Any] = {"pretrained": pair.drafter}
-    if "distillspec" in artifacts:
-        drafters["distillspec"] = load_drafter(
-            model_cfg, artifacts["distillspec"], pair.tokenizer, pair.verifier
-        )
+    distilled = artifacts.get("distillspec") or artifacts.get("distillspec_tiny")
+    if distilled:  # the main job's recipe (the real pair) or its tiny-pair twin: one row, "distillspec"
+        drafters["distillspec"] = load_drafter(model_cfg, distilled, pair.tokenizer, pair.verifier)
     if "steering" in artifacts:
         steer_dir = artifacts["steering"]
         steered = load_drafter(

@@ -16,6 +16,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from train.hardware import best_dtype
+
 __all__ = ["PROJECT_ROOT", "fitting_dirname", "project_root", "register_resolvers"]
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -43,11 +45,18 @@ def fitting_dirname(name: str, limit: int = MAX_DIRNAME) -> str:
 
 
 def register_resolvers() -> None:
-    """Make ``${draftsmith_root:}`` and ``${fitting_dirname:...}`` available to every config (idempotent)."""
+    """Make ``${draftsmith_root:}``, ``${fitting_dirname:...}`` and ``${best_dtype:}`` available to every config (idempotent)."""
     if not OmegaConf.has_resolver("draftsmith_root"):
         OmegaConf.register_new_resolver("draftsmith_root", project_root)
     if not OmegaConf.has_resolver("fitting_dirname"):
         OmegaConf.register_new_resolver("fitting_dirname", fitting_dirname)
+    if not OmegaConf.has_resolver("best_dtype"):
+        OmegaConf.register_new_resolver("best_dtype", _best_dtype)
+
+
+def _best_dtype() -> str:
+    """``${best_dtype:}``: bfloat16 where the machine computes it natively, else float32."""
+    return best_dtype()
 
 
 register_resolvers()

@@ -42,8 +42,9 @@ from train.config import (
     instantiate_group,
 )
 from train.evaluation import EvalConfig, build_eval_config
+from train.models.built_pairs import ensure_built_pair
 from train.models.loading import load_pair, resolve_device
-from train.models.tiny import build_tiny_pair, ensure_tiny_pair, format_report
+from train.models.tiny import build_tiny_pair, format_report
 from train.report import Finishable, finish
 from train.rundir import RunDirLock, RunDirLocked, remove_if_unused
 from train.trainer import (
@@ -231,8 +232,7 @@ def run(spec: RunSpec, cfg: DictConfig) -> Any:
     L.seed_everything(spec.seed, workers=True, verbose=False)
     if cfg.get("build_tiny_pair"):
         return build_tiny_pair_run(spec)
-    if spec.model.tiny is not None:
-        ensure_tiny_pair(spec.model.tiny, spec.trainer)
+    ensure_built_pair(spec.model, spec.trainer)
     return fit(spec)
 
 

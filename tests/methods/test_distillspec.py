@@ -126,9 +126,12 @@ def test_experiment_rejects_bad_values_at_start_up(override, key, tmp_path):
 def test_experiment_composes_and_sources_enumerate(tmp_path):
     spec = load_spec(_compose(["experiment=distillspec"], tmp_path))
     assert spec.name == "distillspec" and isinstance(spec.method, DistillSpecConfig)
+    assert spec.model.name == "smollm2" and spec.model.smollm2 is not None and spec.data.name == "chat"
     ev = spec.eval
-    assert ev.temperatures == [0.0, 1.0] and ev.gammas == [1, 2, 4] and len(ev.seeds) == 2
-    assert (ev.num_prompts, ev.prompt_len, ev.max_new_tokens) == (8, 64, 64)
+    assert ev.temperatures == [0.0, 1.0] and ev.gammas == [2, 3, 4, 5] and len(ev.seeds) == 1
+    assert (ev.num_prompts, ev.prompt_len, ev.max_new_tokens) == (8, 256, 64)
+    tiny = load_spec(_compose(["experiment=distillspec_tiny"], tmp_path))
+    assert tiny.model.name == "tiny" and tiny.data.name == "stdlib" and tiny.eval.gammas == [1, 2, 4]
     assert [_cfg(data_source=s, lmbda=0.3).on_policy_probability for s in DATA_SOURCES] == [
         0.0,
         0.0,
@@ -371,7 +374,7 @@ def test_exported_drafter_works_as_hf_assistant_model(tmp_path):
 
 @pytest.mark.slow
 def test_main_job_end_to_end_builds_a_micro_pair_on_first_use(tmp_path):
-    """``experiment=distillspec`` through the real entry point with a micro tiny-pair recipe (built on
+    """``experiment=distillspec_tiny`` through the real entry point with a micro tiny-pair recipe (built on
     first use into tmp_path) and fewer steps: the whole flow in well under a minute."""
     import subprocess
     import sys
@@ -381,7 +384,7 @@ def test_main_job_end_to_end_builds_a_micro_pair_on_first_use(tmp_path):
     cmd = [
         sys.executable,
         "train.py",
-        "experiment=distillspec",
+        "experiment=distillspec_tiny",
         f"paths.tiny_dir={tmp_path / 'tiny'}",
         "model.tiny.vocab_size=300",
         "model.tiny.seq_len=64",

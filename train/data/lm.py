@@ -101,7 +101,10 @@ def make_prompts(
 
     * Sources with ``prompt``/``response`` columns: the prompt is the tokenised ``prompt`` (its
       last ``prompt_len - 1`` tokens after BOS if longer) and ``continuation_ids`` is the
-      tokenised ``response`` (first ``continuation_len`` tokens; all if ``None``).
+      tokenised ``response`` (first ``continuation_len`` tokens; all if ``None``). A row whose
+      response is empty is a request (a chat turn rendered up to the assistant's header, as the
+      ``chat`` source gives): it is skipped when longer than ``prompt_len``, since cutting its head
+      would drop the chat header and the start of the question.
     * Plain text: a window of ``prompt_len - 1`` tokens after BOS followed by ``continuation_len``
       tokens of continuation (``None`` means 0 here), taken at the document start (``mode="start"``)
       or at ``prompts_per_doc`` random offsets per document (``mode="random"``). Documents too
@@ -150,6 +153,8 @@ def make_prompts(
             ):
                 if len(prompts) >= limit:
                     break
+                if not r_ids and len(p_ids) > body:
+                    continue
                 prompts.append([bos] + p_ids[max(0, len(p_ids) - body) :])
                 continuations.append(r_ids if continuation_len is None else r_ids[:continuation_len])
                 doc_index.append(int(i))

@@ -5,12 +5,17 @@
 
 * ``text`` always (what LM packing and prompt cutting read);
 * ``prompt`` and ``response`` as well when the source has them (``prompt_field``/``response_field``,
-  or chat ``messages_field`` whose last message is the assistant's); then ``text`` is
-  ``prompt + response``.
+  or chat ``messages_field``); then ``text`` is ``prompt + response``. A conversation rendered with
+  the tokenizer's chat template splits before its last message when that is the assistant's; one
+  that ends with another role (a request) is rendered with the generation prompt
+  (``add_generation_prompt=True``) as the whole ``prompt``, and its ``response`` is empty.
 
 Source kinds (``name``):
 
 * ``"stdlib"``: the embedded corpus (:mod:`train.data.corpus`), built/cached under ``corpus_dir``;
+* ``"chat"``: the embedded chat prompt set (:mod:`train.data.chat`), one user turn per record, split by
+  source; its ``prompt`` is the turn rendered with the tokenizer's chat template, ending where the
+  assistant's answer starts, and its ``response`` is empty;
 * ``"json"``, ``"jsonl"``, ``"parquet"``, ``"csv"``, ``"text"``: local files given by
   ``data_files`` (loaded with ``datasets.load_dataset``, which works offline for local files);
 * anything else: a Hugging Face dataset id (``subset`` is its config name). This may download.
@@ -29,6 +34,7 @@ from typing import Any
 import numpy as np
 from datasets import Dataset, DatasetDict, load_dataset
 
+from train.data.chat import load_chat_splits
 from train.data.corpus import DEFAULT_CORPUS_DIR, build_corpus
 
 __all__ = [
@@ -54,6 +60,9 @@ SPLIT_ALIASES: dict[str, tuple[str, ...]] = {
     "validation": ("validation", "valid", "val", "dev"),
     "test": ("test",),
 }
+
+EMBEDDED = ("stdlib", "chat")
+"""Sources built from the Python installation (no files, no download)."""
 
 DataFiles = str | tuple[str, ...] | dict[str, str | tuple[str, ...]]
 
@@ -105,14 +114,18 @@ class DataSourceConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
             raise ValueError(
-                f"name must be 'stdlib', one of {sorted(LOCAL_FORMATS)} or a Hugging Face dataset id; "
+                f"name must be 'stdlib', 'chat', one of {sorted(LOCAL_FORMATS)} or a Hugging Face dataset id; "
                 f"got {self.name!r}"
             )
         object.__setattr__(self, "data_files", _freeze_files(self.data_files))
         if self.name in LOCAL_FORMATS and self.data_files is None:
             raise ValueError(f"data_files is required when name={self.name!r} (a local {self.name} source)")
-        if self.name == "stdlib" and self.data_files is not None:
-            raise ValueError("data_files must be None when name='stdlib' (the embedded corpus)")
+        if self.name in EMBEDDED and self.data_files is not None:
+            raise ValueError(f"data_files must be None when name={self.name!r} (an embedded source)")
+        if self.name == "chat":
+            if self.messages_field not in (None, "messages") or self.prompt_field is not None:
+                raise ValueError("name='chat' has its own columns: leave messages_field/prompt_field unset")
+            object.__setattr__(self, "messages_field", "messages")
 
         if self.split is not None:
             if not isinstance(self.split, Mapping) or not self.split:
@@ -160,9 +173,9 @@ class DataSourceConfig:
 
     @property
     def kind(self) -> str:
-        """``"stdlib"``, ``"local"`` or ``"hub"``."""
-        if self.name == "stdlib":
-            return "stdlib"
+        """``"stdlib"``, ``"chat"``, ``"local"`` or ``"hub"``."""
+        if self.name in EMBEDDED:
+            return self.name
         return "local" if self.name in LOCAL_FORMATS else "hub"
 
     @property
@@ -208,6 +221,8 @@ def _load_raw(source: DataSourceConfig) -> dict[str, Dataset]:
     """Load the source's splits, keyed by canonical name (validation/test may be missing)."""
     if source.kind == "stdlib":
         return dict(build_corpus(source.corpus_dir))
+    if source.kind == "chat":
+        return load_chat_splits(source.validation_fraction, source.test_fraction)
     _check_local_files(source.data_files)
     path = LOCAL_FORMATS.get(source.name, source.name)
     kwargs: dict[str, Any] = dict(source.load_kwargs)
@@ -304,9 +319,17 @@ def _normalise(ds: Dataset, source: DataSourceConfig, tokenizer: Any, split: str
         texts, prompts, responses = [], [], []
         for messages in batch[mf]:
             msgs = [{"role": str(m["role"]), "content": str(m["content"])} for m in messages]
+            if not msgs:
+                raise ValueError(f"{mf}: a conversation of the {split} split has no messages")
+            if msgs[-1]["role"] != "assistant":  # a request: the prompt ends where the answer starts
+                text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+                texts.append(text)
+                prompts.append(text)
+                responses.append("")
+                continue
             text = tokenizer.apply_chat_template(msgs, tokenize=False)
             prompt, response = text, ""
-            if len(msgs) > 1 and msgs[-1]["role"] == "assistant":
+            if len(msgs) > 1:
                 head = tokenizer.apply_chat_template(msgs[:-1], tokenize=False, add_generation_prompt=True)
                 if text.startswith(head):
                     prompt, response = head, text[len(head) :]

@@ -21,9 +21,9 @@ from train.evaluation.config import DECODING_CONF_DIR, EvalConfig, build_eval_co
 from train.evaluation.prompts import build_prompts
 from train.evaluation.results import results_table
 from train.evaluation.runner import decoder_kinds, evaluate_drafters
+from train.models.built_pairs import ensure_built_pair
 from train.models.heads import MedusaHeads
 from train.models.loading import eos_token_ids, load_pair, place_pair, resolve_devices
-from train.models.tiny import ensure_tiny_pair
 from train.tables import format_value
 from train.trainer import build_loggers
 
@@ -152,8 +152,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     run_dir = run.paths.run_dir
     os.makedirs(run_dir, exist_ok=True)
     OmegaConf.save(cfg, os.path.join(run_dir, "config.yaml"))
-    if model_cfg.tiny is not None:
-        ensure_tiny_pair(model_cfg.tiny)
+    ensure_built_pair(model_cfg)
     kinds, heads_source = run.kinds, cfg.get("heads")
     pair = place_pair(load_pair(model_cfg, freeze_drafter=True), *run.devices)
     drafter_source = cfg.get("drafter")

@@ -53,6 +53,7 @@ from train.evaluation.results import (
     to_jsonable,
 )
 from train.evaluation.tracking import log_results
+from train.models.draft_vocab import with_draft_vocab
 from train.tables import format_value
 
 log = logging.getLogger(__name__)
@@ -129,7 +130,10 @@ def build_decoders(verifier: torch.nn.Module, drafter: torch.nn.Module, cfg: Eva
         try:
             factory = instantiate({**settings, "_partial_": True})
             place_loaded_modules(factory.keywords.values(), drafter)
-            out[label] = factory(verifier, drafter)
+            # a drafter with a reduced vocabulary (config.draft_vocab) drafts over it only
+            out[label] = factory(
+                verifier, with_draft_vocab(drafter) if drafter_kind(drafter) == "model" else drafter
+            )
         except (TypeError, ValueError) as err:
             raise ConfigError(f"eval.decoders[{label}]: {err}") from None
     return out

@@ -21,6 +21,13 @@ Teacher continuations depend only on the prompt, so they are generated once per 
 cached in memory (``cache_teacher``): later epochs reuse them, which makes teacher batches cost one
 teacher + one student forward instead of a full generation.
 
+A student whose config names a draft vocabulary (``config.draft_vocab``, FR-Spec; docs/draft_vocab.md)
+drafts and trains over it only: on-policy rollouts sample from it
+(:class:`~train.models.draft_vocab.DraftVocabModel`, ``-inf`` outside), the divergence compares its
+logits over the draft ids with the teacher's renormalised over them (``draft_divergence``), and
+``expected_acceptance`` is what decoding sees: the teacher's whole distribution, q = 0 outside
+(``draft_acceptance``). The student itself stays a plain model (export, LoRA, checkpoints).
+
 The verifier is held outside the module's registered children, so it is never written to Lightning
 checkpoints and never receives an optimizer; it is reloaded from its source on resume.
 The module holds no evaluation or export code: it implements :class:`train.report.Finishable`
@@ -57,6 +64,7 @@ from train.methods.responses import (
     seeded_generator,
     with_continuation,
 )
+from train.models.draft_vocab import DraftVocabModel, draft_acceptance, draft_divergence, draft_vocab_of
 from train.models.loading import eos_token_ids, load_model, output_vocab_size
 from train.models.lora import LoraSettings, apply_lora, merge_lora
 from train.optim import (
@@ -191,6 +199,9 @@ class DistillSpecModule(L.LightningModule):
         pad = tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else self.eos_token_id[0])
         self.vocab_size = min(output_vocab_size(student), output_vocab_size(teacher))
+        ids = draft_vocab_of(student)
+        #: A drafter with a reduced vocabulary (``config.draft_vocab``) samples and is trained over it only.
+        self.draft_ids: torch.Tensor | None = torch.tensor(ids, dtype=torch.long) if ids else None
         self._teacher_cache = ResponseCache(
             lambda ids, attn, gen: self._generate(self.teacher, ids, attn, gen), self.pad_token_id
         )
@@ -202,6 +213,8 @@ class DistillSpecModule(L.LightningModule):
 
     def setup(self, stage: str) -> None:
         self.teacher.to(self.device)
+        if self.draft_ids is not None:
+            self.draft_ids = self.draft_ids.to(self.device)
 
     def on_fit_start(self) -> None:
         self.teacher.to(self.device)
@@ -267,7 +280,14 @@ class DistillSpecModule(L.LightningModule):
             return self._fixed(batch)
         if source == "teacher":
             return self._teacher_rollout(batch, gen)
-        return self._generate(self.student, batch["input_ids"], batch["attention_mask"], gen)
+        return self._generate(self.drafting_student(), batch["input_ids"], batch["attention_mask"], gen)
+
+    def drafting_student(self, full_logits: bool = True) -> torch.nn.Module:
+        """The student as it drafts: over its draft vocabulary when it has one (full-size logits with
+        ``-inf`` outside, or, ``full_logits=False``, the draft ids' logits only)."""
+        if self.draft_ids is None:
+            return self.student
+        return DraftVocabModel(self.student, self.draft_ids.to(self.device), full_logits=full_logits)
 
     def pick_source(self, step: int) -> str:
         """On-policy with probability lambda, drawn from a per-step seed (reproducible on resume)."""
@@ -289,16 +309,35 @@ class DistillSpecModule(L.LightningModule):
         mask = ro.continuation_mask[:, ro.prompt_width :]
         with torch.no_grad():
             teacher_logits = self.logits(self.teacher, ro)
-        student_logits = self.logits(self.student, ro)
-        loss = divergence(
-            self.cfg.divergence,
-            student_logits,
-            teacher_logits,
-            mask,
-            temperature=self.cfg.temperature,
-            beta=self.cfg.beta,
-        )
+        cfg = self.cfg
+        if self.draft_ids is None:
+            student_logits = self.logits(self.student, ro)
+            loss = divergence(
+                cfg.divergence, student_logits, teacher_logits, mask, temperature=cfg.temperature, beta=cfg.beta
+            )
+        else:  # (B, N, n_draft) logits; the teacher renormalised over the draft ids (FR-Spec, EAGLE-3)
+            student_logits = self.logits(self.drafting_student(full_logits=False), ro)
+            loss = draft_divergence(
+                cfg.divergence,
+                student_logits,
+                teacher_logits,
+                self.draft_ids,
+                mask,
+                temperature=cfg.temperature,
+                beta=cfg.beta,
+            )
         return loss, student_logits, teacher_logits, mask
+
+    def acceptance(
+        self, student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """``expected_acceptance``: sum_v min(p, q) with the teacher's whole p; a student with a draft
+        vocabulary has q = 0 outside it (:func:`~train.models.draft_vocab.draft_acceptance`), so the
+        teacher's mass there counts as rejected, as in decoding."""
+        t = self.cfg.temperature
+        if self.draft_ids is None:
+            return expected_acceptance(student_logits, teacher_logits, mask, temperature=t)
+        return draft_acceptance(student_logits, teacher_logits, self.draft_ids, mask, temperature=t)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         step = self.global_step
@@ -311,7 +350,7 @@ class DistillSpecModule(L.LightningModule):
             ce = self.ground_truth_ce(batch)
             total = loss + self.cfg.ce_weight * ce
             self.log("train/ce", ce)
-        ea = expected_acceptance(s_logits.detach(), t_logits, mask, temperature=self.cfg.temperature)
+        ea = self.acceptance(s_logits.detach(), t_logits, mask)
         bs = batch["input_ids"].shape[0]
         self.log("train/loss", total, prog_bar=True, batch_size=bs)
         self.log("train/divergence", loss.detach(), batch_size=bs)
@@ -323,9 +362,18 @@ class DistillSpecModule(L.LightningModule):
     def ground_truth_ce(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Next-token cross-entropy of the student on the corpus continuation."""
         ro = self._fixed(batch)
-        logits = self.logits(self.student, ro)[..., : self.vocab_size]
         labels = ro.sequences[:, ro.prompt_width :]
         mask = ro.continuation_mask[:, ro.prompt_width :]
+        if self.draft_ids is not None:  # over the draft vocabulary: labels outside it do not count
+            row = torch.full((self.vocab_size,), -1, dtype=torch.long, device=labels.device)
+            row[self.draft_ids] = torch.arange(len(self.draft_ids), device=labels.device)
+            labels = row[labels]
+            mask = mask & (labels >= 0)
+            logits = self.logits(self.drafting_student(full_logits=False), ro)
+        else:
+            logits = self.logits(self.student, ro)[..., : self.vocab_size]
+        if not mask.any():  # no label inside the draft vocabulary: a zero still attached to the graph
+            return logits.sum() * 0.0
         return torch.nn.functional.cross_entropy(logits[mask].float(), labels[mask])
 
     # ---------------------------------------------------------------- validation
@@ -343,7 +391,7 @@ class DistillSpecModule(L.LightningModule):
             )
         loss, s_logits, t_logits, mask = self.distill_loss(self._val_cache[batch_idx])
         n = int(mask.sum())
-        ea = expected_acceptance(s_logits, t_logits, mask, temperature=self.cfg.temperature)
+        ea = self.acceptance(s_logits, t_logits, mask)
         self._val_sums[0] += float(loss) * n
         self._val_sums[1] += float(ea) * n
         self._val_sums[2] += n

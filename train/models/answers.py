@@ -1,0 +1,113 @@
+"""The verifier's own answers to prompts, with its top-k distribution at every answer token.
+
+A drafter is judged by how often it guesses what the verifier will say, so the data that teaches it
+most is the verifier's own output on in-domain prompts. :func:`generate_answers` produces it in
+batches (prompts sorted by length so little padding is computed) and keeps, for each answer token,
+the verifier's ``top_k`` log-probabilities: enough to distil the distribution (the greedy token is
+its first entry) at ``top_k / vocabulary`` of the memory of full logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Answer:
+    """One prompt and the verifier's answer. ``top_ids`` / ``top_logprobs``: ``(len(answer), k)``, the
+    verifier's k most likely tokens (descending) at each answer position and their log-probabilities."""
+
+    prompt: list[int]
+    answer: list[int]
+    top_ids: torch.Tensor
+    top_logprobs: torch.Tensor
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "prompt": self.prompt,
+            "answer": self.answer,
+            "top_ids": self.top_ids,
+            "top_logprobs": self.top_logprobs,
+        }
+
+
+def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask), both ``(B, max_len)``, the rows aligned on the right."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        if row:
+            ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+            mask[i, width - len(row) :] = 1
+    return ids, mask
+
+
+def answer_length(tokens: torch.Tensor, eos_ids: Sequence[int]) -> int:
+    """Tokens of one generated row up to and including its first eos (all of them without one)."""
+    hits = torch.isin(tokens, torch.tensor(list(eos_ids), device=tokens.device)).nonzero()
+    return int(hits[0, 0]) + 1 if len(hits) else int(tokens.numel())
+
+
+@torch.inference_mode()
+def generate_answers(
+    verifier: Any,
+    prompts: Sequence[Sequence[int]],
+    eos_ids: Sequence[int],
+    max_new_tokens: int,
+    batch_size: int = 16,
+    top_k: int = 16,
+    temperature: float = 0.0,
+    seed: int = 0,
+    on_batch: Callable[[int], None] | None = None,
+) -> list[Answer]:
+    """The verifier's answer to every prompt (greedy at ``temperature`` 0, else sampled), in the order
+    of ``prompts``. ``on_batch(n)`` is told after each batch how many prompts it answered."""
+    device = next(verifier.parameters()).device
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    answers: dict[int, Answer] = {}
+    torch.manual_seed(seed)
+    for start in range(0, len(order), batch_size):
+        chunk = order[start : start + batch_size]
+        ids, mask = left_pad([prompts[i] for i in chunk], pad_id=int(eos_ids[0]))
+        sampling: dict[str, Any] = {"do_sample": False}
+        if temperature > 0:
+            sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+        out = verifier.generate(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            max_new_tokens=max_new_tokens,
+            eos_token_id=list(eos_ids),
+            pad_token_id=int(eos_ids[0]),
+            return_dict_in_generate=True,
+            output_logits=True,
+            **sampling,
+        )
+        generated = out.sequences[:, ids.shape[1] :].cpu()
+        # (B, steps, V) raw logits, one step at a time so no full-vocabulary tensor of the batch is kept
+        tops = [torch.log_softmax(step.float(), dim=-1).topk(top_k, dim=-1) for step in out.logits]
+        top_logprobs = torch.stack([t.values for t in tops], dim=1).cpu()
+        top_ids = torch.stack([t.indices for t in tops], dim=1).cpu()
+        for row, index in enumerate(chunk):
+            n = answer_length(generated[row], eos_ids)
+            answers[index] = Answer(
+                prompt=list(prompts[index]),
+                answer=generated[row, :n].tolist(),
+                top_ids=top_ids[row, :n].to(torch.int32).clone(),
+                top_logprobs=top_logprobs[row, :n].to(torch.float16).clone(),
+            )
+        if on_batch is not None:
+            on_batch(len(chunk))
+    return [answers[i] for i in range(len(prompts))]
+
+
+def save_answers(answers: Sequence[Answer], path: str) -> None:
+    torch.save([a.to_dict() for a in answers], path)
+
+
+def load_answers(path: str) -> list[Answer]:
+    return [Answer(**row) for row in torch.load(path, weights_only=True)]

@@ -1,0 +1,312 @@
+"""Drafting over a reduced vocabulary (FR-Spec, Zhao et al. 2025, arXiv 2502.14856; EAGLE-3's ``d2t``
+map, Li et al. 2025, arXiv 2503.01840), exactly.
+
+A drafter's output head costs ``hidden x vocabulary`` per token: for a 256-wide drafter of a verifier
+with 49,152 tokens it is most of the drafter's step (docs/draft_vocab.md has the measurements). Such a
+drafter stays a plain causal LM with the verifier's full vocabulary (it loads with ``from_pretrained``
+and serves as Hugging Face ``assistant_model``); its config carries ``draft_vocab``, the sorted ids it
+drafts over (e.g. the tokens most frequent in the verifier's answers, :func:`frequent_tokens`).
+:class:`DraftVocabModel` computes the head's rows for those ids only and returns full-vocabulary logits
+with ``-inf`` elsewhere.
+
+Why decoding stays exact: every verification rule reads the drafter's distribution ``q`` and the
+verifier's ``p``, and is exact for *any* ``q``. Outside the draft vocabulary ``q = 0``: such a token is
+never drafted, and after a rejection the residual ``max(p - q, 0)`` there is ``p`` itself, so the
+verifier's mass outside the draft vocabulary reaches the output through corrections and bonus tokens;
+the verifier is never cut. Only acceptance can suffer (that mass is never accepted), by at most the
+verifier's probability outside the draft vocabulary.
+
+Training over the reduced vocabulary (:func:`draft_divergence`) compares the teacher and the drafter on
+the draft ids only, the teacher renormalised over them, as FR-Spec / EAGLE-3 train their heads; the
+acceptance a decoder will see is :func:`draft_acceptance` (the teacher's whole distribution, ``q = 0``
+outside the draft ids).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from train.decoding.model_call import cache_keyword, model_device
+from train.losses import divergence, expected_acceptance
+
+__all__ = [
+    "DraftVocabModel",
+    "draft_acceptance",
+    "draft_divergence",
+    "draft_vocab_of",
+    "frequent_tokens",
+    "restrict_logits",
+    "scatter_draft_logits",
+    "set_draft_vocab",
+    "with_draft_vocab",
+]
+
+#: The name ``CausalLMOutputWithPast`` gives the cache: ``cache`` from transformers 5.24, before that
+#: ``past_key_values`` (the old name still works on 5.24 but logs a deprecation warning).
+_OUTPUT_CACHE_FIELD = (
+    "cache"
+    if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)}
+    else "past_key_values"
+)
+
+
+def draft_vocab_of(model: Any) -> list[int] | None:
+    """The model's draft vocabulary (``config.draft_vocab``); None when it drafts over every token."""
+    ids = getattr(getattr(model, "config", None), "draft_vocab", None)
+    return [int(i) for i in ids] if ids else None
+
+
+def set_draft_vocab(model: Any, ids: Sequence[int]) -> list[int]:
+    """Write ``ids`` into ``model.config.draft_vocab`` (sorted; saved with the config) and return them.
+
+    The ids must be unique ints in ``[0, config.vocab_size)``. Including the EOS ids is not needed for
+    exactness (an EOS the drafter cannot propose still ends generation when the verifier emits it), but
+    a drafter that cannot draft EOS never has an EOS accepted, so :func:`frequent_tokens` takes them as
+    ``always``."""
+    vocab = int(model.config.vocab_size)
+    clean = sorted({int(i) for i in ids})
+    if len(clean) != len(ids) or not clean or clean[0] < 0 or clean[-1] >= vocab:
+        raise ValueError(f"draft_vocab must hold unique ids in [0, {vocab}), got {len(ids)} ids")
+    model.config.draft_vocab = clean
+    return clean
+
+
+def frequent_tokens(
+    tokens: Iterable[Iterable[int]] | Mapping[int, int], n: int, always: Iterable[int] = ()
+) -> list[int]:
+    """The ``n`` most frequent ids, sorted ascending, ``always`` among them (e.g. the EOS ids).
+
+    tokens: token-id sequences (the verifier's outputs), or ``{id: count}``. Ties, and ids never seen
+    (count 0) when fewer than ``n`` distinct ids occur, go to the lower id. Raises ValueError when
+    ``always`` holds more than ``n`` ids."""
+    counts = Counter(tokens) if isinstance(tokens, Mapping) else Counter(t for seq in tokens for t in seq)
+    chosen = dict.fromkeys(int(t) for t in always)
+    if len(chosen) > n:
+        raise ValueError(f"frequent_tokens: {len(chosen)} ids to always include, more than n = {n}")
+    for token, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
+        if len(chosen) >= n:
+            break
+        chosen.setdefault(int(token), None)
+    filler = 0
+    while len(chosen) < n:
+        chosen.setdefault(filler, None)
+        filler += 1
+    return sorted(chosen)
+
+
+def restrict_logits(logits: torch.Tensor, draft_ids: torch.Tensor) -> torch.Tensor:
+    """``(..., V) -> (..., N)``: the logits of ``draft_ids`` only; a softmax over them is the
+    distribution renormalised over the draft vocabulary."""
+    return logits.index_select(-1, draft_ids.to(logits.device))
+
+
+def scatter_draft_logits(draft_logits: torch.Tensor, draft_ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``(..., N) -> (..., vocab)``: the draft ids' logits in place, ``-inf`` elsewhere (``q = 0``)."""
+    full = draft_logits.new_full((*draft_logits.shape[:-1], vocab), float("-inf"))
+    return full.index_copy_(-1, draft_ids.to(draft_logits.device), draft_logits)
+
+
+def draft_divergence(
+    name: str,
+    draft_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    draft_ids: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    beta: float = 0.5,
+) -> torch.Tensor:
+    """``D(p~ || q)`` over the draft vocabulary (FR-Spec / EAGLE-3 training of a reduced head).
+
+    draft_logits: ``(B, T, N)`` the drafter's logits over ``draft_ids`` (``N`` ids); teacher_logits:
+    ``(B, T, V)``; mask: ``(B, T)``. ``p~`` is the teacher's distribution renormalised over the draft
+    ids, ``q`` the drafter's; the rest as :func:`train.losses.divergence` (the same divergences)."""
+    teacher = restrict_logits(teacher_logits, draft_ids)
+    return divergence(name, draft_logits, teacher, mask, temperature=temperature, beta=beta)
+
+
+@torch.no_grad()
+def draft_acceptance(
+    draft_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    draft_ids: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Mean over selected positions of ``sum_v min(p(v), q(v))``: the acceptance probability decoding
+    sees, with ``p`` the teacher's whole distribution and ``q`` the drafter's, zero outside the draft ids.
+
+    Lower than the acceptance over the renormalised teacher (the teacher's mass outside the draft ids is
+    never accepted). Shapes as :func:`draft_divergence`; a detached 0-d tensor."""
+    full = scatter_draft_logits(draft_logits, draft_ids, teacher_logits.shape[-1])
+    return expected_acceptance(full, teacher_logits, mask, temperature=temperature)
+
+
+class DraftVocabModel(torch.nn.Module):
+    """A causal LM whose logits are computed over ``draft_ids`` only.
+
+    ``model``: a Hugging Face causal LM (``get_decoder()``, ``get_output_embeddings()``), or a peft
+    wrapper of one. A call takes the model's keywords (``input_ids``, ``attention_mask``,
+    ``position_ids``, the cache as ``past_key_values`` or ``cache``, ``use_cache``, ``cache_position``,
+    ``logits_to_keep``, ``output_hidden_states``, a 4-D tree mask...), runs the decoder and only the
+    head's rows for the draft ids, and returns a ``CausalLMOutputWithPast`` whose logits are
+    ``(..., vocab)`` with ``-inf`` outside the draft ids, or, ``full_logits=False``, ``(..., N)`` over the
+    draft ids (training). The head's rows for the draft ids are sliced per call while gradients reach
+    the weights, and kept between calls otherwise, for as long as the weight is unchanged (:meth:`_rows`).
+
+    The wrapped model is its only child: ``parameters()``, ``.to()``, ``param_count`` and the device
+    are the model's, and :meth:`save_pretrained` saves the plain model (with ``config.draft_vocab``)."""
+
+    def __init__(
+        self, model: Any, draft_ids: Sequence[int] | torch.Tensor, full_logits: bool = True
+    ) -> None:
+        super().__init__()
+        self.model = model
+        ids = torch.as_tensor(draft_ids, dtype=torch.long).reshape(-1)
+        vocab = int(self.get_output_embeddings().weight.shape[0])
+        if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab:
+            raise ValueError(f"draft ids must lie in [0, {vocab}) (the model's output size), got {ids.numel()}")
+        self.draft_ids: torch.Tensor
+        self.register_buffer("draft_ids", ids.to(model_device(model)), persistent=False)
+        self.vocab_size = vocab
+        self.full_logits = full_logits
+        self._cache_kw = cache_keyword(model)
+        self._rows_key: tuple[Any, ...] | None = None
+        self._rows_cache = torch.empty(0)
+
+    # ------------------------------------------------------------ what callers read from a model
+
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+    @property
+    def generation_config(self) -> Any:
+        return getattr(self.model, "generation_config", None)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.get_output_embeddings().weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return model_device(self.model)
+
+    def get_input_embeddings(self) -> Any:
+        return self.model.get_input_embeddings()
+
+    def get_output_embeddings(self) -> Any:
+        return self.model.get_output_embeddings()
+
+    def save_pretrained(self, *args: Any, **kwargs: Any) -> Any:
+        """Save the plain model (its config keeps ``draft_vocab``): it reloads with ``from_pretrained``."""
+        return self.model.save_pretrained(*args, **kwargs)
+
+    # ------------------------------------------------------------ forward
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``(..., N)`` logits over the draft ids from the decoder's final hidden states ``(..., d)``."""
+        head = self.get_output_embeddings()
+        if self.draft_ids.device != head.weight.device:  # the model was moved on its own
+            self.draft_ids = self.draft_ids.to(head.weight.device)
+        ids = self.draft_ids
+        if type(head) is not torch.nn.Linear:  # a wrapped head (LoRA on lm_head, ...): run it whole
+            logits = head(hidden).index_select(-1, ids)
+        else:
+            bias = None if head.bias is None else head.bias.index_select(0, ids)
+            logits = F.linear(hidden, self._rows(head.weight, ids), bias)
+        return _logit_scaling(logits, self.config)
+
+    def _rows(self, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The head's rows for ``ids``. With gradients to the weight (training): sliced per call. Without
+        (decoding), the slice is kept while the weight's storage, version counter (bumped by every
+        in-place update: optimizer steps, ``load_state_dict``), dtype and device are unchanged: slicing
+        8,192 x 256 float32 rows costs about as much as the matmul itself (docs/draft_vocab.md). Writes
+        through ``weight.data`` bypass the version counter: wrap the model again after one."""
+        if torch.is_grad_enabled() and weight.requires_grad:
+            return weight.index_select(0, ids)
+        key = (
+            weight.data_ptr(),
+            weight._version,
+            weight.dtype,
+            weight.device,
+            ids.data_ptr(),
+            torch.is_inference_mode_enabled(),
+        )
+        if self._rows_key != key:
+            self._rows_cache = weight.detach().index_select(0, ids)
+            self._rows_key = key
+        return self._rows_cache
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: Any = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        use_cache: bool | None = None,
+        cache_position: torch.Tensor | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Any,
+    ) -> CausalLMOutputWithPast:
+        if kwargs.get("labels") is not None:
+            raise ValueError("DraftVocabModel computes no loss: train on draft_logits (draft_divergence)")
+        kwargs.pop("labels", None)
+        other = kwargs.pop("cache", None)  # the cache under transformers >= 5.24's name
+        cache = other if past_key_values is None else past_key_values
+        if cache is not None:
+            kwargs[self._cache_kw] = cache
+        if cache_position is not None:
+            kwargs["cache_position"] = cache_position
+        out = self.model.get_decoder()(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        hidden = out.last_hidden_state
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.draft_logits(hidden[:, keep, :])
+        if self.full_logits:
+            logits = scatter_draft_logits(logits, self.draft_ids, self.vocab_size)
+        returned = getattr(out, "cache", None)
+        if returned is None:
+            returned = getattr(out, "past_key_values", None)
+        return CausalLMOutputWithPast(
+            logits=logits,
+            hidden_states=getattr(out, "hidden_states", None),
+            attentions=getattr(out, "attentions", None),
+            **{_OUTPUT_CACHE_FIELD: returned},
+        )
+
+
+def _logit_scaling(logits: torch.Tensor, config: Any) -> torch.Tensor:
+    """The element-wise transforms some causal LMs apply after their head (Cohere's ``logit_scale``,
+    Granite's ``logits_scaling``, Gemma 2/3's ``final_logit_softcapping``): element-wise, so they commute
+    with keeping only some ids."""
+    scale = getattr(config, "logit_scale", None)
+    if isinstance(scale, int | float) and scale != 1:
+        logits = logits * scale
+    divisor = getattr(config, "logits_scaling", None)
+    if isinstance(divisor, int | float) and divisor != 1:
+        logits = logits / divisor
+    cap = getattr(config, "final_logit_softcapping", None)
+    if isinstance(cap, int | float) and cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+def with_draft_vocab(model: Any) -> Any:
+    """``model`` wrapped in :class:`DraftVocabModel` when its config names a draft vocabulary; a model
+    without one, or already wrapped, is returned unchanged."""
+    if isinstance(model, DraftVocabModel):
+        return model
+    ids = draft_vocab_of(model)
+    return DraftVocabModel(model, ids) if ids else model
