@@ -309,6 +309,7 @@ BENCH_MICRO = {
     "decoding": "--prompts 1 --min-prompt-len 8 --max-prompt-len 8 --max-new-tokens 8 --repeats 1",
     "overhead": "--prompts 1 --max-new-tokens 8 --repeats 1",
     "distill": "--batch-size 2 --max-new-tokens 4 --prompt-len 16 --steps 1 --warmup 0 --threads 1",
+    "draft-vocab": "--vocab 512 --draft-vocab 64 --prefix 8 --repeats 1",
 }
 OUTPUT_FLAGS = ("--out", "--json", "--plot")
 IN_SUBPROCESS = {"scripts/async_bench.py"}

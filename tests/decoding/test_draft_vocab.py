@@ -88,7 +88,9 @@ def test_the_kept_head_rows_follow_updates_and_moves_of_the_weights():
 
     def check() -> None:
         with torch.no_grad():
-            torch.testing.assert_close(model(input_ids=ids).logits[..., IDS], drafter(input_ids=ids).logits[..., IDS])
+            torch.testing.assert_close(
+                model(input_ids=ids).logits[..., IDS], drafter(input_ids=ids).logits[..., IDS]
+            )
 
     check()
     with torch.no_grad():
@@ -117,7 +119,9 @@ def test_the_cache_through_the_wrapper_gives_the_uncached_logits(llama_pair):
     torch.testing.assert_close(second.logits, whole[:, 6:], atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.7)], ids=["greedy", "T=0.7"])
+@pytest.mark.parametrize(
+    "params", [SamplingParams(), SamplingParams(temperature=0.7)], ids=["greedy", "T=0.7"]
+)
 def test_every_cached_call_of_a_decoder_equals_a_fresh_forward(llama_pair, params):
     """tests/decoding/test_decoding_cache.py's check, through the wrapper: after every crop."""
     verifier, drafter = llama_pair
@@ -146,6 +150,7 @@ def test_no_deprecated_cache_name_is_used(llama_pair, monkeypatch):
             for params in (SamplingParams(), SamplingParams(temperature=1.0)):
                 decoder.generate(prompt(5), 8, params, generator=torch.Generator().manual_seed(0))
         out = rollout(model, torch.tensor([[0, 0, 5, 9], [3, 4, 5, 6]]), None, 6, SamplingParams(1.0))
+        model(input_ids=prompt(5), use_cache=False)  # as training computes its logits
     assert not [m for m in logged if "past_key_values" in m or "deprecated" in m], logged
     assert not OUTSIDE[out.sequences[:, 4:]].any()  # rollouts sample inside the draft vocabulary
 
@@ -161,13 +166,14 @@ def test_greedy_output_is_the_verifiers_generate(tiny_pairs, arch):
         **{f"sd@g{g}": SpeculativeDecoder(verifier, model, gamma=g) for g in (1, 3, 5)},
         **{name: TreeSpeculativeDecoder(verifier, model, **kw) for name, kw in TREES.items()},
     }
+    outside = 0
     for seed in (0, 1):
         ids = prompt(6 + 4 * seed, seed)
         ref = hf_greedy(verifier, ids, 24, eos=None)
-        # half of the verifier's greedy tokens lie outside the draft vocabulary: corrections emit them
-        assert any(t % 2 for t in ref)
+        outside += sum(t % 2 for t in ref)
         for name, decoder in decoders.items():
             assert decoder.generate(ids, 24).tokens.tolist() == ref, (arch, name, seed)
+    assert outside > 0  # some of the verifier's greedy tokens lie outside the draft vocabulary
 
 
 # ------------------------------------------------------------------------------ the law at T = 1
@@ -217,7 +223,11 @@ def test_sampling_keeps_the_verifiers_law_with_a_reduced_vocabulary(case):
     else:
         draft_ids = [i for i in range(LAW_VOCAB) if i not in top2]
     model = DraftVocabModel(drafter, draft_ids)
-    decoder = SpeculativeDecoder(verifier, model, gamma=2) if kw is None else TreeSpeculativeDecoder(verifier, model, **kw)
+    decoder = (
+        SpeculativeDecoder(verifier, model, gamma=2)
+        if kw is None
+        else TreeSpeculativeDecoder(verifier, model, **kw)
+    )
     law = _as_cells(joint)
     # power against a decoder whose verifier were cut to the draft vocabulary (p renormalised there)
     inside = torch.zeros(LAW_VOCAB, dtype=torch.double)
@@ -263,20 +273,31 @@ def test_saved_drafter_is_a_plain_model_rewrapped_for_decoding_and_an_assistant_
     assert torch.equal(assisted, reference)
 
 
-def test_the_evaluator_decodes_a_draft_vocabulary_drafter_losslessly(llama_pair):
-    """evaluate_drafters wraps it (strict greedy: the T = 0 outputs equal the verifier's own) and only
-    ids of the draft vocabulary are ever accepted."""
+def test_the_evaluator_decodes_a_draft_vocabulary_drafter_losslessly(llama_pair, monkeypatch):
+    """evaluate_drafters drafts through the wrapper, and its strict greedy check passes (the T = 0
+    outputs are the verifier's own)."""
     verifier, _ = llama_pair
     drafter = build(tiny_config("llama", 32), 2)
     set_draft_vocab(drafter, IDS)
-    cfg = EvalConfig(decoders=["sd"], gammas=[3], temperatures=[0.0, 1.0], seeds=[0], max_new_tokens=12, warmup=False)
-    accepted: list[int] = []
+    calls: list[int] = []
+    forward = DraftVocabModel.forward
+    monkeypatch.setattr(
+        DraftVocabModel, "forward", lambda self, *a, **k: calls.append(1) or forward(self, *a, **k)
+    )
+    cfg = EvalConfig(
+        decoders=["sd"],
+        gammas=[3],
+        temperatures=[0.0, 1.0],
+        seeds=[0],
+        max_new_tokens=12,
+        warmup=False,
+        plots=False,
+        progress=False,
+    )
     results = evaluate_drafters(verifier, {"d": drafter}, [prompt(6, s) for s in range(2)], cfg)
-    for t in (0.0, 1.0):
-        m = find_run(results, "d", t)["metrics"]
-        assert m["acceptance_rate"]["mean"] >= 0.0 and m["block_efficiency"]["mean"] >= 1.0
+    assert calls
     assert find_run(results, "d", 0.0)["greedy_match"] is True
-    assert not accepted
+    assert find_run(results, "d", 1.0)["metrics"]["block_efficiency"]["mean"] >= 1.0
 
 
 def test_a_draft_vocabulary_must_hold_unique_ids_in_range():

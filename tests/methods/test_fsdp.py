@@ -19,6 +19,7 @@ from tests.fsdp import CPUFSDPStrategy, gloo_rank
 from train.data.datamodule import PromptDataModule
 from train.methods.distillspec import DistillSpecConfig, DistillSpecModule
 from train.methods.steering import BASELINE_ARM, MAIN_ARM, SteeringConfig, SteeringTrainingModule
+from train.models.draft_vocab import set_draft_vocab
 from train.optim import grad_norm
 
 CLIP = 1e-3  # tight enough to bite on every step
@@ -50,6 +51,15 @@ def _distillspec() -> tuple[L.LightningModule, PromptDataModule, list[list[str]]
     return module, _data(cfg), [["student."]]  # one global norm
 
 
+def _distillspec_draft_vocab() -> tuple[L.LightningModule, PromptDataModule, list[list[str]]]:
+    """On-policy, the student drafting over a reduced vocabulary (its head's rows sliced in the step)."""
+    cfg = DistillSpecConfig(optimizer=ADAMW, data_source="student", **PROMPTS)
+    student, teacher = tiny_llama(hidden=32, seed=1), tiny_llama(hidden=64, seed=0)
+    set_draft_vocab(student, [*range(0, 256, 2), 257])
+    module = DistillSpecModule(student.to(torch.bfloat16), teacher.to(torch.bfloat16), make_tokenizer(), cfg)
+    return module, _data(cfg), [["student."]]
+
+
 def _steering() -> tuple[L.LightningModule, PromptDataModule, list[list[str]]]:
     cfg = SteeringConfig(optimizer=ADAMW, gamma=2, **PROMPTS)
     verifier, drafter = tiny_llama(hidden=64, seed=0).to(torch.bfloat16), tiny_llama(hidden=32, seed=1)
@@ -62,7 +72,11 @@ def _steering() -> tuple[L.LightningModule, PromptDataModule, list[list[str]]]:
     return module, _data(cfg), groups
 
 
-METHODS = {"distillspec": _distillspec, "steering": _steering}
+METHODS = {
+    "distillspec": _distillspec,
+    "distillspec_draft_vocab": _distillspec_draft_vocab,
+    "steering": _steering,
+}
 
 
 def _worker(rank: int, out: str, method: str) -> None:
@@ -111,7 +125,7 @@ def _train(rank: int, out: str, method: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["distillspec", "steering"])
+@pytest.mark.parametrize("method", list(METHODS))
 def test_two_steps_under_lightning_fsdp_clip_by_the_whole_gradient_norm(method, tmp_path):
     mp.spawn(_worker, args=(str(tmp_path), method), nprocs=2)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]

@@ -143,5 +143,6 @@ def main(args: argparse.Namespace) -> list[dict[str, Any]]:
     )
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "rows": rows}, f, indent=2)
+            settings = {k: v for k, v in vars(args).items() if not callable(v)}
+            json.dump({"args": settings, "rows": rows}, f, indent=2)
     return rows

@@ -313,7 +313,12 @@ class DistillSpecModule(L.LightningModule):
         if self.draft_ids is None:
             student_logits = self.logits(self.student, ro)
             loss = divergence(
-                cfg.divergence, student_logits, teacher_logits, mask, temperature=cfg.temperature, beta=cfg.beta
+                cfg.divergence,
+                student_logits,
+                teacher_logits,
+                mask,
+                temperature=cfg.temperature,
+                beta=cfg.beta,
             )
         else:  # (B, N, n_draft) logits; the teacher renormalised over the draft ids (FR-Spec, EAGLE-3)
             student_logits = self.logits(self.drafting_student(full_logits=False), ro)

@@ -51,9 +51,7 @@ __all__ = [
 #: The name ``CausalLMOutputWithPast`` gives the cache: ``cache`` from transformers 5.24, before that
 #: ``past_key_values`` (the old name still works on 5.24 but logs a deprecation warning).
 _OUTPUT_CACHE_FIELD = (
-    "cache"
-    if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)}
-    else "past_key_values"
+    "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
 )
 
 
@@ -163,15 +161,15 @@ class DraftVocabModel(torch.nn.Module):
     The wrapped model is its only child: ``parameters()``, ``.to()``, ``param_count`` and the device
     are the model's, and :meth:`save_pretrained` saves the plain model (with ``config.draft_vocab``)."""
 
-    def __init__(
-        self, model: Any, draft_ids: Sequence[int] | torch.Tensor, full_logits: bool = True
-    ) -> None:
+    def __init__(self, model: Any, draft_ids: Sequence[int] | torch.Tensor, full_logits: bool = True) -> None:
         super().__init__()
         self.model = model
         ids = torch.as_tensor(draft_ids, dtype=torch.long).reshape(-1)
         vocab = int(self.get_output_embeddings().weight.shape[0])
         if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab:
-            raise ValueError(f"draft ids must lie in [0, {vocab}) (the model's output size), got {ids.numel()}")
+            raise ValueError(
+                f"draft ids must lie in [0, {vocab}) (the model's output size), got {ids.numel()}"
+            )
         self.draft_ids: torch.Tensor
         self.register_buffer("draft_ids", ids.to(model_device(model)), persistent=False)
         self.vocab_size = vocab
@@ -276,9 +274,8 @@ class DraftVocabModel(torch.nn.Module):
         logits = self.draft_logits(hidden[:, keep, :])
         if self.full_logits:
             logits = scatter_draft_logits(logits, self.draft_ids, self.vocab_size)
-        returned = getattr(out, "cache", None)
-        if returned is None:
-            returned = getattr(out, "past_key_values", None)
+        # the installed transformers' own name only: reading the other one logs a deprecation
+        returned = getattr(out, _OUTPUT_CACHE_FIELD, None)
         return CausalLMOutputWithPast(
             logits=logits,
             hidden_states=getattr(out, "hidden_states", None),
