@@ -372,8 +372,10 @@ class Workspace:
                 extra += ["--verifier", str(tiny / "verifier"), "--drafter", str(tiny / "drafter")]
             return [*command.flags, *args, *extra]
         extra = list(MICRO_ARGS[command.entry])
-        if command.entry == "train.py" and "experiment=distillspec" in args and not any(
-            a.startswith("model=") for a in args
+        if (
+            command.entry == "train.py"
+            and "experiment=distillspec" in args
+            and not any(a.startswith("model=") for a in args)
         ):
             # The main job's real pair is exercised by tests/test_main_job.py; here its commands run the
             # same recipe on the micro tiny pair, so the ~15 DistillSpec commands cost seconds each.

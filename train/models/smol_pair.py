@@ -25,7 +25,6 @@ import logging
 import os
 import shutil
 import time
-from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +48,7 @@ from train.methods.answer_distill import (
     vocab_index,
 )
 from train.models.answers import Answer, generate_answers, load_answers, save_answers
+from train.models.draft_vocab import frequent_tokens, set_draft_vocab
 from train.models.smollm2 import ensure_smollm2, eos_ids
 from train.progress import StepProgressBar
 
@@ -208,23 +208,6 @@ def advance(bar: Progress, task: Any, n: int) -> None:
     bar.advance(task, n)
 
 
-def frequent_token_ids(answers: list[Answer], n: int, always: list[int]) -> list[int]:
-    """The ``n`` ids most frequent in the answers (ties: lower id first), ``always`` included; sorted."""
-    counts = Counter(t for a in answers for t in a.answer)
-    chosen = list(dict.fromkeys(always))
-    for token, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
-        if len(chosen) >= n:
-            break
-        if token not in chosen:
-            chosen.append(token)
-    for token in range(n * 2):  # fill with low ids (special and byte tokens) if the answers are few
-        if len(chosen) >= n:
-            break
-        if token not in chosen:
-            chosen.append(token)
-    return sorted(chosen[:n])
-
-
 def coverage(answers: list[Answer], ids: list[int]) -> float:
     """Fraction of answer tokens inside ``ids``."""
     inside = set(ids)
@@ -272,7 +255,7 @@ def new_drafter(verifier: Any, spec: SmolDrafterSpec, draft_ids: list[int], seed
         projected_embeddings(verifier.get_input_embeddings().weight, spec.hidden_size)
     )
     drafter.tie_weights()
-    drafter.config.draft_vocab = draft_ids
+    set_draft_vocab(drafter, draft_ids)
     drafter.generation_config = verifier.generation_config
     return drafter
 
@@ -346,7 +329,9 @@ def build_smol_pair(cfg: SmolPairConfig) -> dict[str, Any]:
     t_answers = time.perf_counter()
 
     spec = cfg.drafter
-    draft_ids = frequent_token_ids(answers["train"], spec.draft_vocab_size, eos_ids(tokenizer))
+    draft_ids = frequent_tokens(
+        (a.answer for a in answers["train"]), spec.draft_vocab_size, eos_ids(tokenizer)
+    )
     drafter = new_drafter(verifier.float(), spec, draft_ids, cfg.seed)
     del verifier
     tmp = out / "drafter.building"
