@@ -4,6 +4,7 @@ main-job test on the real verifier)."""
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import replace
 from pathlib import Path
@@ -122,7 +123,7 @@ def test_new_drafter_has_the_verifiers_vocabulary_and_its_draft_vocabulary() -> 
 def test_the_cache_is_reused_only_for_the_same_recipe(tmp_path: Path) -> None:
     cfg = SmolPairConfig(out_dir=str(tmp_path), drafter=SmolDrafterSpec())
     assert "no SmolLM2 pair" in str(stale_reason(cfg))
-    (tmp_path / "pair.json").write_text('{"recipe_hash": "%s"}' % cfg.recipe_hash())
+    (tmp_path / "pair.json").write_text(json.dumps({"recipe_hash": cfg.recipe_hash()}))
     for role in ("verifier", "drafter"):
         (tmp_path / role).mkdir()
         (tmp_path / role / "config.json").write_text("{}")
