@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
+from tests.conftest import tiny_llama
 from train.config import ConfigError
 from train.hardware import best_dtype
 from train.methods.answer_distill import (
@@ -32,22 +33,8 @@ from train.models.smol_pair import (
 )
 
 
-def _llama(vocab: int = 64, hidden: int = 32, seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-        tie_word_embeddings=True,
-    )
-    return LlamaForCausalLM(cfg).eval()
+def _llama(vocab: int = 260, hidden: int = 32, seed: int = 0) -> LlamaForCausalLM:
+    return tiny_llama(vocab_size=vocab, hidden=hidden, layers=1, seed=seed)
 
 
 def test_left_pad_and_answer_length() -> None:
@@ -61,6 +48,7 @@ def test_answers_are_the_verifiers_greedy_continuations_with_their_top_k(tmp_pat
     model = _llama()
     prompts = [[1, 5, 9, 11], [1, 7], [1, 3, 3]]
     answers = generate_answers(model, prompts, eos_ids=[2], max_new_tokens=6, batch_size=2, top_k=4)
+    # (id 2 is an ordinary token of this model; as the eos given here it ends an answer)
     assert [a.prompt for a in answers] == prompts  # the prompts' order, whatever the batching
     for a in answers:
         ref = model.generate(torch.tensor([a.prompt]), max_new_tokens=6, do_sample=False, eos_token_id=2)
@@ -109,10 +97,10 @@ def test_projected_embeddings_keep_the_verifiers_geometry() -> None:
 
 
 def test_new_drafter_has_the_verifiers_vocabulary_and_its_draft_vocabulary() -> None:
-    verifier = _llama(vocab=64, hidden=48)
+    verifier = _llama(hidden=48)
     spec = SmolDrafterSpec(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=32)
     drafter = new_drafter(verifier, spec, [2, 4, 9], seed=0)
-    assert drafter.config.vocab_size == 64 and drafter.config.draft_vocab == [2, 4, 9]
+    assert drafter.config.vocab_size == 260 and drafter.config.draft_vocab == [2, 4, 9]
     assert (
         drafter.get_output_embeddings().weight.data_ptr() == drafter.get_input_embeddings().weight.data_ptr()
     )
