@@ -56,6 +56,8 @@ MICRO_RUN = [
     *MICRO_EVAL,
 ]
 METHODS = ("distillspec", "medusa", "medusa2", "steering")
+TINY = {"distillspec": ["model=tiny", "data=stdlib", "method.prompt_len=64", "eval.prompt_len=64"]}
+"""The main job's experiment runs on the real pair by default; the smoke run takes its micro tiny twin."""
 STAGE_TIMEOUT = 900
 """Seconds one stage may run (a micro stage takes well under a minute on a GPU)."""
 
@@ -75,7 +77,15 @@ def stages(gpus: int) -> list[Stage]:
     out = [
         Stage(
             f"{m} bf16 (trainer=gpu)",
-            [*train, f"experiment={m}", "trainer=gpu", "model.dtype=bfloat16", *MICRO_PAIR, *MICRO_RUN],
+            [
+                *train,
+                f"experiment={m}",
+                *TINY.get(m, []),
+                "trainer=gpu",
+                "model.dtype=bfloat16",
+                *MICRO_PAIR,
+                *MICRO_RUN,
+            ],
         )
         for m in METHODS
     ]
@@ -83,7 +93,12 @@ def stages(gpus: int) -> list[Stage]:
         # one FSDP1 unit holds Medusa-2's verifier and its float32 adapters: one dtype (docs/scale.md)
         dtype = "float32" if m == "medusa2" else "bfloat16"
         fsdp = ["trainer=fsdp", f"trainer.devices={gpus}", f"model.dtype={dtype}"]
-        out.append(Stage(f"{m} FSDP x{gpus}", [*train, f"experiment={m}", *fsdp, *MICRO_PAIR, *MICRO_RUN]))
+        out.append(
+            Stage(
+                f"{m} FSDP x{gpus}",
+                [*train, f"experiment={m}", *TINY.get(m, []), *fsdp, *MICRO_PAIR, *MICRO_RUN],
+            )
+        )
     out.append(Stage("evaluate device=cuda", [*evaluate, "device=cuda"]))
     out.append(
         Stage(

@@ -55,7 +55,7 @@ def test_the_evaluate_script_loads_its_models_on_the_configured_device(monkeypat
 
     monkeypatch.setattr(cli, "load_pair", lambda *a, **k: SimpleNamespace())
     monkeypatch.setattr(cli, "place_pair", fake_place)
-    monkeypatch.setattr(cli, "ensure_tiny_pair", lambda *a, **k: None)
+    monkeypatch.setattr(cli, "ensure_built_pair", lambda *a, **k: None)
     run = SimpleNamespace(
         eval=None,
         model=SimpleNamespace(tiny=None),
