@@ -16,13 +16,9 @@ from transformers import LlamaForCausalLM
 from tests.conftest import tiny_llama
 from train.config import ConfigError
 from train.hardware import best_dtype
-from train.methods.answer_distill import (
-    answer_example,
-    collate_right_pad,
-    restricted_teacher_cross_entropy,
-    vocab_index,
-)
-from train.models.answers import Answer, answer_length, generate_answers, left_pad, load_answers, save_answers
+from train.methods.answer_distill import answer_example, collate_right_pad, restricted_teacher_cross_entropy
+from train.models.answers import Answer, answer_length, generate_answers, load_answers, save_answers
+from train.models.draft_vocab import vocab_index
 from train.models.smol_pair import (
     SmolDrafterSpec,
     SmolPairConfig,
@@ -37,9 +33,7 @@ def _llama(vocab: int = 260, hidden: int = 32, seed: int = 0) -> LlamaForCausalL
     return tiny_llama(vocab_size=vocab, hidden=hidden, layers=1, seed=seed)
 
 
-def test_left_pad_and_answer_length() -> None:
-    ids, mask = left_pad([[5, 6, 7], [8]], pad_id=0)
-    assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+def test_answer_length() -> None:
     assert answer_length(torch.tensor([4, 2, 9, 2]), [2]) == 2  # up to and including the first eos
     assert answer_length(torch.tensor([4, 5]), [2]) == 2
 

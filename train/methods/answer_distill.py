@@ -20,13 +20,6 @@ import torch.nn.functional as F
 from train.models.answers import Answer
 
 
-def vocab_index(draft_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """``(vocab_size,)`` map from a verifier id to its row in the draft vocabulary, -1 outside it."""
-    index = torch.full((vocab_size,), -1, dtype=torch.long)
-    index[draft_ids] = torch.arange(len(draft_ids))
-    return index
-
-
 def answer_example(answer: Answer, index: torch.Tensor, max_len: int) -> dict[str, torch.Tensor] | None:
     """One training row: ``input_ids`` (prompt + answer, cut to ``max_len`` from the left of the
     prompt), ``targets`` / ``target_logprobs`` ``(len, k)`` in draft-vocabulary rows (-1 where the

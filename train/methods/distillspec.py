@@ -64,7 +64,13 @@ from train.methods.responses import (
     seeded_generator,
     with_continuation,
 )
-from train.models.draft_vocab import DraftVocabModel, draft_acceptance, draft_divergence, draft_vocab_of
+from train.models.draft_vocab import (
+    DraftVocabModel,
+    draft_acceptance,
+    draft_divergence,
+    draft_vocab_of,
+    vocab_index,
+)
 from train.models.loading import eos_token_ids, load_model, output_vocab_size
 from train.models.lora import LoraSettings, apply_lora, merge_lora
 from train.optim import (
@@ -370,9 +376,7 @@ class DistillSpecModule(L.LightningModule):
         labels = ro.sequences[:, ro.prompt_width :]
         mask = ro.continuation_mask[:, ro.prompt_width :]
         if self.draft_ids is not None:  # over the draft vocabulary: labels outside it do not count
-            row = torch.full((self.vocab_size,), -1, dtype=torch.long, device=labels.device)
-            row[self.draft_ids] = torch.arange(len(self.draft_ids), device=labels.device)
-            labels = row[labels]
+            labels = vocab_index(self.draft_ids.to(labels.device), self.vocab_size)[labels]
             mask = mask & (labels >= 0)
             logits = self.logits(self.drafting_student(full_logits=False), ro)
         else:

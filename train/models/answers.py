@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from train.data.lm import collate_left_pad
+
 
 @dataclass
 class Answer:
@@ -33,18 +35,6 @@ class Answer:
             "top_ids": self.top_ids,
             "top_logprobs": self.top_logprobs,
         }
-
-
-def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, attention_mask), both ``(B, max_len)``, the rows aligned on the right."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        if row:
-            ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
-            mask[i, width - len(row) :] = 1
-    return ids, mask
 
 
 def answer_length(tokens: torch.Tensor, eos_ids: Sequence[int]) -> int:
@@ -73,7 +63,8 @@ def generate_answers(
     torch.manual_seed(seed)
     for start in range(0, len(order), batch_size):
         chunk = order[start : start + batch_size]
-        ids, mask = left_pad([prompts[i] for i in chunk], pad_id=int(eos_ids[0]))
+        padded = collate_left_pad([prompts[i] for i in chunk], pad_id=int(eos_ids[0]))
+        ids, mask = padded["input_ids"], padded["attention_mask"]
         sampling: dict[str, Any] = {"do_sample": False}
         if temperature > 0:
             sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}

@@ -99,6 +99,14 @@ def frequent_tokens(
     return sorted(chosen)
 
 
+def vocab_index(draft_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``(vocab_size,)`` map from a verifier id to its row in the draft vocabulary, -1 outside it (on
+    ``draft_ids``' device)."""
+    index = torch.full((vocab_size,), -1, dtype=torch.long, device=draft_ids.device)
+    index[draft_ids] = torch.arange(len(draft_ids), device=draft_ids.device)
+    return index
+
+
 def restrict_logits(logits: torch.Tensor, draft_ids: torch.Tensor) -> torch.Tensor:
     """``(..., V) -> (..., N)``: the logits of ``draft_ids`` only; a softmax over them is the
     distribution renormalised over the draft vocabulary."""

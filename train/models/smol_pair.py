@@ -45,10 +45,9 @@ from train.methods.answer_distill import (
     AnswerDistillModule,
     answer_example,
     collate_right_pad,
-    vocab_index,
 )
 from train.models.answers import Answer, generate_answers, load_answers, save_answers
-from train.models.draft_vocab import frequent_tokens, set_draft_vocab
+from train.models.draft_vocab import frequent_tokens, set_draft_vocab, vocab_index
 from train.models.smollm2 import ensure_smollm2, eos_ids
 from train.progress import StepProgressBar
 
