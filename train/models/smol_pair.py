@@ -290,7 +290,7 @@ def train_drafter(
         AnswerDistillConfig(lr=spec.lr, warmup_steps=max(1, spec.max_steps // 20), max_steps=spec.max_steps),
     )
     trainer = L.Trainer(
-        accelerator="cpu",
+        accelerator="auto",  # a GPU when there is one
         devices=1,
         # float32 weights and optimizer state; the matrix products in bf16 where the CPU has it (2x faster)
         precision="bf16-mixed" if best_dtype() == "bfloat16" else "32-true",
@@ -324,6 +324,7 @@ def build_smol_pair(cfg: SmolPairConfig) -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(verifier_dir(cfg))
     dtype = torch.bfloat16 if best_dtype() == "bfloat16" else torch.float32
     verifier = AutoModelForCausalLM.from_pretrained(verifier_dir(cfg), dtype=dtype).eval()
+    verifier.to("cuda" if torch.cuda.is_available() else "cpu")  # the answers are generated where it is
     answers = ensure_answers(cfg, verifier, tokenizer)
     t_answers = time.perf_counter()
 
@@ -331,7 +332,7 @@ def build_smol_pair(cfg: SmolPairConfig) -> dict[str, Any]:
     draft_ids = frequent_tokens(
         (a.answer for a in answers["train"]), spec.draft_vocab_size, eos_ids(tokenizer)
     )
-    drafter = new_drafter(verifier.float(), spec, draft_ids, cfg.seed)
+    drafter = new_drafter(verifier.float().cpu(), spec, draft_ids, cfg.seed)
     del verifier
     tmp = out / "drafter.building"
     shutil.rmtree(tmp, ignore_errors=True)
