@@ -1,6 +1,6 @@
 """Hydra entry point: ``python train.py experiment=<name> [overrides]``. See README.md.
 
-Errors a user can fix print as one line (``HYDRA_FULL_ERROR=1`` shows the traceback): train/cli.py.
+Errors a user can fix print as one line (``HYDRA_FULL_ERROR=1`` shows the traceback): train/cli/console.py.
 """
 
 import os
@@ -14,14 +14,14 @@ CONF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf")
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> None:
-    from train.cli import run_command
-    from train.run import main as run_main
+    from train.cli.console import run_command
+    from train.cli.train_command import main as run_main
 
     run_command(run_main, cfg)
 
 
 if __name__ == "__main__":
-    from train.cli import check_overrides
+    from train.cli.console import check_overrides
 
     check_overrides(CONF_DIR, "train", sys.argv[1:])
     main()

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from train.benchmarks.decoding import build_pair
-from train.cli import device_argument
+from train.benchmarks.decoders_bench import build_pair
+from train.cli.console import device_argument
 from train.decoding import AsyncSpeculativeDecoder, AutoregressiveDecoder, DecodeStats, SpeculativeDecoder
 from train.evaluation import build_prompts
 from train.models.loading import load_model, load_tokenizer

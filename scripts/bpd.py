@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from train.cli import add_device_arguments
+from train.cli.console import add_device_arguments
 from train.data.lm import document_token_ids
 from train.data.sources import DataSourceConfig, load_text_dataset
 from train.decoding import MedusaDecoder

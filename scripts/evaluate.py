@@ -1,6 +1,6 @@
 """Evaluation runs on any drafter: ``python scripts/evaluate.py drafter=PATH decoding=sd gamma=4``.
 
-A thin Hydra app over conf/eval.yaml; the work is :func:`train.evaluation.cli.main`.
+A thin Hydra app over conf/eval.yaml; the work is :func:`train.cli.evaluate_command.main`.
 ``python scripts/evaluate.py eval.decoders=[sd,sd_g2]`` compares several decoder configs in one table.
 Errors a user can fix print as one line (``HYDRA_FULL_ERROR=1`` shows the traceback).
 """
@@ -16,14 +16,14 @@ CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="eval")
 def main(cfg: DictConfig) -> None:
-    from train.cli import run_command
-    from train.evaluation.cli import main as evaluate_main
+    from train.cli.console import run_command
+    from train.cli.evaluate_command import main as evaluate_main
 
     run_command(evaluate_main, cfg)
 
 
 if __name__ == "__main__":
-    from train.cli import check_overrides
+    from train.cli.console import check_overrides
 
     check_overrides(CONF_DIR, "eval", sys.argv[1:])
     main()

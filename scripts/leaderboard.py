@@ -1,6 +1,6 @@
 """Every drafter and decoder in one table: ``python scripts/leaderboard.py`` (docs/leaderboard.md).
 
-A thin Hydra app over conf/leaderboard.yaml; the work is :func:`train.leaderboard.main`. Trains what is
+A thin Hydra app over conf/leaderboard.yaml; the work is :func:`train.cli.leaderboard_command.main`. Trains what is
 missing first (the newest finished run of each experiment is reused), then evaluates on one prompt set.
 """
 
@@ -15,14 +15,14 @@ CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="leaderboard")
 def main(cfg: DictConfig) -> None:
-    from train.cli import run_command
-    from train.leaderboard import main as leaderboard_main
+    from train.cli.console import run_command
+    from train.cli.leaderboard_command import main as leaderboard_main
 
     run_command(leaderboard_main, cfg)
 
 
 if __name__ == "__main__":
-    from train.cli import check_overrides
+    from train.cli.console import check_overrides
 
     check_overrides(CONF_DIR, "leaderboard", sys.argv[1:])
     main()

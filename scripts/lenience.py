@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from train.cli import add_device_arguments
+from train.cli.console import add_device_arguments
 from train.data.sources import DataSourceConfig
 from train.decoding import SamplingParams, aggregate
 from train.decoding.sampling import LENIENCES

@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from train.cli import add_device_arguments
+from train.cli.console import add_device_arguments
 from train.evaluation import EvalConfig, build_prompts, evaluate_drafters, results_table
 from train.models.heads import MedusaHeads
 from train.models.loading import eos_token_ids, load_model, load_tokenizer

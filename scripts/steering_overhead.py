@@ -15,11 +15,11 @@ import os
 
 import torch
 
-from train.cli import add_device_arguments
+from train.cli.console import add_device_arguments
 from train.decoding import SpeculativeDecoder
 from train.evaluation import build_prompts
 from train.models.loading import load_model, load_tokenizer
-from train.models.steering import SteeringModule
+from train.models.steering_module import SteeringModule
 from train.paths import project_root
 
 

@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
-from train.cli import add_device_arguments
+from train.cli.console import add_device_arguments
 from train.decoding import TimedModel, keep_positions
-from train.decoding.tree import tree_attention_mask, tree_position_ids
-from train.decoding.tree_decoder import tree_size
+from train.decoding.decoders.tree_decoder import tree_size
+from train.decoding.tree_attention import tree_attention_mask, tree_position_ids
 from train.evaluation import EvalConfig, build_prompts, evaluate_drafters
 from train.models.loading import eos_token_ids, load_model, load_tokenizer
 from train.paths import project_root
@@ -201,7 +201,7 @@ def sibling_duplicate_rate(
     from types import SimpleNamespace
 
     from train.decoding import SamplingParams
-    from train.decoding.tree_proposers import TreeProposer
+    from train.decoding.proposers.tree_proposers import TreeProposer
 
     proposer = TreeProposer(TimedModel(drafter), drafter.config.vocab_size, "specinfer", branching=branching)
     stats = SimpleNamespace(
@@ -234,7 +234,7 @@ def bench_pair_overhead(
     ``scripts/bench.py decoding`` (random-weight Llama, 33.7M / 2.6M parameters, sharing a bigram
     component so acceptance is realistic), where a verifier forward costs several milliseconds;
     ``devices``: the verifier's and the drafter's."""
-    from train.benchmarks.decoding import build_pair
+    from train.benchmarks.decoders_bench import build_pair
     from train.decoding import SamplingParams, SpeculativeDecoder, TreeSpeculativeDecoder, loop_overhead
 
     verifier, drafter = build_pair()

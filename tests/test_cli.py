@@ -1,5 +1,5 @@
 """Errors a user can fix: one line naming the key or the file, an exit status, the traceback only
-when asked (train/cli.py, and the checks in config, loading and data sources it reports)."""
+when asked (train/cli/console.py, and the checks in config, loading and data sources it reports)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import train.cli.console as cli
 
 from tests.conftest import CONF_DIR, REPO_ROOT
-from train import cli
 from train.config import ConfigError, instantiate_group
 from train.data.sources import DataError, DataSourceConfig, load_text_dataset
 from train.models import loading
@@ -151,7 +151,7 @@ def test_library_warnings_go_to_the_log_file_not_the_terminal(
     import logging
     import warnings
 
-    from train.cli import warnings_to_log_file
+    from train.cli.console import warnings_to_log_file
 
     root = logging.getLogger()
     log_file = logging.FileHandler(tmp_path / "train.log")

@@ -11,8 +11,8 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf, open_dict
 
 from tests.conftest import CONF_DIR
+from train.cli.train_command import load_spec
 from train.config import ConfigError, LoggerConfig, TrainerConfig, check_model_source
-from train.run import load_spec
 
 GROUP_DIRS = sorted(p for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "hydra")
 ENTRY_FILES = sorted(p.stem for p in CONF_DIR.glob("*.yaml"))

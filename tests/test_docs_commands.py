@@ -161,15 +161,15 @@ def validate_hydra_command(command: DocCommand) -> None:
     for overrides in points:
         cfg = _compose(config_name, overrides)
         if config_name == "train":
-            from train.run import load_spec
+            from train.cli.train_command import load_spec
 
             load_spec(cfg)
         elif config_name == "eval":
-            from train.evaluation.cli import validate
+            from train.cli.evaluate_command import validate
 
             validate(cfg)
         elif config_name == "leaderboard":
-            from train.leaderboard import validate as validate_leaderboard
+            from train.cli.leaderboard_command import validate as validate_leaderboard
 
             validate_leaderboard(cfg)
         else:

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tests.conftest import make_tokenizer, tiny_llama
 from train.config import ConfigError
 from train.evaluation import EvalConfig, evaluate_drafters
-from train.export import (
+from train.export.drafter import (
     HubConfig,
     drafter_folder,
     export_drafter,

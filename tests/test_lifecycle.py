@@ -16,6 +16,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+import train.cli.train_command as run_module
 import wandb
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
@@ -25,11 +26,10 @@ from omegaconf import open_dict
 
 from tests.conftest import CONF_DIR, REPO_ROOT
 from tests.test_run import read_metrics, run_cfg
-from train import run as run_module
+from train.cli.train_command import main, resume_command
 from train.config import ConfigError, LoggerConfig, instantiate_group
-from train.run import main, resume_command
 from train.rundir import LOCK_NAME, RunDirLock, RunDirLocked, remove_if_unused
-from train.trainer import build_loggers, close_loggers
+from train.training.trainer import build_loggers, close_loggers
 
 
 class SignalAtStep(L.Callback):

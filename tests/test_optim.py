@@ -1,4 +1,4 @@
-"""Optimizer / scheduler partials, float32 master weights and gradient clipping (train/optim.py)."""
+"""Optimizer / scheduler partials, float32 master weights and gradient clipping (train/training/optim.py)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import get_cosine_schedule_with_warmup
 
+import train.training.optim as optim
 from tests.fsdp import RecordingRoot, fake_fsdp_trainer, gloo_rank
-from train import optim
 from train.config import ConfigError
-from train.optim import (
+from train.training.optim import (
     check_optimizer,
     clip_grad_norm,
     clip_gradients,

@@ -13,9 +13,9 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, open_dict
 
 from tests.conftest import CONF_DIR
-from train.callbacks import NonFiniteLossError
+from train.cli.train_command import FinishedRunError, main
 from train.progress import short_metric_name
-from train.run import FinishedRunError, main
+from train.training.callbacks import NonFiniteLossError
 
 
 def run_cfg(tmp_path: Path, pair: Path, data: Path, run: str, extra: list[str] | None = None) -> DictConfig:
@@ -104,7 +104,7 @@ def test_resume_without_checkpoint_is_a_clear_error(
 def test_non_finite_loss_stops_naming_the_step(
     tmp_path: Path, tiny_pair_dir: Path, text_file: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from train.methods.pretrain import PretrainModule
+    from train.methods.pretrain.module import PretrainModule
 
     original = PretrainModule._loss
 
@@ -187,8 +187,8 @@ def _finish_on(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, root: str, devic
     left on the CPU; returns where the module, the verifier and the evaluation were when finish ran."""
     from types import SimpleNamespace
 
-    import train.run as run_module
-    from train.run import finish_run
+    import train.cli.train_command as run_module
+    from train.cli.train_command import finish_run
 
     seen: dict = {}
 
@@ -246,8 +246,8 @@ def test_a_finish_device_the_machine_lacks_fails_at_validation_naming_the_key(
     override: str,
     message: str,
 ) -> None:
+    from train.cli.train_command import load_spec
     from train.config import ConfigError
-    from train.run import load_spec
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     cfg = run_cfg(tmp_path, tiny_pair_dir, text_file, "dev", [override])

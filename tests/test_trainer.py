@@ -8,7 +8,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 from torch.distributed.fsdp import FullyShardedDataParallel
 
-from train.trainer import full_weights_on_rank_zero
+from train.training.trainer import full_weights_on_rank_zero
 
 
 def test_fsdp_gathers_the_full_weights_on_rank_zero_for_the_finish_step(monkeypatch):
@@ -47,7 +47,7 @@ def test_other_strategies_are_left_alone(monkeypatch):
 def test_wandb_prints_no_run_history_or_summary(tmp_path, monkeypatch, capfd):
     monkeypatch.delenv("WANDB_SILENT", raising=False)
     from train.config import LoggerConfig
-    from train.trainer import build_loggers, close_loggers
+    from train.training.trainer import build_loggers, close_loggers
 
     loggers = build_loggers(LoggerConfig(offline=True), str(tmp_path), "quiet")
     for step in range(3):

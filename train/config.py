@@ -185,7 +185,7 @@ class ModelConfig:
     attn_implementation: str | None = "sdpa"
     tiny: Any = None
     smollm2: Any = None
-    """The real pair's recipe (:class:`train.models.smol_pair.SmolPairConfig`) for ``model=smollm2``."""
+    """The real pair's recipe (:class:`train.pairs.smollm2_pair.SmolPairConfig`) for ``model=smollm2``."""
 
     def __post_init__(self) -> None:
         require(self.dtype in DTYPES, "model.dtype", f"one of {DTYPES}", self.dtype)

@@ -27,7 +27,7 @@ Conventions shared by every function here
   tokens that count.  ``mask=None`` selects every position.
 * **Reduction.**  The result is a 0-d tensor: the mean over *selected tokens* of the batch (a token-level
   mean, so longer continuations weigh more than under a per-sequence ``1/|y|`` mean; use
-  :func:`per_token_divergence` for other weightings).  With an **empty mask** the result is an exact 0
+  :func:`divergence` on a one-token mask for other weightings).  With an **empty mask** the result is an exact 0
   that is still connected to ``student_logits``' graph, so ``backward()`` works and yields an all-zero
   gradient (no NaN from 0/0).
 * **Temperature** divides both logits before the softmax.  No ``T**2`` gradient rescaling is applied.
@@ -73,11 +73,6 @@ __all__ = [
     "DIVERGENCES",
     "divergence",
     "expected_acceptance",
-    "forward_kl",
-    "jsd",
-    "per_token_divergence",
-    "reverse_kl",
-    "tvd",
 ]
 
 #: Names accepted by :func:`divergence`.
@@ -378,68 +373,6 @@ def divergence(
     return _chunked(name, student_logits, teacher_logits, coords, n, temperature, beta, chunk_size, False)[0]
 
 
-def forward_kl(
-    student_logits: Tensor,
-    teacher_logits: Tensor,
-    mask: Tensor | None = None,
-    temperature: float = 1.0,
-    chunk_size: int | None = DEFAULT_CHUNK_SIZE,
-) -> Tensor:
-    """Forward KL ``KL(p || q) = sum_v p log(p / q)``, mean over selected tokens (DistillSpec "FKL").
-
-    ``p`` = softmax(teacher / T), ``q`` = softmax(student / T).  Shapes and conventions as in
-    :func:`divergence`.  Returns a 0-d tensor.
-    """
-    return divergence("fkl", student_logits, teacher_logits, mask, temperature, chunk_size=chunk_size)
-
-
-def reverse_kl(
-    student_logits: Tensor,
-    teacher_logits: Tensor,
-    mask: Tensor | None = None,
-    temperature: float = 1.0,
-    chunk_size: int | None = DEFAULT_CHUNK_SIZE,
-) -> Tensor:
-    """Reverse KL ``KL(q || p) = sum_v q log(q / p)``, mean over selected tokens (DistillSpec "RKL").
-
-    Infinite (huge) where the teacher gives exactly zero probability to a token the student supports.
-    Shapes and conventions as in :func:`divergence`.  Returns a 0-d tensor.
-    """
-    return divergence("rkl", student_logits, teacher_logits, mask, temperature, chunk_size=chunk_size)
-
-
-def jsd(
-    student_logits: Tensor,
-    teacher_logits: Tensor,
-    mask: Tensor | None = None,
-    temperature: float = 1.0,
-    beta: float = 0.5,
-    chunk_size: int | None = DEFAULT_CHUNK_SIZE,
-) -> Tensor:
-    """Generalised JSD (GKD arXiv 2306.13649, Eq. 2): ``beta KL(p || m) + (1 - beta) KL(q || m)``.
-
-    ``m = beta p + (1 - beta) q``; ``beta = 0`` returns exactly FKL and ``beta = 1`` exactly RKL (GKD's
-    convention, special-cased).  ``beta = 0.5`` is the symmetric JSD, bounded by ``log 2``.  Shapes and
-    conventions as in :func:`divergence`.  Returns a 0-d tensor.
-    """
-    return divergence("jsd", student_logits, teacher_logits, mask, temperature, beta, chunk_size)
-
-
-def tvd(
-    student_logits: Tensor,
-    teacher_logits: Tensor,
-    mask: Tensor | None = None,
-    temperature: float = 1.0,
-    chunk_size: int | None = DEFAULT_CHUNK_SIZE,
-) -> Tensor:
-    """Total variation distance ``1/2 sum_v |p - q|`` in ``[0, 1]``, mean over selected tokens.
-
-    DistillSpec's TVD objective: ``1 - TVD`` is the expected acceptance rate, so minimising TVD directly
-    maximises it (arXiv 2310.08461, Sec. 3).  Shapes and conventions as in :func:`divergence`.
-    """
-    return divergence("tvd", student_logits, teacher_logits, mask, temperature, chunk_size=chunk_size)
-
-
 @torch.no_grad()
 def expected_acceptance(
     student_logits: Tensor,
@@ -469,26 +402,3 @@ def expected_acceptance(
         p = _log_probs(_take(teacher_logits, start, length, index), temperature, vocab, dtype).exp()
         total += torch.minimum(p, q).sum()
     return total / n
-
-
-def per_token_divergence(
-    name: str,
-    student_logits: Tensor,
-    teacher_logits: Tensor,
-    temperature: float = 1.0,
-    beta: float = 0.5,
-) -> Tensor:
-    """Unreduced, unchunked divergence: ``(..., V_s), (..., V_t) -> (...)`` one value per position.
-
-    For custom weightings (e.g. DistillSpec's per-sequence ``1/|y|`` mean).  Same formulas, temperature,
-    vocab-prefix and numerical conventions as :func:`divergence`, but materialises full-vocab
-    intermediates for every position at once -- prefer :func:`divergence` for large ``V``.
-    """
-    _validate(name, beta, temperature, None)
-    _check_shapes(student_logits, teacher_logits, None)
-    teacher_logits = teacher_logits.detach()
-    dtype = _compute_dtype(student_logits, teacher_logits)
-    vocab = min(student_logits.shape[-1], teacher_logits.shape[-1])
-    log_q = _log_probs(student_logits, temperature, vocab, dtype)
-    log_p = _log_probs(teacher_logits, temperature, vocab, dtype)
-    return _rowwise(name, log_q, log_p, beta)

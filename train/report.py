@@ -16,7 +16,7 @@ late in the step never loses the trained drafter:
    temperature;
 4. **card**: the exported card is rewritten with the evaluation table (the weights are already on disk).
 
-``train.run`` calls :func:`finish` on rank 0 after ``Trainer.fit`` for any module that implements
+``train.cli.train_command`` calls :func:`finish` on rank 0 after ``Trainer.fit`` for any module that implements
 the protocol. Every figure is rendered by :mod:`train.tables` or
 :func:`train.evaluation.results_table`; nothing here formats a number itself.
 """
@@ -42,7 +42,7 @@ from train.evaluation import (
     to_jsonable,
 )
 from train.evaluation.runner import drafter_kind
-from train.export import write_model_card
+from train.export.drafter import write_model_card
 from train.models.loading import eos_token_ids
 from train.tables import format_metric, format_value, markdown_table
 

@@ -14,7 +14,7 @@ import torch
 from train.decoding import AsyncSpeculativeDecoder, SamplingParams, warp
 from train.decoding import loop as loop_module
 from train.decoding.async_loop import interval_overlap
-from train.decoding.proposers import ModelProposer
+from train.decoding.proposers.model_proposer import ModelProposer
 
 from .decoding_helpers import hf_greedy
 from .spec_reference import chi2_critical, chi_square, peaked_table_lm, run_many, table_next, verifier_joint

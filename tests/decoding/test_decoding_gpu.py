@@ -193,7 +193,7 @@ def test_the_evaluator_decodes_on_cuda(tiny_pair_dir, text_file, tmp_path, devic
     from hydra.core.global_hydra import GlobalHydra
 
     from tests.conftest import CONF_DIR
-    from train.evaluation.cli import main as evaluate_main
+    from train.cli.evaluate_command import main as evaluate_main
 
     overrides = [
         f"model.verifier={tiny_pair_dir / 'verifier'}",

@@ -10,11 +10,8 @@ import torch
 from train.decoding import SamplingParams, residual, sample, warp
 from train.decoding.sampling import (
     LENIENCES,
-    accept_draft,
-    acceptance_probability,
     apply_lenience,
     expected_acceptance_per_position,
-    first_rejection,
     sample_with_uniform,
     uniforms,
 )
@@ -168,18 +165,23 @@ def test_lenience_values():
         apply_lenience(p, "cubic", 0.5)
 
 
-def test_acceptance_helpers():
-    p_x = torch.tensor([0.2, 0.5, 0.1])
-    q_x = torch.tensor([0.4, 0.5, 0.05])
-    torch.testing.assert_close(acceptance_probability(p_x, q_x), torch.tensor([0.5, 1.0, 1.0]))
-    torch.testing.assert_close(acceptance_probability(p_x, q_x, "linear", 0.5), torch.tensor([1.0, 1.0, 1.0]))
-    u = torch.tensor([0.49, 0.99, 0.0])
-    assert accept_draft(p_x, q_x, u).tolist() == [True, True, True]
-    assert accept_draft(p_x, q_x, torch.tensor([0.51, 0.2, 0.3])).tolist() == [False, True, True]
-    assert first_rejection(torch.tensor([True, True, False, True])) == 2
-    assert first_rejection(torch.tensor([True, True])) == 2
-    assert first_rejection(torch.tensor([False])) == 0
-    assert first_rejection(torch.zeros(0, dtype=torch.bool)) == 0
+def test_chain_acceptance_threshold_is_min_one_p_over_q():
+    """Each drafted token passes while u * q(x) < f(p(x)): three positions, one vocabulary id each."""
+    from train.decoding.rules.chain import chain_rejection
+
+    # position i drafts token i; p(x_i) = (0.2, 0.5, 0.1), q(x_i) = (0.4, 0.5, 0.05)
+    p = torch.tensor([[0.2, 0.3, 0.5], [0.25, 0.5, 0.25], [0.45, 0.45, 0.1], [0.3, 0.3, 0.4]])
+    q = torch.tensor([[0.4, 0.3, 0.3], [0.25, 0.5, 0.25], [0.5, 0.45, 0.05]])
+    draft = torch.tensor([0, 1, 2])
+    u_next = torch.tensor(0.5)
+    n, _ = chain_rejection(p, q, draft, torch.tensor([0.49, 0.99, 0.0]), u_next)
+    assert int(n) == 3  # 0.49 < 0.5, 0.99 < 1, 0 < 1
+    n, _ = chain_rejection(p, q, draft, torch.tensor([0.51, 0.2, 0.3]), u_next)
+    assert int(n) == 0  # 0.51 > p/q = 0.5: the first token is rejected
+    n, _ = chain_rejection(p, q, draft, torch.tensor([0.2, 0.2, 0.3]), u_next)
+    assert int(n) == 3
+    n, _ = chain_rejection(p, q, draft, torch.tensor([0.51, 0.2, 0.3]), u_next, "linear", 0.5)
+    assert int(n) == 3  # lenient: f(p) = p / 0.5 makes the first ratio 1
 
 
 def test_expected_acceptance_per_position():

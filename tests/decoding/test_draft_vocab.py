@@ -25,10 +25,10 @@ from train.decoding import (
     SpeculativeDecoder,
     TreeSpeculativeDecoder,
 )
-from train.decoding.rollout import rollout
 from train.evaluation import EvalConfig, build_decoders, evaluate_drafters, find_run
 from train.models.draft_vocab import DraftVocabModel, draft_vocab_of, set_draft_vocab, with_draft_vocab
 from train.models.loading import load_model
+from train.training.rollout import rollout
 
 from .decoding_helpers import build, hf_greedy, tiny_config
 from .spec_reference import chi2_critical, chi2_power, chi_square, noncentrality, run_many

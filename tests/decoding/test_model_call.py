@@ -21,9 +21,9 @@ from train.decoding import (
     keep_positions,
 )
 from train.decoding.model_call import cache_keyword
-from train.decoding.rollout import rollout
-from train.decoding.tree import tree_attention_mask
+from train.decoding.tree_attention import tree_attention_mask
 from train.models.heads import MedusaHeads
+from train.training.rollout import rollout
 
 from .decoding_helpers import build, tiny_config
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from train.decoding import MedusaDecoder, SamplingParams
-from train.decoding.heads import trie_draft
+from train.decoding.proposers.heads_proposer import trie_draft
 from train.decoding.refine import LocalNeuralRefiner, PBestRefiner, p_best_paths
 from train.models.ngram import NGramLM
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from train.data.lm import collate_left_pad
-from train.decoding.rollout import position_ids_from_mask, rollout
 from train.decoding.sampling import SamplingParams
+from train.training.rollout import position_ids_from_mask, rollout
 
 from .decoding_helpers import BOS, VOCAB, build, tiny_config
 

@@ -14,14 +14,9 @@ import math
 import pytest
 import torch
 
+from train.decoding.rules.chain import accepted_length, chain_rejection, greedy_chain
+from train.decoding.rules.recursive import recursive_rejection, sibling_proposal
 from train.decoding.sampling import LENIENCES, apply_lenience, residual, sample_with_uniform
-from train.decoding.verification import (
-    accepted_length,
-    chain_rejection,
-    greedy_chain,
-    recursive_rejection,
-    sibling_proposal,
-)
 
 N = 400_000
 V = 6

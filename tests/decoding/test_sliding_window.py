@@ -25,7 +25,7 @@ from train.decoding import (
     keep_positions,
 )
 from train.decoding.cache import rollback_cache, sliding_layout
-from train.decoding.tree import tree_attention_mask
+from train.decoding.tree_attention import tree_attention_mask
 from train.models.heads import MedusaHeads
 
 from .decoding_helpers import BOS, EOS, VOCAB, build, hf_greedy, tiny_config

@@ -9,9 +9,10 @@ import copy
 import pytest
 import torch
 
-from train.decoding import SamplingParams, SpeculativeDecoder, speculative
-from train.decoding.steered import SteeredProposer
-from train.models.steering import SteeringModule, guide_positions, stale_guide_states, swiglu_mlps
+import train.decoding.decoders.speculative as speculative
+from train.decoding import SamplingParams, SpeculativeDecoder
+from train.decoding.proposers.steered_proposer import SteeredProposer
+from train.models.steering_module import SteeringModule, guide_positions, stale_guide_states, swiglu_mlps
 
 from .decoding_helpers import build, hf_greedy, tiny_config
 from .spec_reference import chi2_critical, chi_square, run_many

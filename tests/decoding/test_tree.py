@@ -25,6 +25,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import train.decoding.rules.chain as rules
 from train.decoding import (
     AutoregressiveDecoder,
     SamplingParams,
@@ -34,9 +35,14 @@ from train.decoding import (
     keep_positions,
     warp,
 )
-from train.decoding import verification as rules
-from train.decoding.tree import tree_attention_mask, tree_position_ids
-from train.decoding.tree_proposers import TreeProposer, gumbel_scores, gumbel_top_k, sbs_scores, sbs_top
+from train.decoding.proposers.tree_proposers import (
+    TreeProposer,
+    gumbel_scores,
+    gumbel_top_k,
+    sbs_scores,
+    sbs_top,
+)
+from train.decoding.tree_attention import tree_attention_mask, tree_position_ids
 
 from .decoding_helpers import build, hf_greedy, tiny_config
 from .spec_reference import chi2_critical, chi_square, peaked_table_lm, run_many, table_next, verifier_joint
@@ -407,7 +413,7 @@ def _broken(monkeypatch, how: str) -> None:
         return original(p, candidates, q, kind, u_accept / 0.97, u_next)
 
     fn = {"wrong_kind": wrong_kind, "residual_from_p": residual_from_p, "acceptance_x0.97": biased}[how]
-    monkeypatch.setattr("train.decoding.tree.recursive_rejection", fn)
+    monkeypatch.setattr("train.decoding.tree_attention.recursive_rejection", fn)
 
 
 @pytest.mark.parametrize(

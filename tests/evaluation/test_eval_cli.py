@@ -10,9 +10,9 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
 from tests.conftest import CONF_DIR
+from train.cli.evaluate_command import apply_shortcuts
 from train.config import ConfigError
 from train.evaluation import build_eval_config
-from train.evaluation.cli import apply_shortcuts
 
 
 def _eval_cfg(overrides: list[str]):

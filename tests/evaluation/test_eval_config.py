@@ -18,7 +18,7 @@ from train.evaluation import EvalConfig, build_decoders, build_eval_config, know
 from train.evaluation.runner import drafter_kind
 from train.models.heads import MedusaHeads
 from train.models.ngram import NGramLM
-from train.models.steering import SteeringModule
+from train.models.steering_module import SteeringModule
 
 SD = "train.decoding.SpeculativeDecoder"
 

@@ -23,12 +23,12 @@ from omegaconf import open_dict
 
 from tests.conftest import CONF_DIR, REPO_ROOT, make_tokenizer, tiny_llama
 from tests.fsdp import RecordingRoot, fake_fsdp_trainer
-from train.callbacks import GracefulStop, NonFiniteLossError, NonFiniteLossGuard
+from train.cli.train_command import load_spec
 from train.config import ConfigError
 from train.data.datamodule import PromptDataModule
 from train.losses import divergence
-from train.methods.distillspec import DATA_SOURCES, DistillSpecConfig, DistillSpecModule
-from train.run import load_spec
+from train.methods.distillspec.module import DATA_SOURCES, DistillSpecConfig, DistillSpecModule
+from train.training.callbacks import GracefulStop, NonFiniteLossError, NonFiniteLossGuard
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
 TEXT = "def add(a, b):\n    return a + b  # sum of two numbers\n"

@@ -17,10 +17,10 @@ from datasets import Dataset
 from tests.conftest import make_tokenizer, tiny_llama
 from tests.fsdp import CPUFSDPStrategy, gloo_rank
 from train.data.datamodule import PromptDataModule
-from train.methods.distillspec import DistillSpecConfig, DistillSpecModule
-from train.methods.steering import BASELINE_ARM, MAIN_ARM, SteeringConfig, SteeringTrainingModule
+from train.methods.distillspec.module import DistillSpecConfig, DistillSpecModule
+from train.methods.steering.module import BASELINE_ARM, MAIN_ARM, SteeringConfig, SteeringTrainingModule
 from train.models.draft_vocab import set_draft_vocab
-from train.optim import grad_norm
+from train.training.optim import grad_norm
 
 CLIP = 1e-3  # tight enough to bite on every step
 PROMPTS = dict(max_new_tokens=6, prompt_len=8, batch_size=2, num_prompts=8, num_val_prompts=4)

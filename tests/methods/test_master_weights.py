@@ -14,9 +14,9 @@ from datasets import Dataset
 
 from tests.conftest import make_tokenizer, tiny_llama
 from train.data.datamodule import LMDataModule, PromptDataModule
-from train.methods.distillspec import DistillSpecConfig, DistillSpecModule
-from train.methods.medusa import MedusaConfig, MedusaModule
-from train.methods.steering import BASELINE_ARM, MAIN_ARM, SteeringConfig, SteeringTrainingModule
+from train.methods.distillspec.module import DistillSpecConfig, DistillSpecModule
+from train.methods.medusa.module import MedusaConfig, MedusaModule
+from train.methods.steering.module import BASELINE_ARM, MAIN_ARM, SteeringConfig, SteeringTrainingModule
 from train.models.heads import MedusaHeads
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -1,4 +1,4 @@
-"""SD^2 training (train/methods/steering.py): config validation, the arms and their independence, stale
+"""SD^2 training (train/methods/steering/module.py): config validation, the arms and their independence, stale
 guides, zero-init equality of the steered and distilled arms, checkpoints (no verifier, responses kept),
 resume, export (steering/ + drafter/ loading with standard tools), the steered drafter in the evaluator,
 and the whole run through the real entry point (slow) and under CPU DDP (slow)."""
@@ -24,19 +24,19 @@ from omegaconf import OmegaConf, open_dict
 from transformers import AutoModelForCausalLM
 
 from tests.conftest import CONF_DIR, REPO_ROOT, make_tokenizer, tiny_llama
+from train.cli.train_command import load_spec
 from train.config import ConfigError
 from train.data.datamodule import PromptDataModule
 from train.decoding import AutoregressiveDecoder, SamplingParams, SpeculativeDecoder
 from train.evaluation import build_eval_config
 from train.evaluation.runner import build_decoders
-from train.methods.steering import (
+from train.methods.steering.module import (
     BASELINE_ARM,
     MAIN_ARM,
     SteeringConfig,
     SteeringTrainingModule,
 )
-from train.models.steering import SteeredDrafter, SteeringModule
-from train.run import load_spec
+from train.models.steering_module import SteeredDrafter, SteeringModule
 from train.rundir import newest_artifact
 
 pytestmark = pytest.mark.usefixtures("one_thread")

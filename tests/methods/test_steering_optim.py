@@ -1,4 +1,4 @@
-"""SD^2's loss settings, learning rates and per-arm gradient clipping (train/methods/steering.py), on
+"""SD^2's loss settings, learning rates and per-arm gradient clipping (train/methods/steering/module.py), on
 micro models: each configured weight changes what trains, and the clipping stays per arm under FSDP."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ import pytest
 import torch
 from datasets import Dataset
 
+import train.training.optim as optim
 from tests.conftest import make_tokenizer, tiny_llama
 from tests.fsdp import RecordingRoot, fake_fsdp_trainer
-from train import optim
 from train.data.datamodule import PromptDataModule
 from train.losses import divergence
-from train.methods.steering import BASELINE_ARM, MAIN_ARM, SteeringConfig, SteeringTrainingModule
+from train.methods.steering.module import BASELINE_ARM, MAIN_ARM, SteeringConfig, SteeringTrainingModule
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

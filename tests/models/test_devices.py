@@ -45,7 +45,7 @@ def test_the_pair_is_placed_on_two_devices():
 
 def test_the_evaluate_script_loads_its_models_on_the_configured_device(monkeypatch, tmp_path):
     """scripts/evaluate.py hands the resolved devices to the loaded pair before evaluating."""
-    from train.evaluation import cli
+    import train.cli.evaluate_command as cli
 
     placed = {}
 

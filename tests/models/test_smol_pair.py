@@ -16,10 +16,14 @@ from transformers import LlamaForCausalLM
 from tests.conftest import tiny_llama
 from train.config import ConfigError
 from train.hardware import best_dtype
-from train.methods.answer_distill import answer_example, collate_right_pad, restricted_teacher_cross_entropy
+from train.methods.answer_distill.module import (
+    answer_example,
+    collate_right_pad,
+    restricted_teacher_cross_entropy,
+)
 from train.models.answers import Answer, answer_length, generate_answers, load_answers, save_answers
 from train.models.draft_vocab import vocab_index
-from train.models.smol_pair import (
+from train.pairs.smollm2_pair import (
     SmolDrafterSpec,
     SmolPairConfig,
     coverage,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.decoding.decoding_helpers import build, tiny_config
-from train.models.steering import (
+from train.models.steering_module import (
     SteeringModule,
     default_verifier_layers,
     guide_for,

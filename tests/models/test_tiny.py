@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from train.models import tiny
-from train.models.tiny import TinyModelSpec, TinyPairConfig, ensure_tiny_pair, stale_reason
+import train.pairs.tiny as tiny
+from train.pairs.tiny import TinyModelSpec, TinyPairConfig, ensure_tiny_pair, stale_reason
 
 
 def micro_recipe(tmp_path: Path, **changes) -> TinyPairConfig:

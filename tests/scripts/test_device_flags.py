@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-import train.benchmarks.decoding as bench_decoding
-import train.benchmarks.overhead as bench_overhead
+import train.benchmarks.decoders_bench as bench_decoding
+import train.benchmarks.overhead_bench as bench_overhead
 from tests.test_docs_commands import load_script
 
 #: script: (arguments it needs to reach its models, whether it has a drafter model)

@@ -16,10 +16,10 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from tests.conftest import CONF_DIR, REPO_ROOT, make_tokenizer
+from train.cli.evaluate_command import main as evaluate_main
 from train.config import ConfigError
-from train.evaluation.cli import main as evaluate_main
-from train.export import export_drafter
-from train.export import main as export_main
+from train.export.drafter import export_drafter
+from train.export.drafter import main as export_main
 from train.models.loading import TokenizerMismatchError
 
 TEXT = "def add(a, b):\n    return a + b  # a docstring follows\n"
@@ -293,7 +293,7 @@ def test_sync_and_async_decoders_in_one_table(tiny_pair_dir, data_file, tmp_path
 def test_steered_decoding_of_an_exported_steering_module(tiny_pair_dir, data_file, tmp_path):
     """decoding=steered steering=PATH: the module is loaded through ${steering}; greedy output kept;
     without steering=PATH the run stops at start-up naming the key."""
-    from train.models.steering import SteeringModule
+    from train.models.steering_module import SteeringModule
 
     verifier = AutoModelForCausalLM.from_pretrained(tiny_pair_dir / "verifier")
     drafter = AutoModelForCausalLM.from_pretrained(tiny_pair_dir / "drafter")

@@ -8,12 +8,14 @@ forward), ``draft`` (a chain or tree of draft tokens), ``proposers`` (the drafti
 ``TreeSpeculativeDecoder`` are thin compositions of them.
 """
 
-from .async_decoder import AsyncSpeculativeDecoder
-from .autoregressive import AutoregressiveDecoder
-from .cache import cache_length, crop_cache, keep_positions
-from .draft import Draft
-from .heads import HeadsProposer, MedusaDecoder, chain_choices
-from .metrics import (
+from train.decoding.cache import cache_length, crop_cache, keep_positions
+from train.decoding.decoders.async_decoder import AsyncSpeculativeDecoder
+from train.decoding.decoders.autoregressive import AutoregressiveDecoder
+from train.decoding.decoders.medusa_decoder import MedusaDecoder
+from train.decoding.decoders.speculative import SpeculativeDecoder
+from train.decoding.decoders.tree_decoder import TreeSpeculativeDecoder
+from train.decoding.draft import Draft
+from train.decoding.metrics import (
     DecodeResult,
     DecodeStats,
     acceptance_rate,
@@ -33,12 +35,19 @@ from .metrics import (
     tokens_per_second,
     verifier_tokens_per_call,
 )
-from .model_call import CallResult, TimedModel, input_vocab_size, model_device, output_vocab_size
-from .proposers import ModelProposer, Proposer
-from .sampling import SamplingParams, residual, sample, warp
-from .speculative import SpeculativeDecoder
-from .tree_decoder import TreeSpeculativeDecoder
-from .verification import accepted_length, chain_rejection, greedy_chain, recursive_rejection
+from train.decoding.model_call import (
+    CallResult,
+    TimedModel,
+    input_vocab_size,
+    model_device,
+    output_vocab_size,
+)
+from train.decoding.proposers.heads_proposer import HeadsProposer, chain_choices
+from train.decoding.proposers.model_proposer import ModelProposer
+from train.decoding.proposers.protocol import Proposer
+from train.decoding.rules.chain import accepted_length, chain_rejection, greedy_chain
+from train.decoding.rules.recursive import recursive_rejection
+from train.decoding.sampling import SamplingParams, residual, sample, warp
 
 __all__ = [
     "AsyncSpeculativeDecoder",

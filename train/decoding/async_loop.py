@@ -4,7 +4,7 @@ The drafter runs in its own thread and never waits for verification: it keeps dr
 a time ahead of the verified sequence (up to ``max_ahead`` tokens) and publishes each with the q it
 was drawn from. The verifier, in the calling thread, takes every published draft beyond the verified
 prefix (up to ``max_block``), verifies the chain in one forward with the same rule as the synchronous
-loop (:func:`~train.decoding.loop.verify_chain`), and commits the accepted drafts plus its own token.
+loop (:func:`~train.decoding.rules.chain.verify_chain`), and commits the accepted drafts plus its own token.
 
 Only tokens cross between the two sides, under one ``threading.Condition`` (no spinning):
 
@@ -37,13 +37,13 @@ from typing import Any
 
 import torch
 
-from .cache import crop_cache
-from .draft import Draft
-from .loop import verify_chain
-from .metrics import DecodeResult, DecodeStats
-from .model_call import TimedModel
-from .proposers import ModelProposer
-from .sampling import SamplingParams
+from train.decoding.cache import crop_cache
+from train.decoding.draft import Draft
+from train.decoding.metrics import DecodeResult, DecodeStats
+from train.decoding.model_call import TimedModel
+from train.decoding.proposers.model_proposer import ModelProposer
+from train.decoding.rules.chain import verify_chain
+from train.decoding.sampling import SamplingParams
 
 __all__ = ["IDLE_POLICIES", "interval_overlap", "run_asynchronous"]
 

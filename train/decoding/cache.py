@@ -79,7 +79,7 @@ def rollback_cache(model: Any) -> Any:
     them raises (transformers' ``crop``) or would lose entries. Keeping all positions costs memory
     (the cache grows with the sequence, as a full-attention model's does) but not exactness: the model
     applies the window through its attention mask, built from its config for a causal forward, and the
-    decoders narrow their tree masks the same way (:func:`~train.decoding.tree.sliding_window_mask`).
+    decoders narrow their tree masks the same way (:func:`~train.decoding.tree_attention.sliding_window_mask`).
     """
     cache = _library_cache(model)
     if cache is None or not any(type(layer) is DynamicSlidingWindowLayer for layer in cache.layers):

@@ -15,8 +15,8 @@ generation), so a block never overshoots ``max_new_tokens``; this changes no out
 An accepted EOS ends generation without a bonus token. With no proposer (``gamma == 0``) the same loop
 is plain autoregressive decoding.
 
-A tree draft (:mod:`train.decoding.tree`) goes through the same block: the verifier scores every node
-in one forward with a tree mask, :func:`~train.decoding.tree.verify_tree` walks it, and both caches
+A tree draft (:mod:`train.decoding.tree_attention`) goes through the same block: the verifier scores every node
+in one forward with a tree mask, :func:`~train.decoding.rules.tree_walk.verify_tree` walks it, and both caches
 keep the committed prefix plus the accepted path, compacted (``keep_positions``). ``gamma`` is then
 the tree's depth. A proposer with ``hidden_layers`` (prediction heads, a steered drafter) gets those layers' hidden states
 at the last accepted position of every verifier forward (``observe``), at no extra forward; so does
@@ -31,64 +31,22 @@ import time
 
 import torch
 
-from .cache import crop_cache, keep_positions
-from .draft import Draft
-from .metrics import DecodeResult, DecodeStats
-from .model_call import TimedModel
-from .proposers import Proposer
-from .sampling import SamplingParams, expected_acceptance_per_position, sample_with_uniform, uniforms, warp
-from .tree import tree_attention_mask, tree_position_ids, verify_tree
-from .typical import TypicalAcceptance, verify_typical
-from .verification import chain_rejection, greedy_chain
+from train.decoding.cache import crop_cache, keep_positions
+from train.decoding.draft import Draft
+from train.decoding.metrics import DecodeResult, DecodeStats
+from train.decoding.model_call import TimedModel
+from train.decoding.proposers.protocol import Proposer
+from train.decoding.rules.chain import verify_chain
+from train.decoding.rules.tree_walk import verify_tree
+from train.decoding.rules.typical import TypicalAcceptance, verify_typical
+from train.decoding.sampling import (
+    SamplingParams,
+)
+from train.decoding.tree_attention import tree_attention_mask, tree_position_ids
 
-__all__ = ["ChainVerdict", "run_synchronous", "verify_chain"]
+__all__ = ["run_synchronous"]
 
 _EMPTY = Draft()
-
-
-class ChainVerdict:
-    """The outcome of verifying one chain: ``accepted`` drafts, the ``next`` token, ``tested``
-    positions and the sum of their expected acceptance."""
-
-    __slots__ = ("accepted", "expected", "next", "tested")
-
-    def __init__(self, accepted: int, next_token: int, tested: int, expected: float) -> None:
-        self.accepted, self.next, self.tested, self.expected = accepted, next_token, tested, expected
-
-
-def verify_chain(
-    logits: torch.Tensor,
-    draft: Draft,
-    params: SamplingParams,
-    generator: torch.Generator | None,
-    lenience: str | None = None,
-    eps: float = 1.0,
-) -> ChainVerdict:
-    """Apply the chain rule to the verifier's logits (k + 1, V) over a chain draft of k tokens.
-
-    Greedy (T = 0): :func:`greedy_chain` on the argmaxes. Sampling: :func:`chain_rejection` on the
-    warped distributions, with k + 1 uniforms drawn from ``generator`` (on its own device). A
-    deterministic draft (``draft.q is None``) under sampling is verified against point masses.
-    """
-    k = len(draft)
-    if params.greedy:
-        n, nxt = greedy_chain(draft.tokens, logits.argmax(dim=-1).tolist())
-        # one-hot p and q: expected acceptance is 1 where the argmaxes agree (all accepted positions)
-        return ChainVerdict(n, nxt, min(n + 1, k), float(n))
-    p = warp(logits, params)
-    u = uniforms(k + 1, generator, p.device)
-    if k == 0:
-        return ChainVerdict(0, int(sample_with_uniform(p[0], u[0])), 0, 0.0)
-    drafted = torch.tensor(draft.tokens, dtype=torch.long, device=p.device)
-    if draft.q is None:
-        q = torch.zeros(k, p.shape[-1], dtype=p.dtype, device=p.device).scatter_(1, drafted[:, None], 1.0)
-    else:
-        q = draft.q.to(p.device)
-    n_t, next_t = chain_rejection(p, q, drafted, u[:k], u[k], lenience, eps)
-    n = int(n_t)
-    tested = min(n + 1, k)
-    expected = float(expected_acceptance_per_position(p[:tested], q[:tested], lenience, eps).sum())
-    return ChainVerdict(n, int(next_t), tested, expected)
 
 
 def run_synchronous(
@@ -105,7 +63,7 @@ def run_synchronous(
     typical: TypicalAcceptance | None = None,
 ) -> DecodeResult:
     """Decode up to ``max_new_tokens`` after ``prompt``; see the module docstring. ``typical``: Medusa's
-    lossy typical acceptance for every draft at T > 0 (:mod:`train.decoding.typical`)."""
+    lossy typical acceptance for every draft at T > 0 (:mod:`train.decoding.rules.typical`)."""
     t_start = time.perf_counter()
     stats = DecodeStats(gamma=gamma if proposer is not None else 0)
     seq = list(prompt)
@@ -114,7 +72,7 @@ def run_synchronous(
     v_len = 0
     # A proposer that drafts from the verifier's own hidden states (prediction heads, steering) names
     # the layers (indices into Hugging Face's hidden_states) it reads.
-    hidden_layers = getattr(proposer, "hidden_layers", None)
+    hidden_layers = proposer.hidden_layers if proposer is not None else None
     layers = list(hidden_layers) if hidden_layers else None
     if proposer is not None:
         proposer.start()
@@ -205,7 +163,7 @@ def run_synchronous(
             proposer.commit(keep, path)
             if layers and out.hidden is not None:  # the states at the last accepted position: (L, d)
                 last = len(context) + path[-1] if path else len(context) - 1
-                proposer.observe(torch.stack([out.hidden[i][last] for i in layers]))  # type: ignore[attr-defined]
+                proposer.observe(torch.stack([out.hidden[i][last] for i in layers]))
     stats.new_tokens = len(seq) - len(prompt)
     stats.wall_time = time.perf_counter() - t_start
     return DecodeResult(torch.tensor(seq[len(prompt) :], dtype=torch.long), stats)

@@ -13,7 +13,7 @@ knows, so every model call here (and the batched rollout) speaks each version's 
 
 Sliding-window models (Mistral, Qwen2/3 with ``use_sliding_window``, Gemma 2/3) get a cache whose every
 layer keeps all its positions (:func:`~train.decoding.cache.rollback_cache`): the window is applied by
-the attention mask, the model's own for a causal forward and :func:`~train.decoding.tree.sliding_window_mask`
+the attention mask, the model's own for a causal forward and :func:`~train.decoding.tree_attention.sliding_window_mask`
 on a tree mask, so rollbacks and tree compaction work and every logit is the model's.
 """
 
@@ -29,8 +29,8 @@ import torch
 import transformers
 from packaging.version import Version
 
-from .cache import SlidingLayout, rollback_cache, sliding_layout
-from .tree import sliding_window_mask
+from train.decoding.cache import SlidingLayout, rollback_cache, sliding_layout
+from train.decoding.tree_attention import sliding_window_mask
 
 __all__ = [
     "CallResult",

@@ -1,7 +1,7 @@
 """Refining prediction heads' drafts (BPD: Kim et al., arXiv 2404.09221; ALGORITHMS.md section 4).
 
 The heads give a *lattice*: slot i holds head i's top-k tokens with their log-probabilities. A refiner
-turns it into drafts for :class:`~train.decoding.heads.HeadsProposer`, which merges them into a trie of
+turns it into drafts for :class:`~train.decoding.proposers.heads_proposer.HeadsProposer`, which merges them into a trie of
 deterministic candidates verified in one verifier forward (greedy: the longest path equal to the
 verifier's argmax; T > 0: the lossless recursive rule, as for Medusa trees):
 

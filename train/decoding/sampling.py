@@ -19,11 +19,8 @@ import torch
 __all__ = [
     "LENIENCES",
     "SamplingParams",
-    "accept_draft",
-    "acceptance_probability",
     "apply_lenience",
     "expected_acceptance_per_position",
-    "first_rejection",
     "residual",
     "sample",
     "sample_with_uniform",
@@ -179,35 +176,6 @@ def apply_lenience(p: torch.Tensor, lenience: str | None, eps: float) -> torch.T
     except KeyError:
         raise ValueError(f"lenience must be one of {sorted(LENIENCES)} or None, got {lenience!r}") from None
     return fn(p, eps)
-
-
-def acceptance_probability(
-    p_x: torch.Tensor, q_x: torch.Tensor, lenience: str | None = None, eps: float = 1.0
-) -> torch.Tensor:
-    """min(1, f(p(x), eps) / q(x)) for drafted tokens x. p_x, q_x: (*,), q_x > 0. Returns (*,)."""
-    return (apply_lenience(p_x, lenience, eps) / q_x).clamp(max=1.0)
-
-
-def accept_draft(
-    p_x: torch.Tensor,
-    q_x: torch.Tensor,
-    u: torch.Tensor,
-    lenience: str | None = None,
-    eps: float = 1.0,
-) -> torch.Tensor:
-    """Stochastic acceptance test U < min(1, f(p(x), eps) / q(x)), written division-free as U q < f(p).
-
-    p_x, q_x, u: (g,) with u ~ Uniform[0, 1). Returns (g,) bool.
-    """
-    return u * q_x < apply_lenience(p_x, lenience, eps)
-
-
-def first_rejection(accepted: torch.Tensor) -> int:
-    """Number of leading True values in a 1-D bool tensor (g,) = index of the first rejection (g if none)."""
-    if accepted.numel() == 0:
-        return 0
-    rejected = (~accepted).nonzero()
-    return int(rejected[0, 0]) if rejected.numel() else int(accepted.numel())
 
 
 def expected_acceptance_per_position(

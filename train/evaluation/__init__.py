@@ -7,7 +7,12 @@ One concern per module: ``config`` (:class:`EvalConfig`, decoder configs, :func:
 W&B) and ``cli`` (``main(cfg)`` of ``scripts/evaluate.py``, imported from there, not here).
 """
 
-from train.evaluation.config import EvalConfig, build_eval_config, known_decoder_configs, load_decoder_config
+from train.evaluation.eval_config import (
+    EvalConfig,
+    build_eval_config,
+    known_decoder_configs,
+    load_decoder_config,
+)
 from train.evaluation.greedy import GreedyMismatchError
 from train.evaluation.plots import plot_results
 from train.evaluation.prompts import build_prompts

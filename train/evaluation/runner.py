@@ -40,7 +40,7 @@ from train.decoding import (
     speedup,
     summarize,
 )
-from train.evaluation.config import EvalConfig, build_eval_config
+from train.evaluation.eval_config import EvalConfig, build_eval_config
 from train.evaluation.greedy import GreedyMismatchError, classify_difference
 from train.evaluation.plots import plot_results
 from train.evaluation.results import (

@@ -1,0 +1,91 @@
+"""Loop overhead of this engine against an older copy of it, interleaved in one process.
+
+    git archive <commit> train/decoding | tar -x -C /tmp/old     # the engine to compare with
+    python scripts/bench.py overhead --baseline /tmp/old/train/decoding
+
+Both engines decode the same prompts on the decoding benchmark's random-weight pair
+(:func:`train.benchmarks.decoders_bench.build_pair`), greedy and T = 1, alternating and rotating per prompt,
+so machine load hits both alike. Reported per engine and decoder: tokens/s and
+``loop_overhead = wall / forward time - 1`` (the loop's own cost). A refactor of the engine must not
+raise the loop overhead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+from types import ModuleType
+from typing import Any
+
+import torch
+
+import train.decoding as current
+from train.benchmarks.decoders_bench import build_pair
+from train.cli.console import add_device_arguments
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--baseline", required=True, help="a copy of an older train/decoding package")
+    parser.add_argument("--gamma", type=int, default=4)
+    parser.add_argument("--prompts", type=int, default=3)
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
+    add_device_arguments(parser)
+
+
+def load_package(path: str, name: str = "baseline_decoding") -> ModuleType:
+    """Import the package at ``path`` under another name (its relative imports keep working)."""
+    init = os.path.join(path, "__init__.py")
+    if not os.path.isfile(init):
+        raise FileNotFoundError(f"--baseline: no package at {path!r} (expected {init})")
+    spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[path])
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    torch.set_num_threads(args.threads)
+    baseline = load_package(os.path.abspath(args.baseline))
+    verifier, drafter = build_pair()
+    verifier.to(args.device)
+    drafter.to(args.drafter_device or args.device)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 8192, (1, 48), generator=gen) for _ in range(args.prompts)]
+    engines = {"baseline": baseline, "current": current}
+    decoders = {}
+    for label, eng in engines.items():
+        decoders[f"{label}-ar"] = (eng, eng.AutoregressiveDecoder(verifier))
+        decoders[f"{label}-sd"] = (eng, eng.SpeculativeDecoder(verifier, drafter, gamma=args.gamma))
+    for eng, dec in decoders.values():
+        dec.generate(prompts[0][:, :8], 4, eng.SamplingParams())
+    order = list(decoders)
+    rows = []
+    for temperature in (0.0, 1.0):
+        stats: dict[str, list[Any]] = {k: [] for k in order}
+        for rep in range(args.repeats):
+            for i, prompt in enumerate(prompts):
+                shift = (i + rep) % len(order)
+                for key in order[shift:] + order[:shift]:
+                    eng, dec = decoders[key]
+                    res = dec.generate(
+                        prompt,
+                        args.max_new_tokens,
+                        eng.SamplingParams(temperature=temperature),
+                        generator=torch.Generator().manual_seed(i),
+                    )
+                    stats[key].append(res.stats)
+        for key, runs in stats.items():
+            wall = sum(s.wall_time for s in runs)
+            forward = sum(s.drafter_time + s.verifier_time for s in runs)
+            tokens = sum(s.new_tokens for s in runs)
+            rows.append((key, temperature, tokens / wall, wall / forward - 1.0))
+    print("| engine-decoder | T | tokens/s | loop overhead |\n|---|---:|---:|---:|")
+    for key, temperature, tps, overhead in rows:
+        print(f"| {key} | {temperature:g} | {tps:.1f} | {100 * overhead:.2f}% |")
+    return {"rows": rows}

@@ -1,0 +1,79 @@
+"""``AsyncSpeculativeDecoder``: a drafter model and the chain rule under the asynchronous schedule."""
+
+from __future__ import annotations
+
+import torch
+
+from train.decoding.async_loop import IDLE_POLICIES, run_asynchronous
+from train.decoding.decoders.base import Decoder
+from train.decoding.metrics import DecodeResult
+from train.decoding.model_call import TimedModel
+from train.decoding.proposers.model_proposer import ModelProposer
+from train.decoding.sampling import SamplingParams
+
+__all__ = ["AsyncSpeculativeDecoder"]
+
+
+class AsyncSpeculativeDecoder(Decoder):
+    """AMUSD (:mod:`train.decoding.async_loop`): the drafter drafts in its own thread while the verifier
+    verifies. Same ``generate`` as the other decoders; lossless at every temperature.
+
+    max_block: most drafts one verification takes; max_ahead: most drafts published ahead of the
+    verified sequence; min_ahead: drafts needed before verifying them; idle: ``step`` (an autoregressive
+    verifier step when fewer are ready) or ``wait``; pin_cores: (verifier core, drafter core) on a CPU.
+    Put the two models on two devices (``cuda:0`` / ``cuda:1``) to run them on two GPUs.
+    """
+
+    def __init__(
+        self,
+        verifier: torch.nn.Module,
+        drafter: torch.nn.Module,
+        max_block: int = 8,
+        max_ahead: int = 8,
+        min_ahead: int = 1,
+        idle: str = "step",
+        pin_cores: tuple[int, int] | list[int] | None = None,
+    ) -> None:
+        for name, value in (("max_block", max_block), ("max_ahead", max_ahead), ("min_ahead", min_ahead)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if idle not in IDLE_POLICIES:
+            raise ValueError(f"idle must be one of {list(IDLE_POLICIES)}, got {idle!r}")
+        if min_ahead > max_ahead:
+            raise ValueError(f"min_ahead ({min_ahead}) cannot exceed max_ahead ({max_ahead})")
+        if pin_cores is not None and len(pin_cores) != 2:
+            raise ValueError(f"pin_cores must be (verifier core, drafter core), got {pin_cores!r}")
+        self.verifier, self.drafter = verifier, drafter
+        self.max_block, self.max_ahead, self.min_ahead, self.idle = max_block, max_ahead, min_ahead, idle
+        self.pin_cores = None if pin_cores is None else (int(pin_cores[0]), int(pin_cores[1]))
+        self.gamma = max_block
+        self._verifier = TimedModel(verifier)
+        self._drafter = TimedModel(drafter)
+        self.vocab_size = self._verifier.vocab_size
+
+    def models(self) -> tuple[torch.nn.Module, ...]:
+        return (self.verifier, self.drafter)
+
+    def decode(
+        self,
+        prompt: list[int],
+        max_new_tokens: int,
+        params: SamplingParams,
+        eos: frozenset[int],
+        generator: torch.Generator | None,
+    ) -> DecodeResult:
+        proposer = ModelProposer(self._drafter, self.vocab_size)  # one per call: its own cache
+        return run_asynchronous(
+            self._verifier,
+            proposer,
+            prompt,
+            max_new_tokens,
+            params,
+            eos,
+            generator,
+            max_block=self.max_block,
+            max_ahead=self.max_ahead,
+            min_ahead=self.min_ahead,
+            idle=self.idle,
+            pin_cores=self.pin_cores,
+        )

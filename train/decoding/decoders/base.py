@@ -1,0 +1,118 @@
+"""What every decoder shares: :class:`Decoder` (the one ``generate``), request validation, EOS sets.
+
+A decoder is a composition of the engine's parts (a proposer, the verification rules, a schedule); it
+only says which models a request must fit (:meth:`Decoder.models`) and how to decode a validated
+prompt (:meth:`Decoder.decode`). ``generate`` checks the request, turns the EOS ids into a set and
+runs under ``torch.inference_mode``, the same way for every decoder.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from train.decoding.metrics import DecodeResult
+from train.decoding.sampling import SamplingParams
+
+
+def max_positions(model: torch.nn.Module) -> int | None:
+    """The model's maximum sequence length from its config (None when it does not declare one)."""
+    cfg = getattr(model, "config", None)
+    for name in ("max_position_embeddings", "n_positions"):
+        value = getattr(cfg, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def eos_set(eos_token_id: int | Iterable[int] | None) -> frozenset[int]:
+    if eos_token_id is None:
+        return frozenset()
+    if isinstance(eos_token_id, int):
+        return frozenset((eos_token_id,))
+    if isinstance(eos_token_id, torch.Tensor):
+        return frozenset(int(x) for x in eos_token_id.reshape(-1).tolist())
+    return frozenset(int(x) for x in eos_token_id)
+
+
+def validate_request(
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    params: Any,
+    models: Iterable[torch.nn.Module],
+) -> list[int]:
+    """Check a ``generate`` request; return the prompt as a list of ints.
+
+    input_ids: (1, T) or (T,) integer tensor with T >= 1.
+    """
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+    if not isinstance(input_ids, torch.Tensor):
+        raise TypeError(f"input_ids must be a torch.Tensor of shape (1, T), got {type(input_ids).__name__}")
+    if input_ids.dim() == 2:
+        if input_ids.shape[0] != 1:
+            raise ValueError(
+                f"input_ids must have batch size 1, shape (1, T); got shape {tuple(input_ids.shape)}"
+            )
+        input_ids = input_ids[0]
+    elif input_ids.dim() != 1:
+        raise ValueError(f"input_ids must have shape (1, T); got shape {tuple(input_ids.shape)}")
+    if input_ids.numel() == 0:
+        raise ValueError("empty prompt: input_ids must contain at least one token (shape (1, T) with T >= 1)")
+    if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+        raise TypeError(f"input_ids must be an integer tensor, got dtype {input_ids.dtype}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    prompt = [int(x) for x in input_ids.tolist()]
+    total = len(prompt) + max_new_tokens
+    for model in models:
+        limit = max_positions(model)
+        if limit is not None and total > limit:
+            raise ValueError(
+                f"prompt length {len(prompt)} + max_new_tokens {max_new_tokens} = {total} exceeds "
+                f"{type(model).__name__}'s max_position_embeddings = {limit}"
+            )
+    return prompt
+
+
+_DEFAULT_PARAMS = SamplingParams()
+
+
+class Decoder:
+    """The shared ``generate`` of every decoder; subclasses implement :meth:`models` and :meth:`decode`."""
+
+    def models(self) -> tuple[torch.nn.Module, ...]:
+        """The models a request must fit (their maximum positions are checked)."""
+        raise NotImplementedError
+
+    def decode(
+        self,
+        prompt: list[int],
+        max_new_tokens: int,
+        params: SamplingParams,
+        eos: frozenset[int],
+        generator: torch.Generator | None,
+    ) -> DecodeResult:
+        """Decode a validated request (``prompt`` as a list of ids)."""
+        raise NotImplementedError
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int,
+        params: SamplingParams = _DEFAULT_PARAMS,
+        eos_token_id: int | Iterable[int] | None = None,
+        generator: torch.Generator | None = None,
+    ) -> DecodeResult:
+        """Generate up to ``max_new_tokens`` tokens after ``input_ids`` (1, T).
+
+        Returns the new tokens only (1-D, on CPU), stopping after the first EOS (any id of
+        ``eos_token_id``; included). ``max_new_tokens == 0`` returns an empty tensor and zero counts
+        without running a model. Random numbers come from ``generator`` only (drawn on its own device),
+        so a seed reproduces the output whatever devices the models sit on.
+        """
+        prompt = validate_request(input_ids, max_new_tokens, params, self.models())
+        return self.decode(prompt, max_new_tokens, params, eos_set(eos_token_id), generator)

@@ -1,0 +1,113 @@
+"""Chain speculative decoding (Leviathan et al. 2023; Chen et al. 2023), ALGORITHMS.md section 1.
+
+A thin composition of the engine's parts: a :class:`~train.decoding.proposers.model_proposer.ModelProposer` drafts up
+to ``gamma`` tokens with the drafter, :func:`~train.decoding.loop.run_synchronous` verifies them in one
+verifier forward with the chain rule (:func:`~train.decoding.rules.chain.greedy_chain` at T = 0,
+:func:`~train.decoding.rules.chain.chain_rejection` otherwise) and keeps both caches in step. See
+``loop.py`` for the block structure and the cache invariants.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any, ClassVar
+
+import torch
+
+from train.decoding.decoders.base import Decoder
+from train.decoding.loop import run_synchronous
+from train.decoding.metrics import DecodeResult
+from train.decoding.model_call import TimedModel
+from train.decoding.proposers.model_proposer import ModelProposer
+from train.decoding.proposers.steered_proposer import SteeredProposer
+from train.decoding.sampling import LENIENCES, SamplingParams
+
+
+class SpeculativeDecoder(Decoder):
+    """Chain speculative decoding of ``verifier`` with ``drafter`` proposing ``gamma`` tokens per block.
+
+    ``lenience`` (``"linear"``, ``"squared"``, ``"exponential"`` or None) with ``eps`` in (0, 1] gives
+    the lossy DistillSpec acceptance test min(1, f(p, eps) / q); eps = 1 is lossless. Lenience only
+    applies when sampling (temperature > 0); greedy decoding always reproduces the verifier's argmax.
+
+    ``steering`` (SD^2, e.g. :class:`train.models.steering_module.SteeringModule`): the drafter's MLPs get biases
+    from the verifier's states at the last committed position, refreshed after every verification
+    (:mod:`train.decoding.proposers.steered_proposer`); verification is unchanged, so it stays lossless. A ``steered``
+    drafter (one carrying its own module, :class:`train.models.steering_module.SteeredDrafter`) is unpacked
+    into the two, so the evaluator measures it under the same ``sd`` configs as plain drafters.
+
+    Verifier and drafter must share a tokenizer. Their output sizes may differ (padded embeddings):
+    the verifier's distribution is always kept whole, the drafter proposes only ids it has (zero mass
+    elsewhere), so the output is exactly the verifier's either way.
+    """
+
+    drafter_kinds: ClassVar[tuple[str, ...]] = ("model", "steered")
+
+    def __init__(
+        self,
+        verifier: torch.nn.Module,
+        drafter: torch.nn.Module,
+        gamma: int = 4,
+        lenience: str | None = None,
+        eps: float = 1.0,
+        steering: Any = None,
+    ) -> None:
+        if getattr(drafter, "drafter_kind", "model") == "steered":
+            if steering is not None:
+                raise ValueError("the drafter carries its own steering module; pass steering=None")
+            drafter, steering = drafter.drafter, drafter.steering  # type: ignore[assignment]
+        if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
+            raise ValueError(f"gamma must be an integer >= 1, got {gamma!r}")
+        if lenience is not None and lenience not in LENIENCES:
+            raise ValueError(f"lenience must be one of {sorted(LENIENCES)} or None, got {lenience!r}")
+        if not 0.0 < eps <= 1.0:
+            raise ValueError(f"eps must be in the range (0, 1] (1 = lossless), got {eps!r}")
+        self.verifier = verifier
+        self.drafter = drafter
+        self.gamma = gamma
+        self.lenience = lenience if eps != 1.0 else None
+        self.eps = float(eps)
+        self._verifier = TimedModel(verifier)
+        self._proposer = ModelProposer(TimedModel(drafter), self._verifier.vocab_size)
+        self.vocab_size = self._verifier.vocab_size
+        self.steering = steering
+        if steering is not None and hasattr(steering, "check_pair"):
+            steering.check_pair(verifier, drafter)  # a module made for another pair fails here
+
+    @property
+    def lossless(self) -> bool:
+        """False with a lenient (lossy) acceptance test at T > 0; T = 0 is greedy either way."""
+        return self.lenience is None
+
+    def models(self) -> tuple[torch.nn.Module, ...]:
+        return (self.verifier, self.drafter)
+
+    def decode(
+        self,
+        prompt: list[int],
+        max_new_tokens: int,
+        params: SamplingParams,
+        eos: frozenset[int],
+        generator: torch.Generator | None,
+    ) -> DecodeResult:
+        # SD^2: hooks on the drafter for the duration of this call only (the drafter stays plain)
+        attached = self.steering.attach(self.drafter) if self.steering is not None else nullcontext(None)
+        with attached as handle:
+            proposer: Any = self._proposer
+            if handle is not None:
+                proposer = SteeredProposer(self._proposer, self.steering, handle)
+            result = run_synchronous(
+                self._verifier,
+                proposer,
+                prompt,
+                max_new_tokens,
+                self.gamma,
+                params,
+                eos,
+                generator,
+                self.lenience,
+                self.eps,
+            )
+        if handle is not None:
+            result.stats.guide_time += proposer.guide_time
+        return result

@@ -1,0 +1,116 @@
+"""Tree speculative decoding: SpecInfer, RSD-C and RSD-S (ALGORITHMS.md section 5).
+
+A composition of the engine's parts, like :class:`~train.decoding.decoders.speculative.SpeculativeDecoder`: a
+:class:`~train.decoding.proposers.tree_proposers.TreeProposer` drafts a tree with the drafter (one forward per
+depth), :func:`~train.decoding.loop.run_synchronous` scores it in one verifier forward with tree
+attention and verifies it with :func:`~train.decoding.rules.tree_walk.verify_tree`. Lossless: at T = 0 the output
+is the verifier's greedy output; at T > 0 every token is distributed exactly as the verifier's warped
+distribution (multi-round rejection with i.i.d. siblings for SpecInfer, without replacement for RSD).
+``stats.verifier_tokens`` counts the tree tokens scored, so methods compare at a fixed verifier budget.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from train.decoding.decoders.base import Decoder
+from train.decoding.loop import run_synchronous
+from train.decoding.metrics import DecodeResult
+from train.decoding.model_call import TimedModel
+from train.decoding.proposers.tree_proposers import TREE_METHODS, TreeProposer
+from train.decoding.sampling import SamplingParams
+
+__all__ = ["TreeSpeculativeDecoder", "tree_size"]
+
+
+def tree_size(branching: Sequence[int]) -> int:
+    """Nodes of a constant-branching tree: sum over depths d of prod(branching[:d + 1])."""
+    total, width = 0, 1
+    for b in branching:
+        width *= b
+        total += width
+    return total
+
+
+class TreeSpeculativeDecoder(Decoder):
+    """Speculative decoding of ``verifier`` with a draft tree from ``drafter``.
+
+    ``method="specinfer"`` or ``"rsd_c"`` with ``branching`` (children of every depth-d node, so depth
+    d + 1 holds prod(branching[:d + 1]) nodes); ``method="rsd_s"`` with ``depth`` and ``beam_width``
+    (at most ``beam_width`` nodes per depth). Same ``generate`` interface and result as
+    :class:`~train.decoding.decoders.speculative.SpeculativeDecoder`.
+    """
+
+    def __init__(
+        self,
+        verifier: torch.nn.Module,
+        drafter: torch.nn.Module,
+        method: str = "rsd_c",
+        branching: Sequence[int] | None = None,
+        depth: int | None = None,
+        beam_width: int | None = None,
+    ) -> None:
+        if method not in TREE_METHODS:
+            raise ValueError(f"method must be one of {sorted(TREE_METHODS)}, got {method!r}")
+        if method == "rsd_s":
+            if branching is not None:
+                raise ValueError("rsd_s takes depth and beam_width, not branching")
+            for name, value in (("depth", depth), ("beam_width", beam_width)):
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise ValueError(f"rsd_s needs {name} as an integer >= 1, got {value!r}")
+            self.depth = int(depth)  # type: ignore[arg-type]
+            self.branching: tuple[int, ...] = ()
+        else:
+            if depth is not None or beam_width is not None:
+                raise ValueError(f"{method} takes branching, not depth / beam_width")
+            if not branching or any(
+                isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in branching
+            ):
+                raise ValueError(f"branching must be a non-empty list of integers >= 1, got {branching!r}")
+            self.branching = tuple(branching)
+            self.depth = len(self.branching)
+        self.verifier = verifier
+        self.drafter = drafter
+        self.method = method
+        self.beam_width = beam_width
+        self._verifier = TimedModel(verifier)
+        self._proposer = TreeProposer(
+            TimedModel(drafter),
+            self._verifier.vocab_size,
+            method,
+            branching=self.branching,
+            depth=self.depth,
+            beam_width=beam_width or 0,
+        )
+        self.vocab_size = self._verifier.vocab_size
+
+    @property
+    def max_tree_tokens(self) -> int:
+        """The most draft tokens one block scores (the verifier budget per call, minus its context)."""
+        if self.method == "rsd_s":
+            return self.depth * int(self.beam_width or 0)
+        return tree_size(self.branching)
+
+    def models(self) -> tuple[torch.nn.Module, ...]:
+        return (self.verifier, self.drafter)
+
+    def decode(
+        self,
+        prompt: list[int],
+        max_new_tokens: int,
+        params: SamplingParams,
+        eos: frozenset[int],
+        generator: torch.Generator | None,
+    ) -> DecodeResult:
+        return run_synchronous(
+            self._verifier,
+            self._proposer,
+            prompt,
+            max_new_tokens,
+            self.depth,
+            params,
+            eos,
+            generator,
+        )

@@ -1,0 +1,134 @@
+"""A chain drafted by a small causal LM (:class:`ModelProposer`).
+
+A proposer (:class:`~train.decoding.proposers.protocol.Proposer`) is given the committed sequence and a budget, returns a :class:`~train.decoding.draft.Draft`,
+and is told afterwards how much of the sequence is final (:meth:`Proposer.commit`), so it can drop
+whatever it cached past that point. It records its own calls and time into the
+:class:`~train.decoding.metrics.DecodeStats` it is handed. New drafter kinds (Medusa heads, steered
+drafters, trees) are new proposers; the schedule and the verification rules stay as they are.
+
+:class:`ModelProposer` drafts a chain with a small causal LM over the verifier's vocabulary:
+
+- its proposals are distributions over the *verifier's* vocabulary: when the drafter's output is
+  smaller, q gets zero mass on the ids it cannot produce (p is never cut, so greedy and sampled output
+  stay exactly the verifier's); when larger, its extra logits are dropped;
+- a committed token the drafter cannot embed (an id past its input embeddings, in practice a padding
+  id of a larger verifier vocabulary) is fed to it as its pad id (else 0): its later drafts may be
+  worse, the output is not affected;
+- its cache holds a prefix of the committed tokens plus the drafts it was fed; a block first feeds, in
+  one call, every committed token it has not seen (the previous block's correction or bonus token and
+  the last accepted draft, which a drafter never consumes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from train.decoding.cache import crop_cache
+from train.decoding.draft import Draft
+from train.decoding.metrics import DecodeStats
+from train.decoding.model_call import CallResult, TimedModel
+from train.decoding.sampling import SamplingParams, sample_with_uniform, uniforms, warp
+
+__all__ = ["ModelProposer"]
+
+
+class ModelProposer:
+    """A chain drafted token by token by a causal LM (see the module docstring)."""
+
+    #: A plain drafter reads none of the verifier's hidden states (see the Proposer protocol).
+    hidden_layers: tuple[int, ...] | None = None
+
+    def __init__(self, drafter: TimedModel, vocab_size: int) -> None:
+        self.drafter = drafter
+        self.vocab_size = vocab_size
+        pad = getattr(getattr(drafter.model, "config", None), "pad_token_id", None)
+        self.substitute_id = pad if isinstance(pad, int) and 0 <= pad < drafter.embed_size else 0
+        self._shared = min(vocab_size, drafter.vocab_size)
+        self._slice = self._shared < drafter.vocab_size  # drop the drafter's extra logits
+        self._cache: Any = None
+        self._length = 0
+        #: Called as ``(first position, count)`` before every drafter forward, whose tokens sit at
+        #: positions first .. first + count - 1 (a steered drafter sets their guides, train/decoding/proposers/steered_proposer.py).
+        self.before_forward: Callable[[int, int], None] | None = None
+
+    def start(self) -> None:
+        self._cache, self._length = None, 0
+
+    def _embeddable(self, tokens: list[int]) -> list[int]:
+        limit = self.drafter.embed_size
+        return [t if t < limit else self.substitute_id for t in tokens]
+
+    def _distribution(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """q over the verifier's vocabulary: (V,), zero on ids the drafter cannot produce."""
+        q = warp(logits[: self._shared] if self._slice else logits, params)
+        if self._shared < self.vocab_size:
+            q = torch.nn.functional.pad(q, (0, self.vocab_size - self._shared))
+        return q
+
+    def _call(
+        self,
+        feed: list[int],
+        stats: DecodeStats,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        logits_to_keep: int | None = 1,
+    ) -> CallResult:
+        """One drafter forward on top of its cache, recorded in ``stats`` (the first one as prefill)."""
+        prefill = self._cache is None
+        if self.before_forward is not None:
+            self.before_forward(self._length, len(feed))
+        out = self.drafter(
+            feed,
+            self._cache,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            logits_to_keep=logits_to_keep,
+        )
+        self._cache = out.cache
+        stats.drafter_calls += 1
+        stats.drafter_time += out.seconds
+        if prefill:
+            stats.drafter_prefill_calls += 1
+            stats.drafter_prefill_time += out.seconds
+        return out
+
+    def propose(
+        self,
+        sequence: list[int],
+        budget: int,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        eos: frozenset[int],
+        stats: DecodeStats,
+    ) -> Draft:
+        tokens: list[int] = []
+        qs: list[torch.Tensor] = []
+        greedy = params.greedy
+        feed = self._embeddable(sequence[self._length :])
+        for _ in range(budget):
+            out = self._call(feed, stats)
+            self._length += len(feed)
+            logits = out.logits[-1]
+            if greedy:
+                x = int((logits[: self._shared] if self._slice else logits).argmax())
+            else:
+                q = self._distribution(logits, params)
+                x = int(sample_with_uniform(q, uniforms((), generator, q.device)))
+                qs.append(q)
+            tokens.append(x)
+            if x in eos:
+                break
+            feed = self._embeddable([x])
+        q_all = torch.stack(qs) if qs else None
+        return Draft.chain(tokens, q_all)
+
+    def observe(self, states: torch.Tensor) -> None:
+        """Never called: ``hidden_layers`` is None."""
+
+    def commit(self, length: int, path: Sequence[int] | None = None) -> None:
+        if self._length > length:
+            crop_cache(self._cache, length, self._length)
+            self._length = length

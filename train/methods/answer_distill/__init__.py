@@ -1,0 +1,1 @@
+"""The answer_distill method."""

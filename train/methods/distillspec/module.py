@@ -1,0 +1,463 @@
+"""DistillSpec / GKD: distil the drafter (student) towards the frozen verifier (teacher).
+
+ALGORITHMS.md section 2 (Zhou et al. 2023, arXiv 2310.08461; Agarwal et al. 2023, arXiv 2306.13649).
+Each training step draws a batch of prompts, picks where its continuations come from, and minimises
+the mean per-token divergence D(p || q_theta) over the continuation tokens only:
+
+``data_source`` (``G`` in the paper) -- which continuations a batch trains on:
+
+==================  ===========================================================================
+``fixed``           the ground-truth continuations of the corpus (no generation)
+``teacher``         sampled from the verifier (cached: one per prompt per run, see below)
+``student``         sampled from the current drafter: on-policy, every batch
+``mixed_fixed``     on-policy with probability ``lmbda``, otherwise ``fixed``
+``mixed_teacher``   on-policy with probability ``lmbda``, otherwise ``teacher``
+==================  ===========================================================================
+
+``lmbda`` only matters for the two ``mixed_*`` sources (``student`` is lmbda = 1, ``fixed`` and
+``teacher`` are lmbda = 0). Rollouts use :func:`train.training.rollout.rollout` -- the evaluator's
+``warp``/``sample`` with a KV cache, batched with left padding -- under ``torch.no_grad``.
+Teacher continuations depend only on the prompt, so they are generated once per prompt and run and
+cached in memory (``cache_teacher``): later epochs reuse them, which makes teacher batches cost one
+teacher + one student forward instead of a full generation.
+
+A student whose config names a draft vocabulary (``config.draft_vocab``, FR-Spec; docs/draft_vocab.md)
+drafts and trains over it only: on-policy rollouts sample from it
+(:class:`~train.models.draft_vocab.DraftVocabModel`, ``-inf`` outside), the divergence compares its
+logits over the draft ids with the teacher's renormalised over them (``draft_divergence``), and
+``expected_acceptance`` is what decoding sees: the teacher's whole distribution, q = 0 outside
+(``draft_acceptance``). The student itself stays a plain model (export, LoRA, checkpoints).
+
+The verifier is held outside the module's registered children, so it is never written to Lightning
+checkpoints and never receives an optimizer; it is reloaded from its source on resume.
+The module holds no evaluation or export code: it implements :class:`train.report.Finishable`
+(the pretrained drafter as ``before``, the distilled one as ``after``, export as a Hugging Face
+folder) and :func:`train.report.finish` exports, evaluates and reports.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import random
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+
+from train.config import require
+from train.decoding.metrics import simulated_block_efficiency
+from train.decoding.sampling import SamplingParams
+from train.export.drafter import export_drafter
+from train.losses import DIVERGENCES, divergence, expected_acceptance
+from train.models.draft_vocab import (
+    DraftVocabModel,
+    draft_acceptance,
+    draft_divergence,
+    draft_vocab_of,
+    vocab_index,
+)
+from train.models.loading import eos_token_ids, load_model, output_vocab_size
+from train.models.lora import LoraSettings, apply_lora, merge_lora
+from train.training.optim import (
+    check_optimizer,
+    clip_gradients,
+    configure_optimizers,
+    float32_trainables,
+    weights_dtype,
+)
+from train.training.responses import (
+    ResponseCache,
+    check_prompt_settings,
+    continuation_logits,
+    mix_seed,
+    prompt_data,
+    seeded_generator,
+    with_continuation,
+)
+from train.training.rollout import Rollout, rollout
+
+log = logging.getLogger(__name__)
+
+DATA_SOURCES: tuple[str, ...] = ("fixed", "teacher", "student", "mixed_fixed", "mixed_teacher")
+
+
+@dataclass
+class DistillSpecConfig:
+    """Hyperparameters of DistillSpec (``method=distillspec``); validated before any model loads."""
+
+    optimizer: Any
+    scheduler: Any = None
+    divergence: str = "fkl"
+    """One of ``fkl``, ``rkl``, ``jsd``, ``tvd`` (:func:`train.losses.divergence`)."""
+    beta: float = 0.5
+    """JSD interpolation in [0, 1]; 0 is FKL, 1 is RKL (GKD's convention)."""
+    lmbda: float = 0.5
+    """Probability of an on-policy batch for the ``mixed_*`` data sources."""
+    data_source: str = "teacher"
+    """Where continuations come from: see the module docstring."""
+    temperature: float = 1.0
+    """Sampling temperature of rollouts, also the softmax temperature of the loss; > 0."""
+    max_new_tokens: int = 32
+    prompt_len: int = 64
+    batch_size: int = 16
+    num_prompts: int = 1024
+    """Training prompts cut from the corpus's train split."""
+    num_val_prompts: int = 32
+    """Held-out prompts (validation split) whose teacher continuations are generated once per run."""
+    ce_weight: float = 0.0
+    """Weight of an extra cross-entropy on the ground-truth continuation (0 = off)."""
+    gamma: int = 4
+    """Draft length for ``val/simulated_block_efficiency``."""
+    cache_teacher: bool = True
+    """Generate each training prompt's teacher continuation once and reuse it in later epochs."""
+    lora: Any = None
+    """LoRA on the drafter (:class:`train.models.lora.LoraSettings`); None: a full fine-tune."""
+
+    def __post_init__(self) -> None:
+        check_optimizer("method", self.optimizer, self.scheduler)
+        require(self.divergence in DIVERGENCES, "method.divergence", f"one of {DIVERGENCES}", self.divergence)
+        require(_in_unit(self.beta), "method.beta", "in [0, 1]", self.beta)
+        require(_in_unit(self.lmbda), "method.lmbda", "in [0, 1]", self.lmbda)
+        require(
+            self.data_source in DATA_SOURCES, "method.data_source", f"one of {DATA_SOURCES}", self.data_source
+        )
+        require(
+            isinstance(self.temperature, int | float)
+            and math.isfinite(self.temperature)
+            and self.temperature > 0,
+            "method.temperature",
+            "> 0 (rollouts sample; greedy rollouts are not supported)",
+            self.temperature,
+        )
+        check_prompt_settings(self)
+        require(self.ce_weight >= 0, "method.ce_weight", ">= 0", self.ce_weight)
+        require(self.gamma >= 1, "method.gamma", ">= 1", self.gamma)
+        self.lora = LoraSettings.coerce(self.lora, "method.lora")
+
+    @property
+    def on_policy_probability(self) -> float:
+        """lambda as the data source implies it."""
+        return {"student": 1.0, "fixed": 0.0, "teacher": 0.0}.get(self.data_source, self.lmbda)
+
+    @property
+    def off_policy_source(self) -> str:
+        """What a batch that is not on-policy trains on: ``fixed`` or ``teacher``."""
+        return "fixed" if self.data_source in ("fixed", "mixed_fixed") else "teacher"
+
+    def build(self, pair: Any, spec: Any) -> tuple[DistillSpecModule, L.LightningDataModule]:
+        """Student = the pair's drafter (LoRA-wrapped if asked), teacher = the frozen verifier; the
+        pretrained drafter is reloaded from ``model.drafter`` for the finish step's ``before``."""
+        data = prompt_data(self, pair.tokenizer, spec.data, spec.seed)
+        m = spec.model
+        pretrained = functools.partial(
+            load_model, m.drafter, m.dtype, m.attn_implementation, m.trust_remote_code
+        )
+        module = DistillSpecModule(
+            pair.drafter, pair.verifier, pair.tokenizer, self, seed=spec.seed, pretrained=pretrained
+        )
+        return module, data
+
+
+def _in_unit(x: Any) -> bool:
+    return isinstance(x, int | float) and 0.0 <= x <= 1.0
+
+
+class DistillSpecModule(L.LightningModule):
+    """The drafter learns the verifier's next-token distributions on continuation tokens.
+
+    ``pretrained``: loads the drafter as it was before training (the finish step's ``before``);
+    None: only the distilled drafter is evaluated.
+    """
+
+    teacher: torch.nn.Module
+    reference_drafter: str | None = "before"
+    artifact_dir = "drafter"
+    card_base = "drafter"
+
+    def __init__(
+        self,
+        student: torch.nn.Module,
+        teacher: torch.nn.Module,
+        tokenizer: Any,
+        cfg: DistillSpecConfig,
+        seed: int = 0,
+        pretrained: Callable[[], torch.nn.Module] | None = None,
+    ) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.seed = seed
+        self.export_dtype = weights_dtype(student)  # model.dtype: what the export is written in
+        # float32 master weights for what trains (full drafter or adapters); the frozen base keeps its dtype
+        self.student = float32_trainables(apply_lora(student, cfg.lora) if cfg.lora.enabled else student)
+        # Not a registered child: the frozen verifier stays out of state_dict, checkpoints and the optimizer.
+        object.__setattr__(self, "teacher", teacher)
+        teacher.eval()
+        teacher.requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.pretrained = pretrained
+        self.params = SamplingParams(temperature=float(cfg.temperature))
+        self.eos_token_id = eos_token_ids(tokenizer, teacher, student)
+        pad = tokenizer.pad_token_id
+        self.pad_token_id = int(pad if pad is not None else self.eos_token_id[0])
+        self.vocab_size = min(output_vocab_size(student), output_vocab_size(teacher))
+        ids = draft_vocab_of(student)
+        #: A drafter with a reduced vocabulary (``config.draft_vocab``) samples and is trained over it only.
+        self.draft_ids: torch.Tensor | None = torch.tensor(ids, dtype=torch.long) if ids else None
+        self._teacher_cache = ResponseCache(
+            lambda ids, attn, gen: self._generate(self.teacher, ids, attn, gen), self.pad_token_id
+        )
+        self._val_cache: dict[int, Rollout] = {}
+        self._val_sums = [0.0, 0.0, 0]
+        self.last_num_tokens = 0
+
+    # ---------------------------------------------------------------- plumbing
+
+    def setup(self, stage: str) -> None:
+        self.teacher.to(self.device)
+        if self.draft_ids is not None:
+            self.draft_ids = self.draft_ids.to(self.device)
+
+    def on_fit_start(self) -> None:
+        self.teacher.to(self.device)
+        self.student.train()  # from_pretrained returns eval mode; the teacher stays in eval mode
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """The teacher continuations generated so far travel with the checkpoint: a resumed run reuses
+        them instead of sampling different ones at a later step (exact resume)."""
+        checkpoint["teacher_cache"] = self._teacher_cache.state()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._teacher_cache.load(checkpoint.get("teacher_cache"))
+
+    def configure_optimizers(self) -> Any:
+        params = [p for p in self.student.parameters() if p.requires_grad]
+        return configure_optimizers(params, self.cfg.optimizer, self.cfg.scheduler)
+
+    def configure_gradient_clipping(
+        self,
+        optimizer: Any,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
+        """Lightning's clipping, with the norm taken over the whole sharded drafter under FSDP."""
+        clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+    def _generator(self, *salt: int) -> torch.Generator:
+        """Seeded by (run seed, salt): reproducible on resume, distinct per rank."""
+        return seeded_generator(self.device, self.seed, *salt)
+
+    # ---------------------------------------------------------------- data
+
+    def _fixed(self, batch: dict[str, torch.Tensor]) -> Rollout:
+        """Prompt + ground-truth continuation, in the same layout a rollout has."""
+        return with_continuation(
+            batch["input_ids"], batch["attention_mask"], batch["continuation_ids"], batch["continuation_mask"]
+        )
+
+    def _generate(
+        self, model: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor, gen: torch.Generator
+    ) -> Rollout:
+        return rollout(
+            model,
+            ids,
+            attn,
+            self.cfg.max_new_tokens,
+            self.params,
+            eos_token_id=self.eos_token_id,
+            pad_token_id=self.pad_token_id,
+            generator=gen,
+            vocab_size=self.vocab_size,
+        )
+
+    def _teacher_rollout(self, batch: dict[str, torch.Tensor], gen: torch.Generator) -> Rollout:
+        ids, attn = batch["input_ids"], batch["attention_mask"]
+        if not self.cfg.cache_teacher:
+            return self._generate(self.teacher, ids, attn, gen)
+        return self._teacher_cache(ids, attn, gen)
+
+    def make_batch(self, batch: dict[str, torch.Tensor], source: str, gen: torch.Generator) -> Rollout:
+        """The training sequences for ``source`` in {fixed, teacher, student}."""
+        if source == "fixed":
+            return self._fixed(batch)
+        if source == "teacher":
+            return self._teacher_rollout(batch, gen)
+        return self._generate(self.drafting_student(), batch["input_ids"], batch["attention_mask"], gen)
+
+    def drafting_student(self, full_logits: bool = True) -> torch.nn.Module:
+        """The student as it drafts: over its draft vocabulary when it has one (full-size logits with
+        ``-inf`` outside, or, ``full_logits=False``, the draft ids' logits only)."""
+        if self.draft_ids is None:
+            return self.student
+        return DraftVocabModel(self.student, self.draft_ids.to(self.device), full_logits=full_logits)
+
+    def pick_source(self, step: int) -> str:
+        """On-policy with probability lambda, drawn from a per-step seed (reproducible on resume)."""
+        lam = self.cfg.on_policy_probability
+        if lam >= 1.0:
+            return "student"
+        if lam > 0.0 and random.Random(mix_seed(self.seed, step, -2)).random() < lam:
+            return "student"
+        return self.cfg.off_policy_source
+
+    # ---------------------------------------------------------------- loss
+
+    def logits(self, model: torch.nn.Module, ro: Rollout) -> torch.Tensor:
+        """(B, N, V) logits predicting the continuation positions."""
+        return continuation_logits(model, ro)
+
+    def distill_loss(self, ro: Rollout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(loss, student logits, teacher logits, mask) on the continuation tokens of ``ro``."""
+        mask = ro.continuation_mask[:, ro.prompt_width :]
+        with torch.no_grad():
+            teacher_logits = self.logits(self.teacher, ro)
+        cfg = self.cfg
+        if self.draft_ids is None:
+            student_logits = self.logits(self.student, ro)
+            loss = divergence(
+                cfg.divergence,
+                student_logits,
+                teacher_logits,
+                mask,
+                temperature=cfg.temperature,
+                beta=cfg.beta,
+            )
+        else:  # (B, N, n_draft) logits; the teacher renormalised over the draft ids (FR-Spec, EAGLE-3)
+            student_logits = self.logits(self.drafting_student(full_logits=False), ro)
+            loss = draft_divergence(
+                cfg.divergence,
+                student_logits,
+                teacher_logits,
+                self.draft_ids,
+                mask,
+                temperature=cfg.temperature,
+                beta=cfg.beta,
+            )
+        return loss, student_logits, teacher_logits, mask
+
+    def acceptance(
+        self, student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """``expected_acceptance``: sum_v min(p, q) with the teacher's whole p; a student with a draft
+        vocabulary has q = 0 outside it (:func:`~train.models.draft_vocab.draft_acceptance`), so the
+        teacher's mass there counts as rejected, as in decoding."""
+        t = self.cfg.temperature
+        if self.draft_ids is None:
+            return expected_acceptance(student_logits, teacher_logits, mask, temperature=t)
+        return draft_acceptance(student_logits, teacher_logits, self.draft_ids, mask, temperature=t)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        step = self.global_step
+        source = self.pick_source(step)
+        ro = self.make_batch(batch, source, self._generator(step, self.global_rank))  # each rank its own
+        loss, s_logits, t_logits, mask = self.distill_loss(ro)
+        self.last_num_tokens = int(mask.sum())
+        total = loss
+        if self.cfg.ce_weight > 0:
+            ce = self.ground_truth_ce(batch)
+            total = loss + self.cfg.ce_weight * ce
+            self.log("train/ce", ce)
+        ea = self.acceptance(s_logits.detach(), t_logits, mask)
+        bs = batch["input_ids"].shape[0]
+        self.log("train/loss", total, prog_bar=True, batch_size=bs)
+        self.log("train/divergence", loss.detach(), batch_size=bs)
+        self.log("train/expected_acceptance", ea, prog_bar=True, batch_size=bs)
+        self.log("train/on_policy_fraction", float(source == "student"), batch_size=bs)
+        self.log("train/continuation_tokens", float(mask.sum()), batch_size=bs, reduce_fx="sum")
+        return total
+
+    def ground_truth_ce(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Next-token cross-entropy of the student on the corpus continuation."""
+        ro = self._fixed(batch)
+        labels = ro.sequences[:, ro.prompt_width :]
+        mask = ro.continuation_mask[:, ro.prompt_width :]
+        if self.draft_ids is not None:  # over the draft vocabulary: labels outside it do not count
+            labels = vocab_index(self.draft_ids.to(labels.device), self.vocab_size)[labels]
+            mask = mask & (labels >= 0)
+            logits = self.logits(self.drafting_student(full_logits=False), ro)
+        else:
+            logits = self.logits(self.student, ro)[..., : self.vocab_size]
+        if not mask.any():  # no label inside the draft vocabulary: a zero still attached to the graph
+            return logits.sum() * 0.0
+        return torch.nn.functional.cross_entropy(logits[mask].float(), labels[mask])
+
+    # ---------------------------------------------------------------- validation
+
+    def on_validation_epoch_start(self) -> None:
+        self._val_sums = [0.0, 0.0, 0]
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        if batch_idx not in self._val_cache:  # held-out teacher continuations: generated once per run
+            self._val_cache[batch_idx] = self._generate(
+                self.teacher,
+                batch["input_ids"],
+                batch["attention_mask"],
+                self._generator(-1, batch_idx, self.global_rank),
+            )
+        loss, s_logits, t_logits, mask = self.distill_loss(self._val_cache[batch_idx])
+        n = int(mask.sum())
+        ea = self.acceptance(s_logits, t_logits, mask)
+        self._val_sums[0] += float(loss) * n
+        self._val_sums[1] += float(ea) * n
+        self._val_sums[2] += n
+
+    def on_validation_epoch_end(self) -> None:
+        loss_sum, ea_sum, n = self._val_sums
+        if n == 0:
+            return
+        ea = min(max(ea_sum / n, 0.0), 1.0)
+        self.log("val/loss", loss_sum / n, prog_bar=True, sync_dist=True)
+        self.log("val/expected_acceptance", ea, prog_bar=True, sync_dist=True)
+        self.log(
+            "val/simulated_block_efficiency", simulated_block_efficiency(ea, self.cfg.gamma), sync_dist=True
+        )
+
+    # ---------------------------------------------------------------- finish
+
+    def distilled_drafter(self) -> torch.nn.Module:
+        """The student as a plain Hugging Face model (LoRA adapters merged into a copy) in the dtype it
+        was loaded in (``model.dtype``): what is exported and evaluated as ``after``."""
+        return merge_lora(self.student, self.export_dtype)
+
+    def drafters_to_evaluate(self) -> dict[str, torch.nn.Module]:
+        """``before`` (the pretrained drafter, reloaded) and ``after`` (the distilled one)."""
+        drafters = {"after": self.distilled_drafter()}
+        if self.pretrained is not None:
+            drafters = {"before": self.pretrained(), **drafters}
+        return drafters
+
+    def evaluation_verifier(self, verifier: torch.nn.Module) -> torch.nn.Module:
+        """The pair's verifier, unchanged by distillation."""
+        return verifier
+
+    def report_sections(self) -> list[str]:
+        return []
+
+    def export(self, out_dir: str) -> Path:
+        """The distilled drafter as a Hugging Face folder (safetensors + tokenizer)."""
+        return export_drafter(self.distilled_drafter(), self.tokenizer, out_dir)
+
+    def report_summary(self) -> dict[str, Any]:
+        """The settings that define this distillation run, for ``report.json``."""
+        keys = (
+            "divergence",
+            "beta",
+            "lmbda",
+            "data_source",
+            "temperature",
+            "max_new_tokens",
+            "prompt_len",
+            "batch_size",
+            "num_prompts",
+            "ce_weight",
+            "gamma",
+        )
+        return {
+            "method": "distillspec",
+            **{k: getattr(self.cfg, k) for k in keys},
+            "lora": asdict(self.cfg.lora),
+        }

@@ -1,0 +1,1 @@
+"""The pretrain method."""

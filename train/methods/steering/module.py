@@ -1,0 +1,564 @@
+"""SD^2: train a steering module (and the drafter) so the verifier's hidden states steer a pretrained
+drafter (ALGORITHMS.md section 6; Berdoz, Rheinboldt, Wattenhofer, arXiv 2511.09844; docs/steering.md).
+
+**Data.** The frozen verifier answers each training prompt once per run at ``temperature`` (T = 1 by
+default), in batched rollouts with the engine's sampling (:class:`train.training.responses.ResponseCache`);
+the responses travel with the run's checkpoints, so a resumed run trains on the same ones.
+
+**Arms.** One run trains, on the very same batches, steps and loss, every drafter the comparison needs,
+each with its own parameters (one verifier forward per batch serves them all):
+
+==========================  ===================================================================
+``steered``                 ``method.drafter`` (default: the pair's drafter) + a steering module
+``distilled``               the same drafter without steering: the paper's "distilled" baseline
+                            (``distilled_baseline``)
+``distillspec_steered``     an exported DistillSpec drafter + its own steering module
+                            (``distillspec_drafter``: a path, or ``auto`` = the newest
+                            ``checkpoints/distillspec`` run of this verifier, skipped when none)
+==========================  ===================================================================
+
+The drafters train fully, through LoRA (``lora``) or not at all (``train_drafter: false``: the
+steering modules alone; no ``distilled`` arm, since nothing of it would train, and the baseline of the
+ratios is the untouched drafter, ``pretrained``). The loss is a divergence of
+:mod:`train.losses` by name (forward KL by default) between the verifier's and the drafter's
+distributions on response tokens. Gradients are clipped per arm, so arms never interact.
+
+**Stale guides.** Training steers each drafter position with the guide decoding would give it, by
+the same rule (:func:`train.models.steering_module.guide_for`: the latest guide position strictly before
+it). Guide positions are the verifier positions that produced each verification's last committed token;
+each batch draws one o in 1..gamma (the authors' draw) and simulates verifications that commit o
+tokens each (:func:`~train.models.steering_module.simulated_guides`): the first o response tokens are drafted
+unsteered (decoding's first block, before any verification), then staleness runs 1..o in every block.
+Validation measures each steered arm at every o and logs ``val/expected_acceptance`` (mean over
+staleness 1..gamma) and ``val/simulated_block_efficiency`` (block position i with the acceptance at
+staleness i) for the ``steered`` arm, ``val/<arm>/...`` for every arm.
+
+**Finish** (:func:`train.report.finish`): exports ``steering/`` (mixin folder; its config records the
+verifier layers, the sizes and the pair it fits) with ``drafter/`` beside it (loads alone as a plain
+drafter), ``distilled_drafter/`` and ``distillspec_steered/{drafter,steering}``; then evaluates the
+pretrained drafter, every arm (steered ones as :class:`~train.models.steering_module.SteeredDrafter`) and the
+DistillSpec drafter as it was, with ratios to ``distilled``.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import lightning as L
+import torch
+
+from train.config import check_model_source, require
+from train.decoding.metrics import positional_block_efficiency
+from train.decoding.sampling import SamplingParams
+from train.export.drafter import export_drafter
+from train.losses import DIVERGENCES, divergence, expected_acceptance
+from train.models.loading import eos_token_ids, load_drafter, output_vocab_size
+from train.models.lora import LoraSettings, apply_lora, merge_lora
+from train.models.steering_module import (
+    SteeredDrafter,
+    SteeringModule,
+    guide_for,
+    simulated_guides,
+    stale_guide_states,
+)
+from train.rundir import newest_artifact
+from train.tables import format_value, markdown_table
+from train.training.optim import (
+    check_optimizer,
+    clip_gradients,
+    configure_optimizers,
+    float32_trainables,
+    partial_kwarg,
+    weights_dtype,
+)
+from train.training.responses import (
+    ResponseCache,
+    check_prompt_settings,
+    continuation_logits,
+    mix_seed,
+    prompt_data,
+    seeded_generator,
+)
+from train.training.rollout import Rollout, position_ids_from_mask, rollout
+
+__all__ = ["SteeringConfig", "SteeringTrainingModule"]
+
+log = logging.getLogger(__name__)
+
+MAIN_ARM = "steered"
+BASELINE_ARM = "distilled"
+DISTILLSPEC_ARM = "distillspec_steered"
+
+
+@dataclass
+class SteeringConfig:
+    """Hyperparameters of SD^2 training (``method=steering``); validated before any model loads."""
+
+    optimizer: Any
+    scheduler: Any = None
+    drafter: str | None = None
+    """The drafter to steer: any exported drafter (a folder) or Hub id; None: the pair's ``model.drafter``."""
+    train_drafter: bool = True
+    """False: only the steering module trains (the drafter stays as loaded)."""
+    lora: Any = None
+    """LoRA on the drafters (:class:`train.models.lora.LoraSettings`); None or disabled: full fine-tune."""
+    layers: list[int] | None = None
+    """Verifier layers the guide reads (indices into ``hidden_states``); None: early/middle/late."""
+    divergence: str = "fkl"
+    """One of ``fkl``, ``rkl``, ``jsd``, ``tvd`` (:func:`train.losses.divergence`)."""
+    beta: float = 0.5
+    temperature: float = 1.0
+    """The verifier's sampling temperature for the responses (> 0), also the loss's softmax temperature."""
+    max_new_tokens: int = 32
+    prompt_len: int = 64
+    batch_size: int = 16
+    num_prompts: int = 1024
+    num_val_prompts: int = 32
+    gamma: int = 4
+    """Guides are 1..gamma positions stale in training and validation (the decoder's draft length)."""
+    steering_lr_multiplier: float = 1.0
+    """The steering modules learn at this multiple of the optimizer's rate (they start from zero)."""
+    distilled_baseline: bool = True
+    """Also train the drafter without steering on the same batches (the ``distilled`` arm)."""
+    distillspec_drafter: str | None = None
+    """Also steer this exported drafter (``distillspec_steered``); ``auto``: the newest DistillSpec run's."""
+
+    def __post_init__(self) -> None:
+        check_optimizer("method", self.optimizer, self.scheduler)
+        require(self.divergence in DIVERGENCES, "method.divergence", f"one of {DIVERGENCES}", self.divergence)
+        require(0.0 <= self.beta <= 1.0, "method.beta", "in [0, 1]", self.beta)
+        require(self.temperature > 0, "method.temperature", "> 0 (responses are sampled)", self.temperature)
+        check_prompt_settings(self)
+        require(self.gamma >= 1, "method.gamma", ">= 1", self.gamma)
+        require(
+            self.steering_lr_multiplier > 0,
+            "method.steering_lr_multiplier",
+            "> 0",
+            self.steering_lr_multiplier,
+        )
+        require(
+            self.layers is None or (len(self.layers) >= 1 and all(int(i) >= 0 for i in self.layers)),
+            "method.layers",
+            "null or a list of verifier layer indices >= 0",
+            self.layers,
+        )
+        self.lora = LoraSettings.coerce(self.lora, "method.lora")
+        require(
+            self.train_drafter or not self.lora.enabled,
+            "method.lora.enabled",
+            "false when method.train_drafter is false (nothing of the drafter trains)",
+            self.lora.enabled,
+        )
+        if self.drafter is not None:
+            check_model_source("method.drafter", str(self.drafter))
+        if self.distillspec_drafter not in (None, "auto"):
+            check_model_source("method.distillspec_drafter", str(self.distillspec_drafter))
+
+    def build(self, pair: Any, spec: Any) -> tuple[SteeringTrainingModule, L.LightningDataModule]:
+        """The arms (see the module docstring) on the pair's verifier, trained on ``spec.data`` prompts."""
+        data = prompt_data(self, pair.tokenizer, spec.data, spec.seed)
+        m = spec.model
+        load = functools.partial(load_drafter, m, tokenizer=pair.tokenizer, verifier=pair.verifier)
+        source = self.drafter or m.drafter
+        drafter = pair.drafter if self.drafter is None else load(source, key="method.drafter")
+        arms: dict[str, tuple[torch.nn.Module, SteeringModule | None]] = {}
+        if self.distilled_baseline and self.train_drafter:  # frozen, it would be the pretrained drafter
+            arms[BASELINE_ARM] = (copy.deepcopy(drafter), None)
+        arms[MAIN_ARM] = (drafter, self.steering_for(pair.verifier, drafter))
+        references: dict[str, Callable[[], torch.nn.Module]] = {
+            "pretrained": functools.partial(load, source, key="method.drafter")
+        }
+        distillspec = self.distillspec_drafter
+        if distillspec == "auto":
+            distillspec = newest_artifact(spec.paths.checkpoints_dir, "distillspec", m.verifier, "drafter")
+            if distillspec is None:
+                log.warning(
+                    "method.distillspec_drafter=auto: no DistillSpec run of %s under %s; the %s arm is "
+                    "skipped (run `python train.py experiment=distillspec` first to add it)",
+                    m.verifier,
+                    spec.paths.checkpoints_dir,
+                    DISTILLSPEC_ARM,
+                )
+        if distillspec is not None:
+            ds = load(distillspec, key="method.distillspec_drafter")
+            arms[DISTILLSPEC_ARM] = (ds, self.steering_for(pair.verifier, ds))
+            references["distillspec"] = functools.partial(load, distillspec, key="method.distillspec_drafter")
+        module = SteeringTrainingModule(
+            pair.verifier, arms, pair.tokenizer, self, seed=spec.seed, references=references
+        )
+        module.sources = {"drafter": source, "distillspec_drafter": distillspec}
+        return module, data
+
+    def steering_for(self, verifier: Any, drafter: torch.nn.Module) -> SteeringModule:
+        """A zero-initialised steering module for this drafter, reading ``layers`` of the verifier."""
+        depth = int(verifier.config.num_hidden_layers)
+        require(
+            self.layers is None or max(int(i) for i in self.layers) <= depth,
+            "method.layers",
+            f"indices into the verifier's hidden_states (0..{depth})",
+            self.layers,
+        )
+        return SteeringModule.for_pair(verifier, drafter, self.layers).float()
+
+
+class SteeringTrainingModule(L.LightningModule):
+    """Every arm's drafter (and steering module) learns the verifier's distributions on its responses.
+
+    ``arms``: {label: (drafter, steering module or None)}; ``references``: {label: loader} of drafters
+    evaluated as they are (the pretrained drafter, the DistillSpec drafter)."""
+
+    verifier: torch.nn.Module
+    artifact_dir = "steering"
+    card_base = "drafter"
+
+    def __init__(
+        self,
+        verifier: torch.nn.Module,
+        arms: dict[str, tuple[torch.nn.Module, SteeringModule | None]],
+        tokenizer: Any,
+        cfg: SteeringConfig,
+        seed: int = 0,
+        references: dict[str, Callable[[], torch.nn.Module]] | None = None,
+    ) -> None:
+        super().__init__()
+        if MAIN_ARM not in arms or arms[MAIN_ARM][1] is None:
+            raise ValueError(f"arms must include {MAIN_ARM!r} with a steering module")
+        self.cfg = cfg
+        self.seed = seed
+        self.tokenizer = tokenizer
+        self.references = dict(references or {})
+        self.sources: dict[str, Any] = {}
+        object.__setattr__(self, "verifier", verifier)  # frozen, outside checkpoints and the optimizer
+        verifier.eval()
+        verifier.requires_grad_(False)
+        self.drafters = torch.nn.ModuleDict()
+        self.steering = torch.nn.ModuleDict()
+        if not cfg.train_drafter and any(steering is None for _, steering in arms.values()):
+            log.info("method.train_drafter=false: unsteered arms have nothing to train and are left out")
+            arms = {label: arm for label, arm in arms.items() if arm[1] is not None}
+        for label, (drafter, steering) in arms.items():
+            if not cfg.train_drafter:
+                drafter.requires_grad_(False)  # the steering modules alone train; no drafter moves
+            elif cfg.lora.enabled:
+                drafter = apply_lora(drafter, cfg.lora)  # adapters train, the base stays frozen
+            else:
+                drafter.requires_grad_(True)
+            self.drafters[label] = drafter
+            if steering is not None:
+                self.steering[label] = steering
+                for other in self.steering.values():  # one verifier forward must serve every module
+                    if other.verifier_layers != steering.verifier_layers:
+                        raise ValueError("every steering module must read the same verifier layers")
+        self.export_dtype = weights_dtype(arms[MAIN_ARM][0])  # model.dtype, read before the upcast
+        float32_trainables(self.drafters)  # float32 master weights for all that trains (docs/scale.md)
+        float32_trainables(self.steering)
+        self.layers = list(self.steering_of(MAIN_ARM).verifier_layers)
+        self.params = SamplingParams(temperature=float(cfg.temperature))
+        first = next(iter(self.drafters.values()))
+        self.eos_token_id = eos_token_ids(tokenizer, verifier, first)
+        pad = tokenizer.pad_token_id
+        self.pad_token_id = int(pad if pad is not None else self.eos_token_id[0])
+        self.vocab_size = min(
+            output_vocab_size(verifier), *(output_vocab_size(d) for d in self.drafters.values())
+        )
+        self.responses = ResponseCache(self._generate, self.pad_token_id)
+        self._val_cache: dict[int, Rollout] = {}
+        self._val_sums: dict[tuple[str, int], list[float]] = {}
+        self._val_stale: dict[tuple[str, int], list[float]] = {}  # (arm, staleness) -> [sum of ea, count]
+        self.last_validation: dict[str, float] = {}
+        # ratios are taken against the paper's baseline when it trains, else against the untouched drafter
+        self.reference_drafter: str | None = BASELINE_ARM if BASELINE_ARM in self.drafters else "pretrained"
+
+    # ---------------------------------------------------------------- plumbing
+
+    def steering_of(self, label: str) -> SteeringModule:
+        return cast(SteeringModule, self.steering[label])
+
+    def setup(self, stage: str) -> None:
+        self.verifier.to(self.device)
+
+    def on_fit_start(self) -> None:
+        self.verifier.to(self.device)
+        self.drafters.train()
+        self.steering.train()
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["verifier_responses"] = self.responses.state()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.responses.load(checkpoint.get("verifier_responses"))
+
+    def configure_optimizers(self) -> Any:
+        lr = partial_kwarg(self.cfg.optimizer, "lr") or 1e-3
+        groups = [
+            {"params": [p for p in self.drafters.parameters() if p.requires_grad], "lr": lr},
+            {
+                "params": [p for p in self.steering.parameters() if p.requires_grad],
+                "lr": lr * self.cfg.steering_lr_multiplier,
+            },
+        ]
+        return configure_optimizers(
+            [g for g in groups if g["params"]], self.cfg.optimizer, self.cfg.scheduler
+        )
+
+    def configure_gradient_clipping(
+        self,
+        optimizer: Any,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
+        """Clip each arm by its own norm (drafter and steering module together): a global norm over all
+        arms would couple their updates. Under FSDP each arm's norm is summed over the shards."""
+        groups = []
+        for label, drafter in self.drafters.items():
+            params = list(drafter.parameters())
+            if label in self.steering:
+                params += self.steering[label].parameters()
+            groups.append(params)
+        clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm, groups)
+
+    def _generator(self, *salt: int) -> torch.Generator:
+        """Seeded by (run seed, salt): reproducible on resume, distinct per rank."""
+        return seeded_generator(self.device, self.seed, *salt)
+
+    def _generate(self, ids: torch.Tensor, attn: torch.Tensor, gen: torch.Generator) -> Rollout:
+        return rollout(
+            self.verifier,
+            ids,
+            attn,
+            self.cfg.max_new_tokens,
+            self.params,
+            eos_token_id=self.eos_token_id,
+            pad_token_id=self.pad_token_id,
+            generator=gen,
+            vocab_size=self.vocab_size,
+        )
+
+    def offset_for(self, step: int) -> int:
+        """The guide staleness o in 1..gamma of a training step (reproducible on resume)."""
+        return random.Random(mix_seed(self.seed, step, -3)).randint(1, self.cfg.gamma)
+
+    # ---------------------------------------------------------------- loss
+
+    @torch.no_grad()
+    def verifier_view(self, ro: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
+        """The verifier's logits on the response positions (B, N, V) and its states entering the guide's
+        layers at every position (B, T, S, d), from one forward."""
+        out = self.verifier(
+            input_ids=ro.sequences,
+            attention_mask=ro.attention_mask,
+            position_ids=position_ids_from_mask(ro.attention_mask),
+            logits_to_keep=ro.sequences.shape[1] - ro.prompt_width + 1,
+            output_hidden_states=True,
+            use_cache=False,
+        )
+        states = torch.stack([out.hidden_states[i] for i in self.layers], dim=2)
+        return out.logits[:, :-1], states
+
+    def arm_logits(self, label: str, ro: Rollout, states: torch.Tensor, offset: int) -> torch.Tensor:
+        """The arm's drafter logits on the response positions, steered with guides ``offset`` stale."""
+        drafter = self.drafters[label]
+        if label not in self.steering:
+            return continuation_logits(drafter, ro)
+        steering = self.steering_of(label)
+        guides, has_guide = stale_guide_states(
+            states, simulated_guides(ro.prompt_width, offset, states.shape[1])
+        )
+        deltas = steering(guides.to(steering.norm.weight.dtype))
+        deltas = deltas * has_guide[..., None, None].to(deltas.dtype)
+        with steering.attach(drafter) as handle:
+            handle.set(deltas)
+            return continuation_logits(drafter, ro)
+
+    def staleness(self, ro: Rollout, offset: int) -> torch.Tensor:
+        """(N,) how stale the guide of each response logit is in :meth:`arm_logits` (t - guide of its
+        drafter position t; 0: no guide, the first block)."""
+        width, length = ro.prompt_width, ro.sequences.shape[1]
+        guides = simulated_guides(width, offset, length)
+        sources = {t: guide_for(t, guides) for t in range(width - 1, length - 1)}
+        return torch.tensor([t - g if g >= 0 else 0 for t, g in sources.items()], device=ro.sequences.device)
+
+    def _divergence(self, logits: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return divergence(
+            self.cfg.divergence, logits, teacher, mask, temperature=self.cfg.temperature, beta=self.cfg.beta
+        )
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        step = self.global_step
+        ro = self.responses(
+            batch["input_ids"], batch["attention_mask"], self._generator(step, self.global_rank)
+        )
+        mask = ro.continuation_mask[:, ro.prompt_width :]
+        teacher, states = self.verifier_view(ro)
+        offset = self.offset_for(step)
+        bs = batch["input_ids"].shape[0]
+        total = torch.zeros((), device=self.device)
+        for label in self.drafters:
+            logits = self.arm_logits(label, ro, states, offset)
+            loss = self._divergence(logits, teacher, mask)
+            total = total + loss
+            ea = expected_acceptance(logits.detach(), teacher, mask, temperature=self.cfg.temperature)
+            prefix = "train" if label == MAIN_ARM else f"train/{label}"
+            self.log(f"{prefix}/divergence", loss.detach(), batch_size=bs)
+            self.log(f"{prefix}/expected_acceptance", ea, prog_bar=label == MAIN_ARM, batch_size=bs)
+        self.log("train/loss", total, prog_bar=True, batch_size=bs)
+        self.log("train/guide_offset", float(offset), batch_size=bs)
+        self.log("train/response_tokens", float(mask.sum()), batch_size=bs, reduce_fx="sum")
+        return total
+
+    # ---------------------------------------------------------------- validation
+
+    def on_validation_epoch_start(self) -> None:
+        self._val_sums = {}
+        self._val_stale = {}
+
+    @torch.no_grad()
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        if batch_idx not in self._val_cache:  # held-out verifier responses: generated once per run
+            self._val_cache[batch_idx] = self._generate(
+                batch["input_ids"], batch["attention_mask"], self._generator(-1, batch_idx, self.global_rank)
+            )
+        ro = self._val_cache[batch_idx]
+        mask = ro.continuation_mask[:, ro.prompt_width :]
+        n = float(mask.sum())
+        teacher, states = self.verifier_view(ro)
+        for label in self.drafters:
+            steered = label in self.steering
+            for o in range(1, self.cfg.gamma + 1) if steered else (0,):
+                logits = self.arm_logits(label, ro, states, max(o, 1))
+                ea = float(expected_acceptance(logits, teacher, mask, temperature=self.cfg.temperature))
+                loss = float(self._divergence(logits, teacher, mask))
+                sums = self._val_sums.setdefault((label, o), [0.0, 0.0, 0.0])
+                sums[0] += loss * n
+                sums[1] += ea * n
+                sums[2] += n
+                if not steered:
+                    continue
+                stale = self.staleness(ro, o)
+                for s in range(1, o + 1):  # acceptance by staleness: draft i of a block has staleness i
+                    selected = mask & (stale == s)
+                    count = float(selected.sum())
+                    if count:
+                        a = float(
+                            expected_acceptance(logits, teacher, selected, temperature=self.cfg.temperature)
+                        )
+                        by_staleness = self._val_stale.setdefault((label, s), [0.0, 0.0])
+                        by_staleness[0] += a * count
+                        by_staleness[1] += count
+
+    def on_validation_epoch_end(self) -> None:
+        metrics: dict[str, float] = {}
+        for label in self.drafters:
+            per_offset = {o: s for (arm, o), s in self._val_sums.items() if arm == label and s[2] > 0}
+            if not per_offset:
+                continue
+            overall = sum(s[1] for s in per_offset.values()) / sum(s[2] for s in per_offset.values())
+            # block position i is drafted with staleness i; unsteered: the same at every position
+            stale = [self._val_stale.get((label, i), [0.0, 0.0]) for i in range(1, self.cfg.gamma + 1)]
+            acceptance = [min(max(a / k if k > 0 else overall, 0.0), 1.0) for a, k in stale]
+            prefix = "val" if label == MAIN_ARM else f"val/{label}"
+            metrics[f"{prefix}/loss"] = sum(s[0] / s[2] for s in per_offset.values()) / len(per_offset)
+            metrics[f"{prefix}/expected_acceptance"] = sum(acceptance) / len(acceptance)
+            metrics[f"{prefix}/simulated_block_efficiency"] = positional_block_efficiency(acceptance)
+        for key, value in metrics.items():
+            self.log(key, value, prog_bar=key in ("val/loss", "val/expected_acceptance"), sync_dist=True)
+        self.last_validation = metrics
+
+    # ---------------------------------------------------------------- finish
+
+    def plain_drafter(self, label: str) -> torch.nn.Module:
+        """The arm's drafter as a plain Hugging Face model (LoRA adapters merged into a copy) in the dtype
+        it was loaded in (``model.dtype``), as exported and evaluated."""
+        return merge_lora(self.drafters[label], self.export_dtype)
+
+    def trained(self, label: str) -> torch.nn.Module:
+        """What the arm evaluates as: its drafter, with its steering module when it has one."""
+        drafter = self.plain_drafter(label)
+        if label in self.steering:
+            return SteeredDrafter(drafter, self.steering_of(label))
+        return drafter
+
+    def drafters_to_evaluate(self) -> dict[str, torch.nn.Module]:
+        """The pretrained drafter, the DistillSpec drafter as it was (when given) and every arm."""
+        drafters = {"pretrained": self.references["pretrained"]()} if "pretrained" in self.references else {}
+        for label in self.drafters:
+            if label == DISTILLSPEC_ARM and "distillspec" in self.references:
+                drafters["distillspec"] = self.references["distillspec"]()
+            drafters[label] = self.trained(label)
+        return drafters
+
+    def evaluation_verifier(self, verifier: torch.nn.Module) -> torch.nn.Module:
+        return verifier
+
+    def export(self, out_dir: str) -> Path:
+        """``steering/`` (mixin folder), ``drafter/`` beside it (save_pretrained + tokenizer), and the
+        other arms: ``distilled_drafter/`` and ``distillspec_steered/{drafter,steering}``."""
+        out = Path(out_dir)
+        self.steering_of(MAIN_ARM).save_pretrained(out)
+        export_drafter(
+            self.plain_drafter(MAIN_ARM), self.tokenizer, out.parent / "drafter", name="SD^2 drafter"
+        )
+        if BASELINE_ARM in self.drafters:
+            export_drafter(self.plain_drafter(BASELINE_ARM), self.tokenizer, out.parent / "distilled_drafter")
+        if DISTILLSPEC_ARM in self.drafters:
+            folder = out.parent / DISTILLSPEC_ARM
+            self.steering_of(DISTILLSPEC_ARM).save_pretrained(folder / "steering")
+            export_drafter(self.plain_drafter(DISTILLSPEC_ARM), self.tokenizer, folder / "drafter")
+        return out
+
+    def report_summary(self) -> dict[str, Any]:
+        keys = (
+            "train_drafter",
+            "divergence",
+            "beta",
+            "temperature",
+            "max_new_tokens",
+            "prompt_len",
+            "batch_size",
+            "num_prompts",
+            "gamma",
+            "steering_lr_multiplier",
+        )
+        return {
+            "method": "sd2-steering",
+            **{k: getattr(self.cfg, k) for k in keys},
+            "verifier_layers": self.layers,
+            "arms": list(self.drafters),
+            "sources": self.sources,
+            "lora": asdict(self.cfg.lora),
+            "validation": self.last_validation,
+        }
+
+    def report_sections(self) -> list[str]:
+        rows = []
+        for label in self.drafters:
+            prefix = "val" if label == MAIN_ARM else f"val/{label}"
+            rows.append(
+                [
+                    label,
+                    "yes" if label in self.steering else "no",
+                    format_value(self.last_validation.get(f"{prefix}/expected_acceptance"), 3),
+                    format_value(self.last_validation.get(f"{prefix}/simulated_block_efficiency"), 2),
+                ]
+            )
+        table = markdown_table(["arm", "steered", "expected acceptance", "simulated tau"], rows, "llrr")
+        return [
+            "## Arms (last validation)",
+            table.rstrip(),
+            f"Every arm trained on the same verifier responses (T = {self.cfg.temperature}), steps and loss "
+            f"({self.cfg.divergence}). Steered arms are measured with guides 1..{self.cfg.gamma} positions "
+            "stale (block position i with staleness i); the evaluation below decodes with them."
+            + (
+                ""
+                if self.cfg.train_drafter
+                else " method.train_drafter=false: only the steering modules trained, the drafters stayed "
+                "as loaded, and ratios are to the untouched drafter (pretrained)."
+            ),
+        ]

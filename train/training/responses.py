@@ -1,0 +1,156 @@
+"""A frozen model's responses to training prompts, sampled once per run and reused (DistillSpec's
+teacher data, SD^2's verifier data).
+
+:class:`ResponseCache` looks each prompt of a batch up by its tokens; the prompts it has not seen are
+generated together, in one batched rollout (the caller's ``generate``, e.g. :func:`train.training.rollout.
+rollout` with the engine's sampling), and kept. Later epochs, and a run resumed from a checkpoint that
+carries :meth:`ResponseCache.state`, reuse them: a prompt's response is drawn once per run.
+:func:`with_continuation` lays a batch out as a :class:`~train.training.rollout.Rollout` (left-padded
+prompt, then the continuation), whatever the continuation's source.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from train.config import require
+from train.data.datamodule import PromptDataModule
+from train.data.sources import load_text_dataset
+from train.training.rollout import Rollout, position_ids_from_mask
+
+__all__ = [
+    "ResponseCache",
+    "check_prompt_settings",
+    "continuation_logits",
+    "mix_seed",
+    "seeded_generator",
+    "prompt_data",
+    "with_continuation",
+]
+
+Generate = Callable[[torch.Tensor, torch.Tensor, torch.Generator], Rollout]
+
+
+def with_continuation(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    continuation_ids: torch.Tensor,
+    continuation_mask: torch.Tensor,
+) -> Rollout:
+    """Prompt (B, P, left-padded) + continuation (B, N, right-padded) in the layout a rollout has."""
+    width = input_ids.shape[1]
+    full_mask = torch.cat([attention_mask, continuation_mask], dim=1)
+    cont_mask = full_mask.bool().clone()
+    cont_mask[:, :width] = False
+    return Rollout(torch.cat([input_ids, continuation_ids], dim=1), full_mask, cont_mask, width)
+
+
+def continuation_logits(model: torch.nn.Module, ro: Rollout, **kwargs: Any) -> torch.Tensor:
+    """(B, N, V) logits predicting the continuation positions of ``ro`` (the prompt's logits are never
+    built); ``kwargs`` go to the model's forward."""
+    n = ro.sequences.shape[1] - ro.prompt_width
+    out = model(
+        input_ids=ro.sequences,
+        attention_mask=ro.attention_mask,
+        position_ids=position_ids_from_mask(ro.attention_mask),
+        logits_to_keep=n + 1,
+        use_cache=False,
+        **kwargs,
+    )
+    return out.logits[:, :-1]
+
+
+class ResponseCache:
+    """``cache(input_ids, attention_mask, generator)`` -> the batch with each prompt's cached response.
+
+    generate: samples responses for a sub-batch of left-padded prompts; pad_token_id: fills the
+    continuations of rows shorter than the batch's longest response."""
+
+    def __init__(self, generate: Generate, pad_token_id: int) -> None:
+        self.generate = generate
+        self.pad_token_id = int(pad_token_id)
+        self.responses: dict[bytes, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return len(self.responses)
+
+    def __call__(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, gen: torch.Generator
+    ) -> Rollout:
+        keys = [
+            input_ids[i][attention_mask[i].bool()].cpu().numpy().tobytes() for i in range(input_ids.shape[0])
+        ]
+        missing = [keys.index(k) for k in dict.fromkeys(keys) if k not in self.responses]  # once per prompt
+        if missing:
+            sub = self.generate(input_ids[missing], attention_mask[missing], gen)
+            tail = slice(sub.prompt_width, None)
+            for row, i in enumerate(missing):
+                self.responses[keys[i]] = sub.sequences[row, tail][sub.continuation_mask[row, tail]].cpu()
+        conts = [self.responses[k] for k in keys]
+        n = max(len(c) for c in conts)
+        cont = torch.full(
+            (input_ids.shape[0], n), self.pad_token_id, dtype=input_ids.dtype, device=input_ids.device
+        )
+        cmask = torch.zeros_like(cont)
+        for i, c in enumerate(conts):
+            cont[i, : len(c)] = c.to(input_ids.device)
+            cmask[i, : len(c)] = 1
+        return with_continuation(input_ids, attention_mask, cont, cmask)
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint carries so a resumed run reuses the responses drawn so far."""
+        return {"prompts": list(self.responses), "continuations": list(self.responses.values())}
+
+    def load(self, saved: dict[str, Any] | None) -> None:
+        if saved:
+            self.responses = dict(zip(saved["prompts"], saved["continuations"], strict=True))
+
+
+def mix_seed(*values: int) -> int:
+    """A seed from integers (run seed, step, rank, ...), stable across processes, unlike ``hash``:
+    a resumed run draws the same responses the killed one would have."""
+    seed = 0
+    for v in values:
+        seed = (seed * 1_000_003 + int(v)) % (2**61 - 1)
+    return seed
+
+
+def seeded_generator(device: torch.device | str, *values: int) -> torch.Generator:
+    """A generator on ``device`` seeded by :func:`mix_seed` of (run seed, step, rank, ...): a resumed run
+    draws what the killed one would have, and each rank its own."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(mix_seed(*values))
+    return gen
+
+
+def check_prompt_settings(cfg: Any) -> None:
+    """Validate the prompt and response sizes a method config shares (``max_new_tokens``, ``prompt_len``,
+    ``batch_size``, ``num_prompts``, ``num_val_prompts``); errors name ``method.<key>``."""
+    require(cfg.max_new_tokens >= 1, "method.max_new_tokens", ">= 1", cfg.max_new_tokens)
+    require(cfg.prompt_len >= 2, "method.prompt_len", ">= 2", cfg.prompt_len)
+    require(cfg.batch_size >= 1, "method.batch_size", ">= 1", cfg.batch_size)
+    require(
+        cfg.num_prompts >= cfg.batch_size,
+        "method.num_prompts",
+        f">= method.batch_size ({cfg.batch_size})",
+        cfg.num_prompts,
+    )
+    require(cfg.num_val_prompts >= 1, "method.num_val_prompts", ">= 1", cfg.num_val_prompts)
+
+
+def prompt_data(cfg: Any, tokenizer: Any, data: Any, seed: int) -> PromptDataModule:
+    """Training and held-out prompts of ``data`` (a data config) sized by ``cfg`` (see
+    :func:`check_prompt_settings`), with the corpus continuations for sources that need them."""
+    return PromptDataModule(
+        lambda: load_text_dataset(data, tokenizer),
+        tokenizer,
+        prompt_len=cfg.prompt_len,
+        batch_size=cfg.batch_size,
+        continuation_len=cfg.max_new_tokens,
+        max_prompts=cfg.num_prompts,
+        max_val_prompts=cfg.num_val_prompts,
+        seed=seed,
+    )

@@ -1,0 +1,140 @@
+"""Batched rollouts for training: left-padded prompts -> sampled continuations, with a KV cache.
+
+DistillSpec / GKD (ALGORITHMS.md section 2) train the drafter on continuations sampled from the
+teacher or from the student itself. Those rollouts use the evaluator's own :func:`warp` and
+:func:`sample`, so a drafter is trained under the regime it is evaluated under. No gradient flows
+through sampling (everything here runs under ``torch.no_grad``).
+
+Shapes: ``B`` prompts, ``P`` the padded prompt width, ``N = max_new_tokens``. Tokens after a row's
+first EOS are replaced by ``pad_token_id`` and masked out; generation stops early once every row has
+finished.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from train.decoding.decoders.base import eos_set
+from train.decoding.model_call import (
+    cache_keyword,
+    output_vocab_size,
+    returned_cache,
+    supports_logits_to_keep,
+)
+from train.decoding.sampling import SamplingParams, sample, warp
+
+__all__ = ["Rollout", "position_ids_from_mask", "rollout"]
+
+
+@dataclass
+class Rollout:
+    """One batch of generated sequences.
+
+    sequences: (B, P + N') long; the left-padded prompt followed by the continuation (N' <= N when
+        every row hit EOS early), ``pad_token_id`` after a row's EOS.
+    attention_mask: (B, P + N') long; 1 on real prompt tokens and on continuation tokens up to and
+        including the first EOS.
+    continuation_mask: (B, P + N') bool; True exactly on the generated tokens that count (up to and
+        including the first EOS), False on the prompt and on padding.
+    prompt_width: P, the padded prompt width.
+    """
+
+    sequences: torch.Tensor
+    attention_mask: torch.Tensor
+    continuation_mask: torch.Tensor
+    prompt_width: int
+
+    @property
+    def num_tokens(self) -> int:
+        """Continuation tokens that count (the loss's denominator)."""
+        return int(self.continuation_mask.sum())
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) 0/1 mask -> (B, T) positions counting real tokens only (left padding gets 0)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+
+
+@torch.no_grad()
+def rollout(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    max_new_tokens: int,
+    params: SamplingParams,
+    eos_token_id: int | Iterable[int] | None = None,
+    pad_token_id: int = 0,
+    generator: torch.Generator | None = None,
+    vocab_size: int | None = None,
+) -> Rollout:
+    """Sample up to ``max_new_tokens`` tokens after each left-padded prompt, in one batch.
+
+    Args:
+        model: a Hugging Face causal LM (anything taking ``input_ids``, ``attention_mask``,
+            ``position_ids`` and its cache as ``cache`` or ``past_key_values``, whichever its
+            transformers takes (:func:`~train.decoding.model_call.cache_keyword`), returning
+            ``.logits`` and the cache).
+        input_ids: (B, P) long, prompts left-padded (see :func:`train.data.lm.collate_left_pad`).
+        attention_mask: (B, P) 0/1, or None when no row is padded.
+        params: the decoding regime; temperature 0 is greedy (argmax), otherwise :func:`warp` then
+            :func:`sample` with ``generator``.
+        vocab_size: sample only among the first ``vocab_size`` ids (the vocabulary shared with the
+            other model when embeddings are padded); default the model's output size.
+
+    Returns:
+        :class:`Rollout`. Padded prompt positions get position id 0 and are masked, so row ``i``'s
+        continuation equals what the model generates for that prompt alone (up to float rounding).
+    """
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must have shape (B, P), got {tuple(input_ids.shape)}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    device = input_ids.device
+    batch, width = input_ids.shape
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(device).long()
+    vocab = vocab_size or output_vocab_size(model)
+    eos = torch.tensor(sorted(eos_set(eos_token_id)), dtype=torch.long, device=device)
+    keep = {"logits_to_keep": 1} if supports_logits_to_keep(model) else {}
+    cache_kw = cache_keyword(model)
+    was_training = model.training
+    model.eval()  # no dropout in rollouts
+    try:
+        new_tokens: list[torch.Tensor] = []
+        alive = torch.ones(batch, dtype=torch.bool, device=device)
+        positions = position_ids_from_mask(mask)
+        next_pos = positions[:, -1:] + 1
+        feed, feed_pos, cache = input_ids, positions, None
+        for _ in range(max_new_tokens):
+            out = model(
+                input_ids=feed,
+                attention_mask=mask,
+                position_ids=feed_pos,
+                use_cache=True,
+                **{cache_kw: cache},
+                **keep,
+            )
+            cache = returned_cache(out)
+            logits = out.logits[:, -1, :vocab]
+            if params.temperature == 0.0:
+                x = logits.argmax(dim=-1)
+            else:
+                x = sample(warp(logits, params), generator)
+            x = torch.where(alive, x, torch.full_like(x, pad_token_id))
+            new_tokens.append(x)
+            mask = torch.cat([mask, alive.long().unsqueeze(1)], dim=1)
+            if eos.numel():
+                alive = alive & ~torch.isin(x, eos)
+                if not bool(alive.any()):
+                    break
+            feed, feed_pos = x.unsqueeze(1), next_pos
+            next_pos = next_pos + 1
+    finally:
+        model.train(was_training)
+    cont = torch.stack(new_tokens, dim=1) if new_tokens else input_ids.new_zeros((batch, 0))
+    sequences = torch.cat([input_ids, cont], dim=1)
+    cont_mask = mask.bool().clone()
+    cont_mask[:, :width] = False
+    return Rollout(sequences=sequences, attention_mask=mask, continuation_mask=cont_mask, prompt_width=width)
