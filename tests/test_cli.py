@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import train.cli.console as cli
 
+import train.cli.console as cli
 from tests.conftest import CONF_DIR, REPO_ROOT
 from train.config import ConfigError, instantiate_group
 from train.data.sources import DataError, DataSourceConfig, load_text_dataset

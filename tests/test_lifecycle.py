@@ -16,7 +16,6 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-import train.cli.train_command as run_module
 import wandb
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
@@ -24,6 +23,7 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.loggers import WandbLogger
 from omegaconf import open_dict
 
+import train.cli.train_command as run_module
 from tests.conftest import CONF_DIR, REPO_ROOT
 from tests.test_run import read_metrics, run_cfg
 from train.cli.train_command import main, resume_command

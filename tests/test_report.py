@@ -12,7 +12,8 @@ import torch
 import train.report as report_module
 from tests.conftest import make_tokenizer, tiny_llama
 from train.evaluation import EvalConfig
-from train.methods.distillspec.module import DistillSpecConfig, DistillSpecModule
+from train.methods.distillspec.config import DistillSpecConfig
+from train.methods.distillspec.module import DistillSpecModule
 from train.report import EvaluationError, Finishable, build_report, finish, report_markdown
 
 PROMPTS = [torch.tensor([[256, 10, 20, 30, 40]]), torch.tensor([[256, 50, 60, 70]])]

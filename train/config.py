@@ -9,14 +9,19 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import os
 import re
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
+from omegaconf import DictConfig, ListConfig
+
+log = logging.getLogger(__name__)
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
@@ -242,6 +247,41 @@ def _settings_of(node: Any) -> list[str]:
         return [str(k) for k in node if not str(k).startswith("_")]
 
 
+#: ``_target_`` names that moved in the 0.2 layout, old -> new: configs written for the old layout still
+#: build, with one deprecation line each (train.log and the terminal's warnings).
+RENAMED_TARGETS: dict[str, str] = {
+    "train.models.tiny.TinyPairConfig": "train.pairs.tiny.TinyPairConfig",
+    "train.models.tiny.TinyModelSpec": "train.pairs.tiny.TinyModelSpec",
+    "train.models.smol_pair.SmolPairConfig": "train.pairs.smollm2_pair.SmolPairConfig",
+    "train.models.smol_pair.SmolDrafterSpec": "train.pairs.smollm2_pair.SmolDrafterSpec",
+    "train.methods.distillspec.DistillSpecConfig": "train.methods.distillspec.config.DistillSpecConfig",
+    "train.methods.medusa.MedusaConfig": "train.methods.medusa.config.MedusaConfig",
+    "train.methods.steering.SteeringConfig": "train.methods.steering.config.SteeringConfig",
+    "train.methods.pretrain.PretrainConfig": "train.methods.pretrain.module.PretrainConfig",
+    "train.callbacks.NonFiniteLossGuard": "train.training.callbacks.NonFiniteLossGuard",
+    "train.export.HubConfig": "train.export.hub.HubConfig",
+    "train.models.steering.SteeringModule.from_pretrained": "train.models.steering_module.SteeringModule.from_pretrained",
+}
+
+
+def renamed_targets(node: Any) -> Any:
+    """``node`` (a DictConfig, dict or list, walked in place) with old ``_target_`` names replaced by
+    :data:`RENAMED_TARGETS`, each with a deprecation line."""
+    if isinstance(node, (DictConfig, dict)):
+        target = node.get("_target_")
+        if isinstance(target, str) and target in RENAMED_TARGETS:
+            new = RENAMED_TARGETS[target]
+            warnings.warn(f"_target_: {target} is deprecated; it is now {new}", DeprecationWarning, stacklevel=2)
+            log.warning("_target_: %s is deprecated; it is now %s", target, new)
+            node["_target_"] = new
+        for value in node.values():
+            renamed_targets(value)
+    elif isinstance(node, (ListConfig, list)):
+        for value in node:
+            renamed_targets(value)
+    return node
+
+
 def instantiate_group(cfg: Any, key: str) -> Any:
     """Build one config group's dataclass, prefixing any validation error with the group's key.
 
@@ -251,7 +291,7 @@ def instantiate_group(cfg: Any, key: str) -> Any:
     if node is None:
         return None
     try:
-        return instantiate(node, _convert_="all")
+        return instantiate(renamed_targets(node), _convert_="all")
     except InstantiationException as err:
         cause = err.__cause__ or err
         message = str(cause)

@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
+import train.decoding.rules.chain as loop_module
 from train.decoding import AsyncSpeculativeDecoder, SamplingParams, warp
-from train.decoding import loop as loop_module
 from train.decoding.async_loop import interval_overlap
 from train.decoding.proposers.model_proposer import ModelProposer
 

@@ -8,7 +8,7 @@ from transformers import DynamicCache
 
 from train.decoding import SamplingParams, SpeculativeDecoder
 from train.decoding.cache import crop_cache
-from train.decoding.model_call import cache_keyword, returned_cache
+from train.models.introspect import cache_keyword, returned_cache
 
 
 class CheckedLM(torch.nn.Module):

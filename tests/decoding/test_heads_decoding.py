@@ -143,7 +143,7 @@ def test_sampled_output_law_is_the_verifiers(small_verifier, params):
 
 def test_sampling_test_catches_a_residual_drawn_from_p(small_verifier, monkeypatch):
     """Broken on purpose: after every candidate is rejected, draw from p instead of p without them."""
-    import train.decoding.rules.chain as rules
+    import train.decoding.rules.recursive as rules
 
     original = rules.recursive_rejection
 
@@ -151,7 +151,7 @@ def test_sampling_test_catches_a_residual_drawn_from_p(small_verifier, monkeypat
         choice, token = original(p, candidates, q, kind, u_accept, u_next)
         return choice, torch.where(choice >= 0, token, rules.sample_with_uniform(p, u_next))
 
-    monkeypatch.setattr("train.decoding.tree_attention.recursive_rejection", residual_from_p)
+    monkeypatch.setattr("train.decoding.rules.tree_walk.recursive_rejection", residual_from_p)
     params = SamplingParams(1.0)
     prompt, n_new, runs = [1, 2], 3, 3000
     law = exact_law(small_verifier, prompt, n_new, params)

@@ -20,9 +20,9 @@ from train.decoding import (
     cache_length,
     keep_positions,
 )
-from train.decoding.model_call import cache_keyword
 from train.decoding.tree_attention import tree_attention_mask
 from train.models.heads import MedusaHeads
+from train.models.introspect import cache_keyword
 from train.training.rollout import rollout
 
 from .decoding_helpers import build, tiny_config

@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import train.decoding.rules.chain as rules
+import train.decoding.rules.recursive as rules
 from train.decoding import (
     AutoregressiveDecoder,
     SamplingParams,
@@ -413,7 +413,7 @@ def _broken(monkeypatch, how: str) -> None:
         return original(p, candidates, q, kind, u_accept / 0.97, u_next)
 
     fn = {"wrong_kind": wrong_kind, "residual_from_p": residual_from_p, "acceptance_x0.97": biased}[how]
-    monkeypatch.setattr("train.decoding.tree_attention.recursive_rejection", fn)
+    monkeypatch.setattr("train.decoding.rules.tree_walk.recursive_rejection", fn)
 
 
 @pytest.mark.parametrize(

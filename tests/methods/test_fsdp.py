@@ -17,8 +17,10 @@ from datasets import Dataset
 from tests.conftest import make_tokenizer, tiny_llama
 from tests.fsdp import CPUFSDPStrategy, gloo_rank
 from train.data.datamodule import PromptDataModule
-from train.methods.distillspec.module import DistillSpecConfig, DistillSpecModule
-from train.methods.steering.module import BASELINE_ARM, MAIN_ARM, SteeringConfig, SteeringTrainingModule
+from train.methods.distillspec.config import DistillSpecConfig
+from train.methods.distillspec.module import DistillSpecModule
+from train.methods.steering.config import BASELINE_ARM, MAIN_ARM, SteeringConfig
+from train.methods.steering.module import SteeringTrainingModule
 from train.models.draft_vocab import set_draft_vocab
 from train.training.optim import grad_norm
 

@@ -14,9 +14,12 @@ from datasets import Dataset
 
 from tests.conftest import make_tokenizer, tiny_llama
 from train.data.datamodule import LMDataModule, PromptDataModule
-from train.methods.distillspec.module import DistillSpecConfig, DistillSpecModule
-from train.methods.medusa.module import MedusaConfig, MedusaModule
-from train.methods.steering.module import BASELINE_ARM, MAIN_ARM, SteeringConfig, SteeringTrainingModule
+from train.methods.distillspec.config import DistillSpecConfig
+from train.methods.distillspec.module import DistillSpecModule
+from train.methods.medusa.config import MedusaConfig
+from train.methods.medusa.module import MedusaModule
+from train.methods.steering.config import BASELINE_ARM, MAIN_ARM, SteeringConfig
+from train.methods.steering.module import SteeringTrainingModule
 from train.models.heads import MedusaHeads
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -30,12 +30,8 @@ from train.data.datamodule import PromptDataModule
 from train.decoding import AutoregressiveDecoder, SamplingParams, SpeculativeDecoder
 from train.evaluation import build_eval_config
 from train.evaluation.runner import build_decoders
-from train.methods.steering.module import (
-    BASELINE_ARM,
-    MAIN_ARM,
-    SteeringConfig,
-    SteeringTrainingModule,
-)
+from train.methods.steering.config import BASELINE_ARM, MAIN_ARM, SteeringConfig
+from train.methods.steering.module import SteeringTrainingModule
 from train.models.steering_module import SteeredDrafter, SteeringModule
 from train.rundir import newest_artifact
 

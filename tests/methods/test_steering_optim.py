@@ -14,7 +14,8 @@ from tests.conftest import make_tokenizer, tiny_llama
 from tests.fsdp import RecordingRoot, fake_fsdp_trainer
 from train.data.datamodule import PromptDataModule
 from train.losses import divergence
-from train.methods.steering.module import BASELINE_ARM, MAIN_ARM, SteeringConfig, SteeringTrainingModule
+from train.methods.steering.config import BASELINE_ARM, MAIN_ARM, SteeringConfig
+from train.methods.steering.module import SteeringTrainingModule
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -167,7 +167,8 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any]:
     import lightning as L
 
     from train.data.lm import collate_left_pad
-    from train.methods.distillspec.module import DistillSpecConfig, DistillSpecModule
+    from train.methods.distillspec.config import DistillSpecConfig
+    from train.methods.distillspec.module import DistillSpecModule
 
     verifier, drafter, tok, prompts = load(args)
     cfg = DistillSpecConfig(

@@ -32,8 +32,8 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from train.decoding.cache import crop_cache
-from train.decoding.model_call import cache_keyword, returned_cache
 from train.models.draft_vocab import DraftVocabModel
+from train.models.introspect import cache_keyword, returned_cache
 from train.tables import markdown_table
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -35,19 +35,14 @@ from train.decoding.metrics import (
     tokens_per_second,
     verifier_tokens_per_call,
 )
-from train.decoding.model_call import (
-    CallResult,
-    TimedModel,
-    input_vocab_size,
-    model_device,
-    output_vocab_size,
-)
+from train.decoding.model_call import CallResult, TimedModel
 from train.decoding.proposers.heads_proposer import HeadsProposer, chain_choices
 from train.decoding.proposers.model_proposer import ModelProposer
 from train.decoding.proposers.protocol import Proposer
 from train.decoding.rules.chain import accepted_length, chain_rejection, greedy_chain
 from train.decoding.rules.recursive import recursive_rejection
 from train.decoding.sampling import SamplingParams, residual, sample, warp
+from train.models.introspect import input_vocab_size, model_device, output_vocab_size
 
 __all__ = [
     "AsyncSpeculativeDecoder",

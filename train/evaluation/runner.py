@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from hydra.utils import get_object, instantiate
 
-from train.config import ConfigError
+from train.config import ConfigError, renamed_targets
 from train.decoding import (
     AutoregressiveDecoder,
     DecodeStats,
@@ -128,7 +128,7 @@ def build_decoders(verifier: torch.nn.Module, drafter: torch.nn.Module, cfg: Eva
         if drafter_kind(drafter) not in _config_kinds(settings):
             continue
         try:
-            factory = instantiate({**settings, "_partial_": True})
+            factory = instantiate(renamed_targets({**settings, "_partial_": True}))
             place_loaded_modules(factory.keywords.values(), drafter)
             # a drafter with a reduced vocabulary (config.draft_vocab) drafts over it only
             out[label] = factory(

@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from train.decoding.model_call import cache_keyword, model_device
 from train.losses import divergence, expected_acceptance
+from train.models.introspect import cache_keyword, model_device
 
 __all__ = [
     "DraftVocabModel",

@@ -18,13 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from train.decoding.decoders.base import eos_set
-from train.decoding.model_call import (
-    cache_keyword,
-    output_vocab_size,
-    returned_cache,
-    supports_logits_to_keep,
-)
 from train.decoding.sampling import SamplingParams, sample, warp
+from train.models.introspect import cache_keyword, output_vocab_size, returned_cache, supports_logits_to_keep
 
 __all__ = ["Rollout", "position_ids_from_mask", "rollout"]
 
@@ -75,7 +70,7 @@ def rollout(
     Args:
         model: a Hugging Face causal LM (anything taking ``input_ids``, ``attention_mask``,
             ``position_ids`` and its cache as ``cache`` or ``past_key_values``, whichever its
-            transformers takes (:func:`~train.decoding.model_call.cache_keyword`), returning
+            transformers takes (:func:`~train.models.introspect.cache_keyword`), returning
             ``.logits`` and the cache).
         input_ids: (B, P) long, prompts left-padded (see :func:`train.data.lm.collate_left_pad`).
         attention_mask: (B, P) 0/1, or None when no row is padded.

@@ -16,7 +16,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 from lightning.pytorch.strategies import FSDPStrategy
 from omegaconf import DictConfig
 
-from train.config import LoggerConfig, TrainerConfig
+from train.config import LoggerConfig, TrainerConfig, renamed_targets
 from train.progress import StepProgressBar
 
 log = logging.getLogger(__name__)
@@ -77,7 +77,9 @@ def build_callbacks(cfg: DictConfig | dict | None) -> list[L.Callback]:
     """Instantiate every ``_target_`` under the ``callbacks`` group."""
     if not cfg:
         return []
-    return [instantiate(node) for node in cfg.values() if node is not None and "_target_" in node]
+    return [
+        instantiate(renamed_targets(node)) for node in cfg.values() if node is not None and "_target_" in node
+    ]
 
 
 def build_trainer(

@@ -1,1 +1,1 @@
-"""The medusa method."""
+"""The medusa method: its settings (config.py), its LightningModule (module.py), its finish step (finish.py)."""

@@ -35,30 +35,19 @@ run's ``eval`` config (against the merged verifier for Medusa-2) and writes ``re
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 import torch.nn.functional as F
 
-from train.config import require
-from train.data.datamodule import packed_corpus
-from train.data.lm import document_token_ids
-from train.data.sources import load_text_dataset
-from train.decoding.proposers.heads_proposer import tree_from_accuracies
 from train.decoding.sampling import SamplingParams
-from train.export.drafter import export_drafter
-from train.export.medusa_layout import export_vllm_medusa
-from train.models.heads import MedusaHeads, medusa_loss, shifted_targets
-from train.models.lora import LoraSettings, apply_lora, merge_lora
-from train.models.ngram import NGramLM
-from train.report import heads_section
+from train.methods.medusa.config import MedusaConfig, head_metrics
+from train.methods.medusa.finish import MedusaFinish
+from train.models.heads import MedusaHeads, medusa_loss
+from train.models.lora import apply_lora
 from train.training.optim import (
-    check_optimizer,
     clip_gradients,
     configure_optimizers,
     float32_trainables,
@@ -68,158 +57,8 @@ from train.training.optim import (
 from train.training.responses import seeded_generator
 from train.training.rollout import rollout
 
-__all__ = ["MedusaConfig", "MedusaModule", "head_metrics"]
 
-
-@dataclass
-class MedusaConfig:
-    """Hyperparameters of Medusa-1 / Medusa-2 (``method=medusa`` / ``medusa2``); validated before any
-    model loads."""
-
-    optimizer: Any
-    scheduler: Any = None
-    num_heads: int = 4
-    num_layers: int = 1
-    decay: float = 0.8
-    """Weight of head k's loss: decay**k (the authors' 0.8)."""
-    seq_len: int = 64
-    batch_size: int = 16
-    tree_nodes: int = 16
-    """Size of the sparse tree built from the measured per-rank accuracies (saved with the heads)."""
-    tree_top: int = 10
-    """Ranks measured per head (the authors' top-10)."""
-    joint: bool = False
-    """Medusa-2: train the verifier too, through LoRA."""
-    lora: Any = None
-    """Medusa-2's adapters (train.models.lora.LoraSettings; the authors' r 32, alpha 16, all linear layers)."""
-    heads_weight: float = 0.2
-    """Medusa-2: the heads' loss coefficient next to the kept base loss."""
-    heads_lr_multiplier: float = 4.0
-    """Medusa-2: the heads' learning rate / the adapters' (the optimizer's lr)."""
-    backbone_frozen_steps: int = 0
-    """Medusa-2: steps at the start during which only the heads train."""
-    init_heads: str | None = None
-    """Start from exported heads (a heads/ folder or Hub id) instead of the verifier's lm_head."""
-    self_distill: bool = False
-    """Regenerate each block's continuation with the verifier and learn soft targets (see the module doc)."""
-    self_distill_temperature: float = 0.3
-    prompt_len: int = 16
-    """Self-distillation: the corpus tokens each regenerated block starts from."""
-    ngram_orders: list[int] = field(default_factory=list)
-    """n-gram models over token ids (orders 2..4) estimated from the training split and saved with the
-    heads (``heads/ngram_<n>/``), for BPD's rescoring (train.decoding.refine, docs/bpd.md)."""
-    lora_settings: LoraSettings = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        check_optimizer("method", self.optimizer, self.scheduler)
-        require(self.num_heads >= 1, "method.num_heads", ">= 1", self.num_heads)
-        require(self.num_layers >= 0, "method.num_layers", ">= 0", self.num_layers)
-        require(
-            isinstance(self.decay, int | float) and 0 < self.decay <= 1,
-            "method.decay",
-            "in (0, 1]",
-            self.decay,
-        )
-        require(
-            self.seq_len > self.num_heads + 2,
-            "method.seq_len",
-            f"> num_heads + 2 ({self.num_heads + 2})",
-            self.seq_len,
-        )
-        require(self.batch_size >= 1, "method.batch_size", ">= 1", self.batch_size)
-        require(self.tree_nodes >= 1, "method.tree_nodes", ">= 1", self.tree_nodes)
-        require(self.tree_top >= 1, "method.tree_top", ">= 1", self.tree_top)
-        require(self.heads_weight > 0, "method.heads_weight", "> 0", self.heads_weight)
-        require(self.heads_lr_multiplier > 0, "method.heads_lr_multiplier", "> 0", self.heads_lr_multiplier)
-        require(
-            self.backbone_frozen_steps >= 0,
-            "method.backbone_frozen_steps",
-            ">= 0",
-            self.backbone_frozen_steps,
-        )
-        require(
-            self.self_distill_temperature > 0,
-            "method.self_distill_temperature",
-            "> 0",
-            self.self_distill_temperature,
-        )
-        require(
-            1 <= self.prompt_len < self.seq_len - self.num_heads - 1,
-            "method.prompt_len",
-            f"in [1, seq_len - num_heads - 1) = [1, {self.seq_len - self.num_heads - 1})",
-            self.prompt_len,
-        )
-        require(
-            all(isinstance(n, int) and 1 <= n <= 4 for n in self.ngram_orders),
-            "method.ngram_orders",
-            "a list of n-gram orders in 1..4",
-            self.ngram_orders,
-        )
-        self.lora_settings = LoraSettings.coerce(self.lora)
-        require(
-            not self.joint or self.lora_settings.enabled,
-            "method.lora.enabled",
-            "true for Medusa-2 (joint: true trains the verifier through LoRA adapters only)",
-            self.lora_settings.enabled,
-        )
-
-    def build(self, pair: Any, spec: Any) -> tuple[MedusaModule, L.LightningDataModule]:
-        """Heads from ``init_heads`` or the pair's verifier (its lm_head), trained on packed ``spec.data``."""
-        data = packed_corpus(spec.data, pair.tokenizer, self.seq_len, self.batch_size, spec.seed)
-        if self.init_heads is not None:
-            heads = MedusaHeads.from_pretrained(self.init_heads)
-            require(
-                heads.num_heads == self.num_heads and heads.num_layers == self.num_layers,
-                "method.init_heads",
-                f"heads with num_heads={self.num_heads} and num_layers={self.num_layers}",
-                f"{self.init_heads} (num_heads={heads.num_heads}, num_layers={heads.num_layers})",
-            )
-        else:
-            heads = MedusaHeads.from_verifier(pair.verifier, self.num_heads, self.num_layers)
-
-        def training_documents() -> list[list[int]]:
-            return document_token_ids(load_text_dataset(spec.data, pair.tokenizer)["train"], pair.tokenizer)
-
-        module = MedusaModule(pair.verifier, heads, self, pair.tokenizer, training_documents, seed=spec.seed)
-        return module, data
-
-
-def head_metrics(
-    head_logits: torch.Tensor, verifier_logits: torch.Tensor, input_ids: torch.Tensor, k_top: int = 10
-) -> dict[str, torch.Tensor]:
-    """Counts for validation, summed over the batch: per head ``top1_k``, ``top5_k`` (against the corpus
-    token k + 2 ahead), ``agree_k`` (top-1 = the verifier's argmax for that token), ``rank_k_r`` (the
-    rank-r candidate is that argmax, r < ``k_top``), ``n_k`` (positions); and ``run`` (sum over
-    positions t of the leading heads that agree) with ``positions``.
-
-    head_logits: (K, B, T, V); verifier_logits: (B, T, V); input_ids: (B, T)."""
-    num_heads, _, length, _ = head_logits.shape
-    top = head_logits.topk(min(max(k_top, 5), head_logits.shape[-1]), dim=-1).indices  # (K, B, T, k)
-    verifier_next = verifier_logits.argmax(dim=-1)  # (B, T): the verifier's token for t + 1
-    out: dict[str, torch.Tensor] = {}
-    agree_all = []
-    usable = length - num_heads - 1  # positions where every head's target exists
-    for k in range(num_heads):
-        targets, valid = shifted_targets(input_ids, k)
-        out[f"top1_{k}"] = ((top[k, ..., 0] == targets) & valid).sum()
-        out[f"top5_{k}"] = ((top[k, ..., :5] == targets.unsqueeze(-1)).any(-1) & valid).sum()
-        out[f"n_{k}"] = valid.sum()
-        # head k at t guesses token t + k + 2, which the verifier predicts at position t + k + 1
-        verifier_guess = torch.roll(verifier_next, -(k + 1), dims=-1)
-        hits = (top[k, ..., :k_top] == verifier_guess.unsqueeze(-1)) & valid.unsqueeze(-1)  # (B, T, k_top)
-        for r, count in enumerate(hits.sum(dim=(0, 1))):
-            out[f"rank_{k}_{r}"] = count
-        agree = hits[..., 0]
-        out[f"agree_{k}"] = agree.sum()
-        agree_all.append(agree[:, : max(usable, 0)])
-    if usable > 0:
-        leading = torch.stack(agree_all, dim=-1).long().cumprod(dim=-1).sum(dim=-1)  # (B, usable)
-        out["run"] = leading.sum()
-        out["positions"] = torch.tensor(leading.numel())
-    return out
-
-
-class MedusaModule(L.LightningModule):
+class MedusaModule(MedusaFinish, L.LightningModule):
     """Trains ``heads`` (and, for Medusa-2, LoRA adapters on ``verifier``); see the module docstring."""
 
     reference_drafter: str | None = None
@@ -398,77 +237,3 @@ class MedusaModule(L.LightningModule):
         self.last_validation = metrics
 
     # ------------------------------------------------------------------ the finish step (Finishable)
-
-    def measured_tree(self) -> list[list[int]] | None:
-        """The tree built from the last validation's per-rank accuracies (None before any validation)."""
-        if not self.rank_accuracy:
-            return None
-        return [list(p) for p in tree_from_accuracies(self.rank_accuracy, self.cfg.tree_nodes)]
-
-    def trained_heads(self) -> MedusaHeads:
-        """A copy of the heads in the verifier's dtype (``model.dtype``, what is exported and evaluated),
-        recording the measured tree and per-rank accuracies in their config."""
-        heads = self.heads.with_tree(self.measured_tree(), self.rank_accuracy or None)
-        return heads.to(self.export_dtype).eval()
-
-    def evaluation_verifier(self, verifier: torch.nn.Module) -> torch.nn.Module:
-        """Medusa-1: the pair's verifier; Medusa-2: the fine-tuned one (adapters merged into a copy)."""
-        if not self.cfg.joint:
-            return verifier
-        merged = merge_lora(self.verifier, self.export_dtype)
-        merged.eval()
-        return merged
-
-    def drafters_to_evaluate(self) -> dict[str, torch.nn.Module]:
-        return {"medusa-2" if self.cfg.joint else "medusa-1": self.trained_heads()}
-
-    def export(self, out_dir: str) -> Path:
-        """``heads/`` (mixin folder with the measured tree), ``heads_vllm/`` beside it and, for Medusa-2,
-        the merged ``verifier/`` (safetensors + tokenizer): the outputs follow that verifier."""
-        out = Path(out_dir)
-        heads = self.trained_heads()
-        heads.save_pretrained(out)
-        export_vllm_medusa(heads, out.parent / f"{out.name}_vllm")
-        if self.cfg.joint:
-            export_drafter(self.verifier, self.tokenizer, out.parent / "verifier", name="Medusa-2 verifier")
-        if self.cfg.ngram_orders:
-            if self.training_documents is None:
-                raise ValueError(
-                    "method.ngram_orders needs the training split, which this module was not given"
-                )
-            documents = self.training_documents()
-            vocab = max(heads.vocab_size, max((max(d) for d in documents if d), default=0) + 1)
-            for order in self.cfg.ngram_orders:
-                NGramLM(order, vocab).fit(documents).save(out / f"ngram_{order}")
-        return out
-
-    def report_summary(self) -> dict[str, Any]:
-        summary: dict[str, Any] = {
-            "method": "medusa-2" if self.cfg.joint else "medusa-1",
-            "num_heads": self.cfg.num_heads,
-            "num_layers": self.cfg.num_layers,
-            "decay": self.cfg.decay,
-            "seq_len": self.cfg.seq_len,
-            "self_distill": self.cfg.self_distill,
-            "tree": self.measured_tree(),
-            "validation": {k: v for k, v in self.last_validation.items() if math.isfinite(v)},
-            "rank_accuracy": self.rank_accuracy,
-        }
-        if self.cfg.joint:
-            lora = self.cfg.lora_settings
-            summary.update(
-                lora={"r": lora.r, "alpha": lora.alpha, "target_modules": list(lora.target_modules)},
-                heads_weight=self.cfg.heads_weight,
-                heads_lr_multiplier=self.cfg.heads_lr_multiplier,
-                backbone_frozen_steps=self.cfg.backbone_frozen_steps,
-            )
-        return summary
-
-    def report_sections(self) -> list[str]:
-        lossy_note = (
-            "Medusa-2 fine-tunes the verifier: decoding is exact for the merged verifier exported to "
-            "`verifier/`, not for the original one."
-            if self.cfg.joint
-            else None
-        )
-        return [heads_section(self.last_validation, self.measured_tree(), self.rank_accuracy, lossy_note)]

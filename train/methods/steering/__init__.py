@@ -1,1 +1,1 @@
-"""The steering method."""
+"""The steering method: its settings (config.py), its LightningModule (module.py), its finish step (finish.py)."""

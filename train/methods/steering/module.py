@@ -42,36 +42,27 @@ DistillSpec drafter as it was, with ratios to ``distilled``.
 
 from __future__ import annotations
 
-import copy
-import functools
-import logging
 import random
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any, cast
 
 import lightning as L
 import torch
 
-from train.config import check_model_source, require
 from train.decoding.metrics import positional_block_efficiency
 from train.decoding.sampling import SamplingParams
-from train.export.drafter import export_drafter
-from train.losses import DIVERGENCES, divergence, expected_acceptance
-from train.models.loading import eos_token_ids, load_drafter, output_vocab_size
-from train.models.lora import LoraSettings, apply_lora, merge_lora
+from train.losses import divergence, expected_acceptance
+from train.methods.steering.config import BASELINE_ARM, MAIN_ARM, SteeringConfig, log
+from train.methods.steering.finish import SteeringTrainingFinish
+from train.models.loading import eos_token_ids, output_vocab_size
+from train.models.lora import apply_lora
 from train.models.steering_module import (
-    SteeredDrafter,
     SteeringModule,
     guide_for,
     simulated_guides,
     stale_guide_states,
 )
-from train.rundir import newest_artifact
-from train.tables import format_value, markdown_table
 from train.training.optim import (
-    check_optimizer,
     clip_gradients,
     configure_optimizers,
     float32_trainables,
@@ -80,135 +71,14 @@ from train.training.optim import (
 )
 from train.training.responses import (
     ResponseCache,
-    check_prompt_settings,
     continuation_logits,
     mix_seed,
-    prompt_data,
     seeded_generator,
 )
 from train.training.rollout import Rollout, position_ids_from_mask, rollout
 
-__all__ = ["SteeringConfig", "SteeringTrainingModule"]
 
-log = logging.getLogger(__name__)
-
-MAIN_ARM = "steered"
-BASELINE_ARM = "distilled"
-DISTILLSPEC_ARM = "distillspec_steered"
-
-
-@dataclass
-class SteeringConfig:
-    """Hyperparameters of SD^2 training (``method=steering``); validated before any model loads."""
-
-    optimizer: Any
-    scheduler: Any = None
-    drafter: str | None = None
-    """The drafter to steer: any exported drafter (a folder) or Hub id; None: the pair's ``model.drafter``."""
-    train_drafter: bool = True
-    """False: only the steering module trains (the drafter stays as loaded)."""
-    lora: Any = None
-    """LoRA on the drafters (:class:`train.models.lora.LoraSettings`); None or disabled: full fine-tune."""
-    layers: list[int] | None = None
-    """Verifier layers the guide reads (indices into ``hidden_states``); None: early/middle/late."""
-    divergence: str = "fkl"
-    """One of ``fkl``, ``rkl``, ``jsd``, ``tvd`` (:func:`train.losses.divergence`)."""
-    beta: float = 0.5
-    temperature: float = 1.0
-    """The verifier's sampling temperature for the responses (> 0), also the loss's softmax temperature."""
-    max_new_tokens: int = 32
-    prompt_len: int = 64
-    batch_size: int = 16
-    num_prompts: int = 1024
-    num_val_prompts: int = 32
-    gamma: int = 4
-    """Guides are 1..gamma positions stale in training and validation (the decoder's draft length)."""
-    steering_lr_multiplier: float = 1.0
-    """The steering modules learn at this multiple of the optimizer's rate (they start from zero)."""
-    distilled_baseline: bool = True
-    """Also train the drafter without steering on the same batches (the ``distilled`` arm)."""
-    distillspec_drafter: str | None = None
-    """Also steer this exported drafter (``distillspec_steered``); ``auto``: the newest DistillSpec run's."""
-
-    def __post_init__(self) -> None:
-        check_optimizer("method", self.optimizer, self.scheduler)
-        require(self.divergence in DIVERGENCES, "method.divergence", f"one of {DIVERGENCES}", self.divergence)
-        require(0.0 <= self.beta <= 1.0, "method.beta", "in [0, 1]", self.beta)
-        require(self.temperature > 0, "method.temperature", "> 0 (responses are sampled)", self.temperature)
-        check_prompt_settings(self)
-        require(self.gamma >= 1, "method.gamma", ">= 1", self.gamma)
-        require(
-            self.steering_lr_multiplier > 0,
-            "method.steering_lr_multiplier",
-            "> 0",
-            self.steering_lr_multiplier,
-        )
-        require(
-            self.layers is None or (len(self.layers) >= 1 and all(int(i) >= 0 for i in self.layers)),
-            "method.layers",
-            "null or a list of verifier layer indices >= 0",
-            self.layers,
-        )
-        self.lora = LoraSettings.coerce(self.lora, "method.lora")
-        require(
-            self.train_drafter or not self.lora.enabled,
-            "method.lora.enabled",
-            "false when method.train_drafter is false (nothing of the drafter trains)",
-            self.lora.enabled,
-        )
-        if self.drafter is not None:
-            check_model_source("method.drafter", str(self.drafter))
-        if self.distillspec_drafter not in (None, "auto"):
-            check_model_source("method.distillspec_drafter", str(self.distillspec_drafter))
-
-    def build(self, pair: Any, spec: Any) -> tuple[SteeringTrainingModule, L.LightningDataModule]:
-        """The arms (see the module docstring) on the pair's verifier, trained on ``spec.data`` prompts."""
-        data = prompt_data(self, pair.tokenizer, spec.data, spec.seed)
-        m = spec.model
-        load = functools.partial(load_drafter, m, tokenizer=pair.tokenizer, verifier=pair.verifier)
-        source = self.drafter or m.drafter
-        drafter = pair.drafter if self.drafter is None else load(source, key="method.drafter")
-        arms: dict[str, tuple[torch.nn.Module, SteeringModule | None]] = {}
-        if self.distilled_baseline and self.train_drafter:  # frozen, it would be the pretrained drafter
-            arms[BASELINE_ARM] = (copy.deepcopy(drafter), None)
-        arms[MAIN_ARM] = (drafter, self.steering_for(pair.verifier, drafter))
-        references: dict[str, Callable[[], torch.nn.Module]] = {
-            "pretrained": functools.partial(load, source, key="method.drafter")
-        }
-        distillspec = self.distillspec_drafter
-        if distillspec == "auto":
-            distillspec = newest_artifact(spec.paths.checkpoints_dir, "distillspec", m.verifier, "drafter")
-            if distillspec is None:
-                log.warning(
-                    "method.distillspec_drafter=auto: no DistillSpec run of %s under %s; the %s arm is "
-                    "skipped (run `python train.py experiment=distillspec` first to add it)",
-                    m.verifier,
-                    spec.paths.checkpoints_dir,
-                    DISTILLSPEC_ARM,
-                )
-        if distillspec is not None:
-            ds = load(distillspec, key="method.distillspec_drafter")
-            arms[DISTILLSPEC_ARM] = (ds, self.steering_for(pair.verifier, ds))
-            references["distillspec"] = functools.partial(load, distillspec, key="method.distillspec_drafter")
-        module = SteeringTrainingModule(
-            pair.verifier, arms, pair.tokenizer, self, seed=spec.seed, references=references
-        )
-        module.sources = {"drafter": source, "distillspec_drafter": distillspec}
-        return module, data
-
-    def steering_for(self, verifier: Any, drafter: torch.nn.Module) -> SteeringModule:
-        """A zero-initialised steering module for this drafter, reading ``layers`` of the verifier."""
-        depth = int(verifier.config.num_hidden_layers)
-        require(
-            self.layers is None or max(int(i) for i in self.layers) <= depth,
-            "method.layers",
-            f"indices into the verifier's hidden_states (0..{depth})",
-            self.layers,
-        )
-        return SteeringModule.for_pair(verifier, drafter, self.layers).float()
-
-
-class SteeringTrainingModule(L.LightningModule):
+class SteeringTrainingModule(SteeringTrainingFinish, L.LightningModule):
     """Every arm's drafter (and steering module) learns the verifier's distributions on its responses.
 
     ``arms``: {label: (drafter, steering module or None)}; ``references``: {label: loader} of drafters
@@ -472,93 +342,3 @@ class SteeringTrainingModule(L.LightningModule):
         self.last_validation = metrics
 
     # ---------------------------------------------------------------- finish
-
-    def plain_drafter(self, label: str) -> torch.nn.Module:
-        """The arm's drafter as a plain Hugging Face model (LoRA adapters merged into a copy) in the dtype
-        it was loaded in (``model.dtype``), as exported and evaluated."""
-        return merge_lora(self.drafters[label], self.export_dtype)
-
-    def trained(self, label: str) -> torch.nn.Module:
-        """What the arm evaluates as: its drafter, with its steering module when it has one."""
-        drafter = self.plain_drafter(label)
-        if label in self.steering:
-            return SteeredDrafter(drafter, self.steering_of(label))
-        return drafter
-
-    def drafters_to_evaluate(self) -> dict[str, torch.nn.Module]:
-        """The pretrained drafter, the DistillSpec drafter as it was (when given) and every arm."""
-        drafters = {"pretrained": self.references["pretrained"]()} if "pretrained" in self.references else {}
-        for label in self.drafters:
-            if label == DISTILLSPEC_ARM and "distillspec" in self.references:
-                drafters["distillspec"] = self.references["distillspec"]()
-            drafters[label] = self.trained(label)
-        return drafters
-
-    def evaluation_verifier(self, verifier: torch.nn.Module) -> torch.nn.Module:
-        return verifier
-
-    def export(self, out_dir: str) -> Path:
-        """``steering/`` (mixin folder), ``drafter/`` beside it (save_pretrained + tokenizer), and the
-        other arms: ``distilled_drafter/`` and ``distillspec_steered/{drafter,steering}``."""
-        out = Path(out_dir)
-        self.steering_of(MAIN_ARM).save_pretrained(out)
-        export_drafter(
-            self.plain_drafter(MAIN_ARM), self.tokenizer, out.parent / "drafter", name="SD^2 drafter"
-        )
-        if BASELINE_ARM in self.drafters:
-            export_drafter(self.plain_drafter(BASELINE_ARM), self.tokenizer, out.parent / "distilled_drafter")
-        if DISTILLSPEC_ARM in self.drafters:
-            folder = out.parent / DISTILLSPEC_ARM
-            self.steering_of(DISTILLSPEC_ARM).save_pretrained(folder / "steering")
-            export_drafter(self.plain_drafter(DISTILLSPEC_ARM), self.tokenizer, folder / "drafter")
-        return out
-
-    def report_summary(self) -> dict[str, Any]:
-        keys = (
-            "train_drafter",
-            "divergence",
-            "beta",
-            "temperature",
-            "max_new_tokens",
-            "prompt_len",
-            "batch_size",
-            "num_prompts",
-            "gamma",
-            "steering_lr_multiplier",
-        )
-        return {
-            "method": "sd2-steering",
-            **{k: getattr(self.cfg, k) for k in keys},
-            "verifier_layers": self.layers,
-            "arms": list(self.drafters),
-            "sources": self.sources,
-            "lora": asdict(self.cfg.lora),
-            "validation": self.last_validation,
-        }
-
-    def report_sections(self) -> list[str]:
-        rows = []
-        for label in self.drafters:
-            prefix = "val" if label == MAIN_ARM else f"val/{label}"
-            rows.append(
-                [
-                    label,
-                    "yes" if label in self.steering else "no",
-                    format_value(self.last_validation.get(f"{prefix}/expected_acceptance"), 3),
-                    format_value(self.last_validation.get(f"{prefix}/simulated_block_efficiency"), 2),
-                ]
-            )
-        table = markdown_table(["arm", "steered", "expected acceptance", "simulated tau"], rows, "llrr")
-        return [
-            "## Arms (last validation)",
-            table.rstrip(),
-            f"Every arm trained on the same verifier responses (T = {self.cfg.temperature}), steps and loss "
-            f"({self.cfg.divergence}). Steered arms are measured with guides 1..{self.cfg.gamma} positions "
-            "stale (block position i with staleness i); the evaluation below decodes with them."
-            + (
-                ""
-                if self.cfg.train_drafter
-                else " method.train_drafter=false: only the steering modules trained, the drafters stayed "
-                "as loaded, and ratios are to the untouched drafter (pretrained)."
-            ),
-        ]

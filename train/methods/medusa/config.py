@@ -1,0 +1,174 @@
+"""The medusa method's settings (conf/method/medusa.yaml) and how they build its module."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import lightning as L
+import torch
+
+from train.config import require
+from train.data.datamodule import packed_corpus
+from train.data.lm import document_token_ids
+from train.data.sources import load_text_dataset
+from train.models.heads import MedusaHeads, shifted_targets
+from train.models.lora import LoraSettings
+from train.training.optim import (
+    check_optimizer,
+)
+
+__all__ = ["MedusaConfig", "head_metrics"]
+
+if TYPE_CHECKING:
+    from train.methods.medusa.module import MedusaModule
+
+
+@dataclass
+class MedusaConfig:
+    """Hyperparameters of Medusa-1 / Medusa-2 (``method=medusa`` / ``medusa2``); validated before any
+    model loads."""
+
+    optimizer: Any
+    scheduler: Any = None
+    num_heads: int = 4
+    num_layers: int = 1
+    decay: float = 0.8
+    """Weight of head k's loss: decay**k (the authors' 0.8)."""
+    seq_len: int = 64
+    batch_size: int = 16
+    tree_nodes: int = 16
+    """Size of the sparse tree built from the measured per-rank accuracies (saved with the heads)."""
+    tree_top: int = 10
+    """Ranks measured per head (the authors' top-10)."""
+    joint: bool = False
+    """Medusa-2: train the verifier too, through LoRA."""
+    lora: Any = None
+    """Medusa-2's adapters (train.models.lora.LoraSettings; the authors' r 32, alpha 16, all linear layers)."""
+    heads_weight: float = 0.2
+    """Medusa-2: the heads' loss coefficient next to the kept base loss."""
+    heads_lr_multiplier: float = 4.0
+    """Medusa-2: the heads' learning rate / the adapters' (the optimizer's lr)."""
+    backbone_frozen_steps: int = 0
+    """Medusa-2: steps at the start during which only the heads train."""
+    init_heads: str | None = None
+    """Start from exported heads (a heads/ folder or Hub id) instead of the verifier's lm_head."""
+    self_distill: bool = False
+    """Regenerate each block's continuation with the verifier and learn soft targets (see the module doc)."""
+    self_distill_temperature: float = 0.3
+    prompt_len: int = 16
+    """Self-distillation: the corpus tokens each regenerated block starts from."""
+    ngram_orders: list[int] = field(default_factory=list)
+    """n-gram models over token ids (orders 2..4) estimated from the training split and saved with the
+    heads (``heads/ngram_<n>/``), for BPD's rescoring (train.decoding.refine, docs/bpd.md)."""
+    lora_settings: LoraSettings = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        check_optimizer("method", self.optimizer, self.scheduler)
+        require(self.num_heads >= 1, "method.num_heads", ">= 1", self.num_heads)
+        require(self.num_layers >= 0, "method.num_layers", ">= 0", self.num_layers)
+        require(
+            isinstance(self.decay, int | float) and 0 < self.decay <= 1,
+            "method.decay",
+            "in (0, 1]",
+            self.decay,
+        )
+        require(
+            self.seq_len > self.num_heads + 2,
+            "method.seq_len",
+            f"> num_heads + 2 ({self.num_heads + 2})",
+            self.seq_len,
+        )
+        require(self.batch_size >= 1, "method.batch_size", ">= 1", self.batch_size)
+        require(self.tree_nodes >= 1, "method.tree_nodes", ">= 1", self.tree_nodes)
+        require(self.tree_top >= 1, "method.tree_top", ">= 1", self.tree_top)
+        require(self.heads_weight > 0, "method.heads_weight", "> 0", self.heads_weight)
+        require(self.heads_lr_multiplier > 0, "method.heads_lr_multiplier", "> 0", self.heads_lr_multiplier)
+        require(
+            self.backbone_frozen_steps >= 0,
+            "method.backbone_frozen_steps",
+            ">= 0",
+            self.backbone_frozen_steps,
+        )
+        require(
+            self.self_distill_temperature > 0,
+            "method.self_distill_temperature",
+            "> 0",
+            self.self_distill_temperature,
+        )
+        require(
+            1 <= self.prompt_len < self.seq_len - self.num_heads - 1,
+            "method.prompt_len",
+            f"in [1, seq_len - num_heads - 1) = [1, {self.seq_len - self.num_heads - 1})",
+            self.prompt_len,
+        )
+        require(
+            all(isinstance(n, int) and 1 <= n <= 4 for n in self.ngram_orders),
+            "method.ngram_orders",
+            "a list of n-gram orders in 1..4",
+            self.ngram_orders,
+        )
+        self.lora_settings = LoraSettings.coerce(self.lora)
+        require(
+            not self.joint or self.lora_settings.enabled,
+            "method.lora.enabled",
+            "true for Medusa-2 (joint: true trains the verifier through LoRA adapters only)",
+            self.lora_settings.enabled,
+        )
+
+    def build(self, pair: Any, spec: Any) -> tuple[MedusaModule, L.LightningDataModule]:
+        """Heads from ``init_heads`` or the pair's verifier (its lm_head), trained on packed ``spec.data``."""
+        from train.methods.medusa.module import MedusaModule  # noqa: I001 -- the module imports this config (a cycle)
+
+        data = packed_corpus(spec.data, pair.tokenizer, self.seq_len, self.batch_size, spec.seed)
+        if self.init_heads is not None:
+            heads = MedusaHeads.from_pretrained(self.init_heads)
+            require(
+                heads.num_heads == self.num_heads and heads.num_layers == self.num_layers,
+                "method.init_heads",
+                f"heads with num_heads={self.num_heads} and num_layers={self.num_layers}",
+                f"{self.init_heads} (num_heads={heads.num_heads}, num_layers={heads.num_layers})",
+            )
+        else:
+            heads = MedusaHeads.from_verifier(pair.verifier, self.num_heads, self.num_layers)
+
+        def training_documents() -> list[list[int]]:
+            return document_token_ids(load_text_dataset(spec.data, pair.tokenizer)["train"], pair.tokenizer)
+
+        module = MedusaModule(pair.verifier, heads, self, pair.tokenizer, training_documents, seed=spec.seed)
+        return module, data
+
+
+def head_metrics(
+    head_logits: torch.Tensor, verifier_logits: torch.Tensor, input_ids: torch.Tensor, k_top: int = 10
+) -> dict[str, torch.Tensor]:
+    """Counts for validation, summed over the batch: per head ``top1_k``, ``top5_k`` (against the corpus
+    token k + 2 ahead), ``agree_k`` (top-1 = the verifier's argmax for that token), ``rank_k_r`` (the
+    rank-r candidate is that argmax, r < ``k_top``), ``n_k`` (positions); and ``run`` (sum over
+    positions t of the leading heads that agree) with ``positions``.
+
+    head_logits: (K, B, T, V); verifier_logits: (B, T, V); input_ids: (B, T)."""
+    num_heads, _, length, _ = head_logits.shape
+    top = head_logits.topk(min(max(k_top, 5), head_logits.shape[-1]), dim=-1).indices  # (K, B, T, k)
+    verifier_next = verifier_logits.argmax(dim=-1)  # (B, T): the verifier's token for t + 1
+    out: dict[str, torch.Tensor] = {}
+    agree_all = []
+    usable = length - num_heads - 1  # positions where every head's target exists
+    for k in range(num_heads):
+        targets, valid = shifted_targets(input_ids, k)
+        out[f"top1_{k}"] = ((top[k, ..., 0] == targets) & valid).sum()
+        out[f"top5_{k}"] = ((top[k, ..., :5] == targets.unsqueeze(-1)).any(-1) & valid).sum()
+        out[f"n_{k}"] = valid.sum()
+        # head k at t guesses token t + k + 2, which the verifier predicts at position t + k + 1
+        verifier_guess = torch.roll(verifier_next, -(k + 1), dims=-1)
+        hits = (top[k, ..., :k_top] == verifier_guess.unsqueeze(-1)) & valid.unsqueeze(-1)  # (B, T, k_top)
+        for r, count in enumerate(hits.sum(dim=(0, 1))):
+            out[f"rank_{k}_{r}"] = count
+        agree = hits[..., 0]
+        out[f"agree_{k}"] = agree.sum()
+        agree_all.append(agree[:, : max(usable, 0)])
+    if usable > 0:
+        leading = torch.stack(agree_all, dim=-1).long().cumprod(dim=-1).sum(dim=-1)  # (B, usable)
+        out["run"] = leading.sum()
+        out["positions"] = torch.tensor(leading.numel())
+    return out
