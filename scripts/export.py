@@ -1,6 +1,6 @@
 """Push an exported drafter to the Hub: ``python scripts/export.py run=PATH hub.repo_id=me/my-drafter``.
 
-A thin Hydra app over conf/export.yaml; the work is :func:`train.export.drafter.main`. ``hub.dry_run=true``
+A thin Hydra app over conf/export.yaml; the work is :func:`train.cli.export_command.main`. ``hub.dry_run=true``
 loads and checks the folder and lists the files without network access (a corrupt file is an error
 naming it). The token comes from ``$HF_TOKEN`` only. Errors print as one line.
 """
@@ -17,7 +17,7 @@ CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 @hydra.main(version_base="1.3", config_path="../conf", config_name="export")
 def main(cfg: DictConfig) -> None:
     from train.cli.console import run_command
-    from train.export.drafter import main as export_main
+    from train.cli.export_command import main as export_main
 
     run_command(export_main, cfg)
 

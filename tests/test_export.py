@@ -10,14 +10,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tests.conftest import make_tokenizer, tiny_llama
 from train.config import ConfigError
 from train.evaluation import EvalConfig, evaluate_drafters
-from train.export.drafter import (
-    HubConfig,
-    drafter_folder,
-    export_drafter,
-    model_card,
-    push_to_hub,
-    write_model_card,
-)
+from train.export.drafter import drafter_folder, export_drafter
+from train.export.hub import HubConfig, push_to_hub
+from train.export.model_card import model_card, write_model_card
 
 CONFIG = {
     "name": "distillspec",

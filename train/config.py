@@ -271,7 +271,9 @@ def renamed_targets(node: Any) -> Any:
         target = node.get("_target_")
         if isinstance(target, str) and target in RENAMED_TARGETS:
             new = RENAMED_TARGETS[target]
-            warnings.warn(f"_target_: {target} is deprecated; it is now {new}", DeprecationWarning, stacklevel=2)
+            warnings.warn(
+                f"_target_: {target} is deprecated; it is now {new}", DeprecationWarning, stacklevel=2
+            )
             log.warning("_target_: %s is deprecated; it is now %s", target, new)
             node["_target_"] = new
         for value in node.values():

@@ -41,8 +41,8 @@ from train.evaluation import (
     results_table,
     to_jsonable,
 )
-from train.evaluation.runner import drafter_kind
-from train.export.drafter import write_model_card
+from train.evaluation.decoder_build import drafter_kind
+from train.export.model_card import write_model_card
 from train.models.loading import eos_token_ids
 from train.tables import format_metric, format_value, markdown_table
 
@@ -54,7 +54,6 @@ __all__ = [
     "Finishable",
     "build_report",
     "finish",
-    "heads_section",
     "report_markdown",
 ]
 
@@ -348,45 +347,3 @@ def terminal_summary(report: Mapping[str, Any], run: Path, sections: Sequence[st
 
 def _write_json(path: Path, payload: Mapping[str, Any]) -> None:
     path.write_text(json.dumps(to_jsonable(payload), indent=2, default=str) + "\n", encoding="utf-8")
-
-
-def heads_section(
-    metrics: Mapping[str, float],
-    tree: Sequence[Sequence[int]] | None,
-    rank_accuracy: Sequence[Sequence[float]] = (),
-    note: str | None = None,
-) -> str:
-    """The Markdown section of a prediction-heads run (Medusa): each head's last validation figures,
-    the simulated block efficiency and the tree built from the measured per-rank accuracies."""
-    heads = sorted({int(k.split("/head")[1].split("_")[0]) for k in metrics if k.startswith("val/head")})
-    rows = [
-        [
-            str(k),
-            f"t+{k + 2}",
-            format_value(metrics.get(f"val/head{k}_top1"), 3),
-            format_value(metrics.get(f"val/head{k}_top5"), 3),
-            format_value(metrics.get(f"val/head{k}_agree"), 3),
-            ", ".join(format_value(a, 2) for a in rank_accuracy[k][:5]) if k < len(rank_accuracy) else "",
-        ]
-        for k in heads
-    ]
-    table = markdown_table(
-        ["head", "predicts", "top1", "top5", "agrees with verifier", "rank 0..4 = verifier"], rows, "llrrrl"
-    )
-    tau = metrics.get("val/simulated_block_efficiency")
-    parts = [
-        "## Heads (last validation)",
-        table.rstrip(),
-        "top1 / top5: the head's top guesses against the corpus token it predicts; agrees: its top-1 equals "
-        "the verifier's argmax for that token; rank r = verifier: how often its r-th guess is. Simulated "
-        "block efficiency of the blockwise top-1 chain (1 + leading heads agreeing, teacher-forced on "
-        f"corpus prefixes): {format_value(tau, 2)}.",
-    ]
-    if tree:
-        parts.append(
-            f"Tree saved with the heads ({len(tree)} nodes, depth {max(len(p) for p in tree)}; built from the "
-            f"per-rank accuracies, the largest expected accepted length of its size): `{[list(p) for p in tree]}`"
-        )
-    if note:
-        parts.append(note)
-    return "\n\n".join(parts)

@@ -15,7 +15,7 @@ from tests.evaluation.fakes import RecordingDecoder, inline
 from train.config import ConfigError
 from train.decoding import SpeculativeDecoder
 from train.evaluation import EvalConfig, build_decoders, build_eval_config, known_decoder_configs
-from train.evaluation.runner import drafter_kind
+from train.evaluation.decoder_build import drafter_kind
 from train.models.heads import MedusaHeads
 from train.models.ngram import NGramLM
 from train.models.steering_module import SteeringModule

@@ -22,6 +22,7 @@ from train.evaluation import (
     find_run,
     results_table,
 )
+from train.evaluation.decoder_build import build_decoders
 
 GAMMA = 4
 # 3 blocks of gamma + 1 tokens: with a perfect drafter every block is full, so tau is exactly gamma + 1.
@@ -217,7 +218,7 @@ def test_modules_a_decoder_config_loads_sit_with_the_drafter(verifier):
         ]
     )
     drafter = torch.nn.Linear(2, 2).to("meta")
-    (decoder,) = runner.build_decoders(verifier, drafter, cfg).values()
+    (decoder,) = build_decoders(verifier, drafter, cfg).values()
     assert decoder.loaded["steering"].weight.device.type == "meta"
     assert decoder.loaded["refiner"].lm.weight.device.type == "meta"
     assert decoder.loaded["refiner"].k == 3

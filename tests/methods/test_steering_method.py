@@ -29,7 +29,7 @@ from train.config import ConfigError
 from train.data.datamodule import PromptDataModule
 from train.decoding import AutoregressiveDecoder, SamplingParams, SpeculativeDecoder
 from train.evaluation import build_eval_config
-from train.evaluation.runner import build_decoders
+from train.evaluation.decoder_build import build_decoders
 from train.methods.steering.config import BASELINE_ARM, MAIN_ARM, SteeringConfig
 from train.methods.steering.module import SteeringTrainingModule
 from train.models.steering_module import SteeredDrafter, SteeringModule

@@ -17,9 +17,9 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from tests.conftest import CONF_DIR, REPO_ROOT, make_tokenizer
 from train.cli.evaluate_command import main as evaluate_main
+from train.cli.export_command import main as export_main
 from train.config import ConfigError
 from train.export.drafter import export_drafter
-from train.export.drafter import main as export_main
 from train.models.loading import TokenizerMismatchError
 
 TEXT = "def add(a, b):\n    return a + b  # a docstring follows\n"

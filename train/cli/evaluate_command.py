@@ -17,6 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from train.config import ConfigError, check_model_source, instantiate_group, require
+from train.evaluation.decoder_build import decoder_kinds
 from train.evaluation.eval_config import (
     DECODING_CONF_DIR,
     EvalConfig,
@@ -25,7 +26,7 @@ from train.evaluation.eval_config import (
 )
 from train.evaluation.prompts import build_prompts
 from train.evaluation.results import results_table
-from train.evaluation.runner import decoder_kinds, evaluate_drafters
+from train.evaluation.runner import evaluate_drafters
 from train.models.heads import MedusaHeads
 from train.models.loading import eos_token_ids, load_pair, place_pair, resolve_devices
 from train.pairs.built import ensure_built_pair

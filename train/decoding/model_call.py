@@ -48,19 +48,6 @@ __all__ = [
 ]
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
 @dataclass
 class CallResult:
     """What one forward returned.

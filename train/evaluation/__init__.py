@@ -7,6 +7,7 @@ One concern per module: ``config`` (:class:`EvalConfig`, decoder configs, :func:
 W&B) and ``cli`` (``main(cfg)`` of ``scripts/evaluate.py``, imported from there, not here).
 """
 
+from train.evaluation.decoder_build import build_decoders
 from train.evaluation.eval_config import (
     EvalConfig,
     build_eval_config,
@@ -14,6 +15,7 @@ from train.evaluation.eval_config import (
     load_decoder_config,
 )
 from train.evaluation.greedy import GreedyMismatchError
+from train.evaluation.outputs import write_outputs
 from train.evaluation.plots import plot_results
 from train.evaluation.prompts import build_prompts
 from train.evaluation.results import (
@@ -27,7 +29,7 @@ from train.evaluation.results import (
     temperature_key,
     to_jsonable,
 )
-from train.evaluation.runner import Generation, build_decoders, evaluate_drafters, write_outputs
+from train.evaluation.runner import Generation, evaluate_drafters
 from train.evaluation.tracking import log_results, scalar_metrics
 from train.tables import format_metric
 

@@ -10,6 +10,7 @@ either way, so the difference is recorded as a *tie* (a warning), not an error. 
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -18,8 +19,13 @@ import torch
 import torch.nn.functional as F
 
 from train.decoding import model_device
+from train.evaluation.decoder_build import TimedEntry
+from train.evaluation.eval_config import EvalConfig
+from train.tables import format_value
 
 __all__ = ["GreedyMismatchError", "classify_difference", "first_difference", "float32_logits", "ulp"]
+
+log = logging.getLogger(__name__)
 
 
 class GreedyMismatchError(RuntimeError):
@@ -121,3 +127,47 @@ def classify_difference(
         tie=(top - la) <= tolerance and (top - lb) <= tolerance,
     )
     return record
+
+
+def check_greedy(
+    verifier: torch.nn.Module,
+    entry: TimedEntry,
+    prompts: list[torch.Tensor],
+    reference: list[list[int]],
+    outputs: list[list[int]],
+    seed: int,
+    cfg: EvalConfig,
+    ties: list[dict[str, Any]],
+    mismatches: list[dict[str, Any]],
+) -> None:
+    """Compare one entry's temperature-0 outputs with the baseline's; record ties, raise or record the rest."""
+    found = []
+    for i, (ref, out) in enumerate(zip(reference, outputs, strict=True)):
+        record = classify_difference(verifier, prompts[i], ref, out, cfg.tie_ulps)
+        if record is not None:
+            found.append({"seed": seed, "prompt": i, **record})
+    for rec in found:
+        where = (
+            f"{entry.label} with drafter {entry.drafter!r}, seed {seed}, prompt {rec['prompt']}, "
+            f"new token {rec['position']}: greedy token {rec['tokens'][0]} vs decoder token {rec['tokens'][1]}"
+        )
+        if rec["tie"]:
+            ties.append(rec)
+            # expected in bfloat16 (recorded in results.json as greedy_ties): the log file, not the terminal
+            log.info(
+                "low-precision tie at temperature 0 (%s; float32 margin %s ulp)", where, rec["margin_ulps"]
+            )
+            continue
+        mismatches.append(rec)
+        margin = (
+            ""
+            if rec["margin_ulps"] is None
+            else f", float32 margin {format_value(rec['margin_ulps'], 1)} ulp > {format_value(cfg.tie_ulps, 1)}"
+        )
+        msg = (
+            f"temperature-0 output differs from the verifier's greedy output ({where}{margin}); "
+            f"{sum(1 for r in found if not r['tie'])} of {len(prompts)} prompts differ"
+        )
+        if cfg.strict_greedy:
+            raise GreedyMismatchError(msg)
+        log.warning(msg)

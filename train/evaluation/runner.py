@@ -17,7 +17,6 @@ the plots; with ``loggers``: the scalar means, and for W&B the table and plots t
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import platform
@@ -27,45 +26,33 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from hydra.utils import get_object, instantiate
 
-from train.config import ConfigError, renamed_targets
+from train.config import ConfigError
 from train.decoding import (
     AutoregressiveDecoder,
     DecodeStats,
     SamplingParams,
     aggregate,
-    model_device,
     param_count,
     speedup,
     summarize,
 )
+from train.evaluation.decoder_build import TimedEntry, build_decoders, drafter_kind
 from train.evaluation.eval_config import EvalConfig, build_eval_config
-from train.evaluation.greedy import GreedyMismatchError, classify_difference
-from train.evaluation.plots import plot_results
+from train.evaluation.greedy import check_greedy
+from train.evaluation.outputs import write_outputs
 from train.evaluation.results import (
     BASELINE_METRICS,
     RESULTS_SCHEMA,
     pool,
-    results_table,
     run_entry,
     temperature_key,
-    to_jsonable,
 )
 from train.evaluation.tracking import log_results
-from train.models.draft_vocab import with_draft_vocab
-from train.tables import format_value
 
 log = logging.getLogger(__name__)
 
-__all__ = [
-    "Generation",
-    "build_decoders",
-    "decoder_kinds",
-    "drafter_kind",
-    "evaluate_drafters",
-    "write_outputs",
-]
+__all__ = ["Generation", "evaluate_drafters"]
 
 
 @dataclass(frozen=True)
@@ -81,73 +68,6 @@ class Generation:
     prompt_index: int
     tokens: list[int]
     """The new tokens (the prompt not included)."""
-
-
-@dataclass
-class _Entry:
-    """One thing timed per prompt: the baseline (drafter None) or a drafter under a decoder."""
-
-    drafter: str | None
-    label: str
-    decoder: Any
-
-    @property
-    def name(self) -> str:
-        return "ar" if self.drafter is None else f"{self.drafter}/{self.label}"
-
-
-def drafter_kind(obj: Any) -> str:
-    """What kind of drafter a drafter is: ``model`` (a second language model, the default), ``heads``
-    (prediction heads on the verifier) or ``steered`` (a model with its SD^2 steering module), from its
-    ``drafter_kind`` attribute."""
-    return str(getattr(obj, "drafter_kind", "model"))
-
-
-def accepted_kinds(obj: Any) -> tuple[str, ...]:
-    """The kinds of drafter a decoder class takes: its ``drafter_kinds``, else its one ``drafter_kind``."""
-    kinds = getattr(obj, "drafter_kinds", None)
-    return tuple(str(k) for k in kinds) if kinds else (drafter_kind(obj),)
-
-
-def _config_kinds(settings: dict[str, Any]) -> tuple[str, ...]:
-    """The kinds of drafter a decoder config's class takes, read from the class itself: nothing the
-    config names (n-gram models, steering modules, rescoring LMs) is loaded to find it out."""
-    return accepted_kinds(get_object(settings["_target_"]))
-
-
-def decoder_kinds(cfg: EvalConfig) -> dict[str, tuple[str, ...]]:
-    """{label: the kinds of drafter that decoder config takes} (:func:`accepted_kinds`)."""
-    return {label: _config_kinds(settings) for label, settings in cfg.decoder_configs.items()}
-
-
-def build_decoders(verifier: torch.nn.Module, drafter: torch.nn.Module, cfg: EvalConfig) -> dict[str, Any]:
-    """{label: decoder} for one drafter: each decoder config that takes this kind of drafter
-    (:func:`drafter_kind` among :func:`accepted_kinds`), its partial called ``factory(verifier, drafter)``."""
-    out = {}
-    for label, settings in cfg.decoder_configs.items():
-        if drafter_kind(drafter) not in _config_kinds(settings):
-            continue
-        try:
-            factory = instantiate(renamed_targets({**settings, "_partial_": True}))
-            place_loaded_modules(factory.keywords.values(), drafter)
-            # a drafter with a reduced vocabulary (config.draft_vocab) drafts over it only
-            out[label] = factory(
-                verifier, with_draft_vocab(drafter) if drafter_kind(drafter) == "model" else drafter
-            )
-        except (TypeError, ValueError) as err:
-            raise ConfigError(f"eval.decoders[{label}]: {err}") from None
-    return out
-
-
-def place_loaded_modules(objects: Any, drafter: torch.nn.Module) -> None:
-    """Put the modules a decoder config loads (an SD^2 steering module, a BPD rescoring LM held by its
-    refiner) on the drafter's device: they load on the CPU, and left there they would run every block
-    on the CPU beside models on a GPU."""
-    device = model_device(drafter)
-    for obj in objects:
-        for candidate in (obj, *getattr(obj, "__dict__", {}).values()):
-            if isinstance(candidate, torch.nn.Module):
-                candidate.to(device)
 
 
 def _generator(seed: int, prompt_index: int) -> torch.Generator:
@@ -286,7 +206,7 @@ def evaluate_drafters(
 
 
 def _run_prompt(
-    entries: list[_Entry],
+    entries: list[TimedEntry],
     prompt: torch.Tensor,
     index: int,
     params: SamplingParams,
@@ -329,9 +249,11 @@ def _evaluate(
     v_params = param_count(verifier)
     c_param = {name: param_count(d) / v_params for name, d in drafters.items()}
     decoder_configs = cfg.decoder_configs
-    entries = [_Entry(None, "ar", AutoregressiveDecoder(verifier))]
+    entries = [TimedEntry(None, "ar", AutoregressiveDecoder(verifier))]
     for name, drafter in drafters.items():
-        entries += [_Entry(name, label, dec) for label, dec in build_decoders(verifier, drafter, cfg).items()]
+        entries += [
+            TimedEntry(name, label, dec) for label, dec in build_decoders(verifier, drafter, cfg).items()
+        ]
     if len(entries) == 1:
         kinds = sorted({drafter_kind(d) for d in drafters.values()})
         raise ConfigError(
@@ -379,7 +301,7 @@ def _evaluate(
                     from_prompts = {"prompt_speedup": _aggregate_one(pairs)}
                     per_seed.setdefault(key, []).append({"seed": seed, **summary, **from_prompts})
                     if t == 0.0:
-                        _check_greedy(
+                        check_greedy(
                             verifier,
                             entry,
                             prompts,
@@ -459,64 +381,3 @@ def _aggregate_one(values: list[float]) -> dict[str, Any]:
 
 def _aggregate_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return aggregate({k: v for k, v in r.items() if k != "seed"} for r in rows)
-
-
-def _check_greedy(
-    verifier: torch.nn.Module,
-    entry: _Entry,
-    prompts: list[torch.Tensor],
-    reference: list[list[int]],
-    outputs: list[list[int]],
-    seed: int,
-    cfg: EvalConfig,
-    ties: list[dict[str, Any]],
-    mismatches: list[dict[str, Any]],
-) -> None:
-    """Compare one entry's temperature-0 outputs with the baseline's; record ties, raise or record the rest."""
-    found = []
-    for i, (ref, out) in enumerate(zip(reference, outputs, strict=True)):
-        record = classify_difference(verifier, prompts[i], ref, out, cfg.tie_ulps)
-        if record is not None:
-            found.append({"seed": seed, "prompt": i, **record})
-    for rec in found:
-        where = (
-            f"{entry.label} with drafter {entry.drafter!r}, seed {seed}, prompt {rec['prompt']}, "
-            f"new token {rec['position']}: greedy token {rec['tokens'][0]} vs decoder token {rec['tokens'][1]}"
-        )
-        if rec["tie"]:
-            ties.append(rec)
-            # expected in bfloat16 (recorded in results.json as greedy_ties): the log file, not the terminal
-            log.info(
-                "low-precision tie at temperature 0 (%s; float32 margin %s ulp)", where, rec["margin_ulps"]
-            )
-            continue
-        mismatches.append(rec)
-        margin = (
-            ""
-            if rec["margin_ulps"] is None
-            else f", float32 margin {format_value(rec['margin_ulps'], 1)} ulp > {format_value(cfg.tie_ulps, 1)}"
-        )
-        msg = (
-            f"temperature-0 output differs from the verifier's greedy output ({where}{margin}); "
-            f"{sum(1 for r in found if not r['tie'])} of {len(prompts)} prompts differ"
-        )
-        if cfg.strict_greedy:
-            raise GreedyMismatchError(msg)
-        log.warning(msg)
-
-
-def write_outputs(
-    results: dict[str, Any], out_dir: str | os.PathLike[str], plots: bool = True
-) -> dict[str, Any]:
-    """Write results.md, the plots and results.json into ``out_dir``; record the file names in ``results["files"]``."""
-    os.makedirs(out_dir, exist_ok=True)
-    files: dict[str, Any] = {"json": "results.json", "table": "results.md", "plots": []}
-    with open(os.path.join(out_dir, "results.md"), "w") as f:
-        f.write(results_table(results))
-    if plots:
-        files["plots"] = [os.path.basename(p) for p in plot_results(results, out_dir)]
-    results["files"] = files
-    with open(os.path.join(out_dir, "results.json"), "w") as f:
-        json.dump(to_jsonable(results), f, indent=2, allow_nan=False)
-        f.write("\n")
-    return files

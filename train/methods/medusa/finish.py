@@ -12,10 +12,10 @@ import torch
 from train.decoding.proposers.heads_proposer import tree_from_accuracies
 from train.export.drafter import export_drafter
 from train.export.medusa_layout import export_vllm_medusa
+from train.methods.medusa.heads_report import heads_section
 from train.models.heads import MedusaHeads
 from train.models.lora import merge_lora
 from train.models.ngram import NGramLM
-from train.report import heads_section
 
 if TYPE_CHECKING:
     from train.methods.medusa.module import MedusaModule
