@@ -27,8 +27,8 @@ from train.cli.train_command import load_spec
 from train.config import ConfigError
 from train.data.datamodule import PromptDataModule
 from train.losses import divergence
-from train.methods.distillspec.config import DistillSpecConfig
-from train.methods.distillspec.module import DATA_SOURCES, DistillSpecModule
+from train.methods.distillspec.config import DATA_SOURCES, DistillSpecConfig
+from train.methods.distillspec.module import DistillSpecModule
 from train.training.callbacks import GracefulStop, NonFiniteLossError, NonFiniteLossGuard
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)

@@ -16,8 +16,8 @@ from tests.fsdp import RecordingRoot, fake_fsdp_trainer
 from train.config import ConfigError
 from train.data.datamodule import LMDataModule
 from train.export.medusa_layout import export_heads, load_vllm_medusa
-from train.methods.medusa.config import MedusaConfig, head_metrics
-from train.methods.medusa.module import MedusaModule
+from train.methods.medusa.config import MedusaConfig
+from train.methods.medusa.module import MedusaModule, head_metrics
 from train.models.heads import MedusaHeads, medusa_loss
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2)

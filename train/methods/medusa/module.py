@@ -43,9 +43,9 @@ import torch
 import torch.nn.functional as F
 
 from train.decoding.sampling import SamplingParams
-from train.methods.medusa.config import MedusaConfig, head_metrics
+from train.methods.medusa.config import MedusaConfig
 from train.methods.medusa.finish import MedusaFinish
-from train.models.heads import MedusaHeads, medusa_loss
+from train.models.heads import MedusaHeads, medusa_loss, shifted_targets
 from train.models.lora import apply_lora
 from train.training.optim import (
     clip_gradients,
@@ -56,6 +56,41 @@ from train.training.optim import (
 )
 from train.training.responses import seeded_generator
 from train.training.rollout import rollout
+
+
+def head_metrics(
+    head_logits: torch.Tensor, verifier_logits: torch.Tensor, input_ids: torch.Tensor, k_top: int = 10
+) -> dict[str, torch.Tensor]:
+    """Counts for validation, summed over the batch: per head ``top1_k``, ``top5_k`` (against the corpus
+    token k + 2 ahead), ``agree_k`` (top-1 = the verifier's argmax for that token), ``rank_k_r`` (the
+    rank-r candidate is that argmax, r < ``k_top``), ``n_k`` (positions); and ``run`` (sum over
+    positions t of the leading heads that agree) with ``positions``.
+
+    head_logits: (K, B, T, V); verifier_logits: (B, T, V); input_ids: (B, T)."""
+    num_heads, _, length, _ = head_logits.shape
+    top = head_logits.topk(min(max(k_top, 5), head_logits.shape[-1]), dim=-1).indices  # (K, B, T, k)
+    verifier_next = verifier_logits.argmax(dim=-1)  # (B, T): the verifier's token for t + 1
+    out: dict[str, torch.Tensor] = {}
+    agree_all = []
+    usable = length - num_heads - 1  # positions where every head's target exists
+    for k in range(num_heads):
+        targets, valid = shifted_targets(input_ids, k)
+        out[f"top1_{k}"] = ((top[k, ..., 0] == targets) & valid).sum()
+        out[f"top5_{k}"] = ((top[k, ..., :5] == targets.unsqueeze(-1)).any(-1) & valid).sum()
+        out[f"n_{k}"] = valid.sum()
+        # head k at t guesses token t + k + 2, which the verifier predicts at position t + k + 1
+        verifier_guess = torch.roll(verifier_next, -(k + 1), dims=-1)
+        hits = (top[k, ..., :k_top] == verifier_guess.unsqueeze(-1)) & valid.unsqueeze(-1)  # (B, T, k_top)
+        for r, count in enumerate(hits.sum(dim=(0, 1))):
+            out[f"rank_{k}_{r}"] = count
+        agree = hits[..., 0]
+        out[f"agree_{k}"] = agree.sum()
+        agree_all.append(agree[:, : max(usable, 0)])
+    if usable > 0:
+        leading = torch.stack(agree_all, dim=-1).long().cumprod(dim=-1).sum(dim=-1)  # (B, usable)
+        out["run"] = leading.sum()
+        out["positions"] = torch.tensor(leading.numel())
+    return out
 
 
 class MedusaModule(MedusaFinish, L.LightningModule):
