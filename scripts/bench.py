@@ -1,6 +1,6 @@
 """Benchmarks: ``python scripts/bench.py <subcommand> [options]``.
 
-A thin argparse dispatcher; each subcommand's logic lives in ``train/benchmarks/<name>.py`` as
+A thin argparse dispatcher; each subcommand's logic lives in ``train/benchmarks/<name>_bench.py`` as
 ``add_arguments(parser)`` and ``main(args)``.
 """
 
@@ -10,7 +10,10 @@ import argparse
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from train.benchmarks import decoding, distill, draft_vocab, overhead
+    from train.benchmarks import decoders_bench as decoding
+    from train.benchmarks import distill_bench as distill
+    from train.benchmarks import draft_vocab_bench as draft_vocab
+    from train.benchmarks import overhead_bench as overhead
 
     parser = argparse.ArgumentParser(prog="bench.py", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)

@@ -3,14 +3,12 @@
     python scripts/trees.py                      # writes docs/trees.md (about 10 minutes on 2 cores)
     python scripts/trees.py --prompts 4 --tokens 32 --seeds 0 1 --out /tmp/trees.md   # a quick look
 
-Three measurements, all through the evaluator (``train.evaluation.evaluate_drafters``: the same
-prompts, seeds, paired timing against autoregressive decoding and metric contract as every report):
+Three measurements, all through the evaluator (``train.evaluation.evaluate_drafters``, as every report):
 
 1. fixed draft depth (3 and 4): block efficiency of each method at T = 0 and T = 1;
-2. fixed verifier budget (4, 8, 16, 32 tree tokens per call): every listed shape of each method that
-   fits the budget, at T = 1; the table keeps each method's best shape by block efficiency;
-3. cost: the verifier's time per call against the number of tree tokens it scores (1 ... 64) after a
-   64-token prefix, and the decoders' loop overhead (wall time / model forward time - 1).
+2. fixed verifier budget (4 ... 32 tree tokens per call): each method's best fitting shape at T = 1;
+3. cost: the verifier's time per call against the tree tokens it scores (1 ... 64) after a 64-token
+   prefix, and the decoders' loop overhead (wall time / model forward time - 1).
 """
 
 from __future__ import annotations
@@ -24,9 +22,19 @@ from typing import Any
 
 import torch
 
+from train.benchmarks.decoders_bench import build_pair
 from train.cli.console import add_device_arguments
-from train.decoding import TimedModel, keep_positions
+from train.decoding import (
+    DecodeStats,
+    SamplingParams,
+    SpeculativeDecoder,
+    TimedModel,
+    TreeSpeculativeDecoder,
+    keep_positions,
+    loop_overhead,
+)
 from train.decoding.decoders.tree_decoder import tree_size
+from train.decoding.proposers.tree_proposers import TreeProposer
 from train.decoding.tree_attention import tree_attention_mask, tree_position_ids
 from train.evaluation import EvalConfig, build_prompts, evaluate_drafters
 from train.models.loading import eos_token_ids, load_model, load_tokenizer
@@ -198,15 +206,8 @@ def sibling_duplicate_rate(
 ) -> str:
     """How often SpecInfer's i.i.d. siblings repeat a token at T = 1 (what RSD's sampling without
     replacement avoids): each prompt cut at 6 points, one SpecInfer tree per cut."""
-    from types import SimpleNamespace
-
-    from train.decoding import SamplingParams
-    from train.decoding.proposers.tree_proposers import TreeProposer
-
     proposer = TreeProposer(TimedModel(drafter), drafter.config.vocab_size, "specinfer", branching=branching)
-    stats = SimpleNamespace(
-        drafter_calls=0, drafter_time=0.0, drafter_prefill_calls=0, drafter_prefill_time=0.0
-    )
+    stats = DecodeStats()
     generator = torch.Generator().manual_seed(0)
     pairs = same = 0
     for ids in prompts:
@@ -234,9 +235,6 @@ def bench_pair_overhead(
     ``scripts/bench.py decoding`` (random-weight Llama, 33.7M / 2.6M parameters, sharing a bigram
     component so acceptance is realistic), where a verifier forward costs several milliseconds;
     ``devices``: the verifier's and the drafter's."""
-    from train.benchmarks.decoders_bench import build_pair
-    from train.decoding import SamplingParams, SpeculativeDecoder, TreeSpeculativeDecoder, loop_overhead
-
     verifier, drafter = build_pair()
     verifier.to(devices[0])
     drafter.to(devices[1])

@@ -1,4 +1,4 @@
-"""Tests for train/losses.py (ALGORITHMS.md sections 2 and 8)."""
+"""Tests for train/losses.py (docs/distillspec.md, docs/testing.md)."""
 
 from __future__ import annotations
 

@@ -25,9 +25,8 @@ Conventions shared by every function here
 * **Shapes.**  Logits are ``(B, T, V)`` or ``(N, V)`` (any leading shape works); ``mask`` has the
   leading shape (``(B, T)`` or ``(N,)``), bool or 0/1, and nonzero entries select the continuation
   tokens that count.  ``mask=None`` selects every position.
-* **Reduction.**  The result is a 0-d tensor: the mean over *selected tokens* of the batch (a token-level
-  mean, so longer continuations weigh more than under a per-sequence ``1/|y|`` mean; use
-  :func:`divergence` on a one-token mask for other weightings).  With an **empty mask** the result is an exact 0
+* **Reduction.**  A 0-d tensor: the mean over *selected tokens* of the batch (longer continuations weigh
+  more than under a per-sequence ``1/|y|`` mean; a one-token mask gives other weightings).  With an **empty mask** the result is an exact 0
   that is still connected to ``student_logits``' graph, so ``backward()`` works and yields an all-zero
   gradient (no NaN from 0/0).
 * **Temperature** divides both logits before the softmax.  No ``T**2`` gradient rescaling is applied.
@@ -46,15 +45,13 @@ Conventions shared by every function here
   Tiny negative values (~1e-7) can appear for ``D(p, p)`` from rounding; they are not clamped, so the
   gradient stays exact.
 * **Memory.**  Nothing is gathered or flattened up front (non-contiguous inputs such as ``logits[:, :-1]``
-  are not copied): the selected positions are processed in chunks of ``chunk_size`` rows (gathered per
-  chunk), each chunk upcast and reduced on its own.  When a
-  gradient is needed, the closed-form gradient w.r.t. the student logits (see :func:`_rowwise_grad`) is
-  written chunk by chunk into a single buffer shaped like ``student_logits`` during the forward pass, and
-  ``backward`` just returns it (scaled in place by the incoming gradient).  Peak extra memory is therefore one
+  are not copied): the selected positions are processed in chunks of ``chunk_size`` rows, each upcast and
+  reduced on its own.  With a gradient, the closed-form gradient w.r.t. the student logits
+  (:func:`_rowwise_grad`) is written chunk by chunk into one buffer shaped like ``student_logits`` during
+  the forward pass; ``backward`` returns it, scaled in place by the incoming gradient.  Peak extra memory is therefore one
   student-logit-sized gradient -- which autograd needs anyway -- plus ``O(chunk_size * V)`` float32
-  intermediates, regardless of ``B * T``; there is no recomputation.  (This plays the role of per-chunk
-  ``torch.utils.checkpoint`` but avoids its gathered copies and concatenated chunk gradients; the price is
-  no double backward, which distillation never needs.)
+  intermediates, regardless of ``B * T``, with no recomputation (per-chunk checkpointing without its
+  copies; the price is no double backward, which distillation never needs).
 * The teacher is always detached; no gradient ever flows into ``teacher_logits``.
 """
 

@@ -1,4 +1,4 @@
-"""Cache-free reference implementations of chain speculative decoding (ALGORITHMS.md section 1).
+"""Cache-free reference implementations of chain speculative decoding (docs/decoding.md).
 
 Used by the decoder-level tests to pin the decoders' *exact* behaviour through their public API:
 
@@ -82,7 +82,7 @@ def reference_greedy(
     eos: Iterable[int] = (),
     drafter_pad_id: int = 0,
 ) -> RefStats:
-    """Chain speculative decoding at T = 0 with no cache at all (ALGORITHMS.md section 1).
+    """Chain speculative decoding at T = 0 with no cache at all (docs/decoding.md).
 
     Each drafter step is an argmax over the drafter's logits (restricted to ids the verifier has) of a
     full forward over prompt + committed + drafts so far; each block is one full verifier forward.

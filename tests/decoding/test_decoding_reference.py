@@ -1,7 +1,7 @@
 """SpeculativeDecoder at T = 0 against a cache-free reference loop, count for count.
 
 ``spec_reference.reference_greedy`` re-encodes the whole sequence for every drafter step and every
-verifier call (no KV cache anywhere) and follows ALGORITHMS.md section 1 literally: the drafter's argmax
+verifier call (no KV cache anywhere) and follows docs/decoding.md literally: the drafter's argmax
 over the full sequence, the draft stopped at EOS, draft length min(gamma, remaining - 1), one verifier
 pass per block, no bonus token after an accepted EOS. The decoder must emit the same tokens *and*
 report the same accepted, drafted, tested, verifier_calls, drafter_calls, verifier_tokens, rollbacks,

@@ -1,4 +1,4 @@
-"""The evaluator's decoding engine (ARCHITECTURE.md, "The speculative engine").
+"""The evaluator's decoding engine (docs/decoding.md, "How the engine is built"; the layout: docs/architecture.md).
 
 Parts, each in its own file: ``cache`` (crop, keep positions compacted), ``model_call`` (one timed
 forward), ``draft`` (a chain or tree of draft tokens), ``proposers`` (the drafting side),

@@ -1,4 +1,4 @@
-"""The asynchronous schedule (AMUSD; McDanel, arXiv 2410.17375; ALGORITHMS.md section 7).
+"""The asynchronous schedule (AMUSD; McDanel, arXiv 2410.17375; docs/async.md).
 
 The drafter runs in its own thread and never waits for verification: it keeps drafting one token at
 a time ahead of the verified sequence (up to ``max_ahead`` tokens) and publishes each with the q it

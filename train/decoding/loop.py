@@ -1,6 +1,6 @@
 """The synchronous schedule: propose -> verify -> accept -> commit, block after block.
 
-One block (ALGORITHMS.md section 1)::
+One block (docs/decoding.md)::
 
     draft  = proposer.propose(sequence, budget)                # up to gamma tokens (0: plain decoding)
     logits = verifier(uncached committed tokens + draft)       # ONE forward over a cached prefix

@@ -1,4 +1,4 @@
-"""The metric contract (ARCHITECTURE.md, "The metric contract"): one definition per name.
+"""The metric contract (docs/evaluation.md, "The metric contract"): one definition per name.
 
 Decoders accumulate raw counts and timings into a :class:`DecodeStats`; the functions below turn
 them into the named metrics. :func:`summarize` gives the per-run dictionary, :func:`aggregate` the

@@ -1,4 +1,4 @@
-"""Refining prediction heads' drafts (BPD: Kim et al., arXiv 2404.09221; ALGORITHMS.md section 4).
+"""Refining prediction heads' drafts (BPD: Kim et al., arXiv 2404.09221; docs/bpd.md).
 
 The heads give a *lattice*: slot i holds head i's top-k tokens with their log-probabilities. A refiner
 turns it into drafts for :class:`~train.decoding.proposers.heads_proposer.HeadsProposer`, which merges them into a trie of

@@ -2,7 +2,7 @@
 
 Every function works on plain tensors; shapes are given in the docstrings with ``V`` the vocabulary
 size and ``*`` any leading batch dimensions. The same functions are used for training rollouts and for
-evaluation, so a drafter is trained under the regime it is evaluated under (ARCHITECTURE.md).
+evaluation, so a drafter is trained under the regime it is evaluated under (docs/decoding.md).
 
 Temperature 0 means greedy decoding: :func:`warp` returns the one-hot distribution on the argmax, so
 every formula below stays well defined (expected acceptance becomes 1 if the argmaxes agree, else 0).
@@ -139,7 +139,7 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """Rejection residual norm(max(0, p - q)).
 
     p, q: (*, V) probabilities. Returns (*, V). Rows whose residual sums to 0 in floating point (p <= q
-    everywhere, e.g. p == q) fall back to p, as ALGORITHMS.md section 1 prescribes.
+    everywhere, e.g. p == q) fall back to p, as docs/decoding.md prescribes.
     """
     r = (p - q).clamp_min_(0.0)
     total = r.sum(dim=-1, keepdim=True)

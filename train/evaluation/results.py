@@ -1,7 +1,7 @@
 """The results dictionary (results.json): its schema, how runs are aggregated, how to read and render it.
 
 Per seed the prompts' :class:`~train.decoding.DecodeStats` are pooled and summarised into the metric
-contract (ARCHITECTURE.md); a run's ``metrics`` are mean / std / n over seeds (std undefined, written
+contract (docs/evaluation.md); a run's ``metrics`` are mean / std / n over seeds (std undefined, written
 null, with one seed), its ``prompt_spread`` the same over every (prompt, seed). The schema is in
 docs/evaluation.md. :func:`find_run` and :func:`by_temperature` read one run; :func:`results_table`
 renders everything through :mod:`train.tables`, the formatting shared with cards and reports.
@@ -31,7 +31,7 @@ __all__ = [
 
 RESULTS_SCHEMA = "draftsmith.eval/2"
 
-#: The metric contract's names (ARCHITECTURE.md), in table order.
+#: The metric contract's names (docs/evaluation.md), in table order.
 CONTRACT_METRICS: tuple[str, ...] = (
     "acceptance_rate",
     "expected_acceptance",
@@ -228,7 +228,7 @@ def _gamma_cell(run: Mapping[str, Any]) -> str:
     return "-" if run.get("gamma") is None else str(run["gamma"])
 
 
-#: What the table's figures mean (the metric contract, ARCHITECTURE.md), shown under every rendering
+#: What the table's figures mean (the metric contract, docs/evaluation.md), shown under every rendering
 #: of results: results.md, report.md and the exported model card.
 METRIC_LEGEND = (
     "Metrics (draftsmith's metric contract): acceptance_rate = accepted / drafted draft tokens; "

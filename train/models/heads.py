@@ -1,4 +1,4 @@
-"""Medusa / blockwise prediction heads on a verifier's last hidden state (ALGORITHMS.md section 3).
+"""Medusa / blockwise prediction heads on a verifier's last hidden state (docs/medusa.md).
 
 Head k (k = 0..K-1) reads the verifier's final hidden state h_t and predicts token t + k + 2 (the
 verifier's own ``lm_head`` predicts t + 1). A head is ``num_layers`` *distinct* residual blocks

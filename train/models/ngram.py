@@ -1,6 +1,6 @@
 """An n-gram language model over token ids: interpolated Kneser-Ney (Chen & Goodman 1998), in numpy.
 
-Used to rescore prediction heads' drafts (BPD, ALGORITHMS.md section 4). Token ids are small integers,
+Used to rescore prediction heads' drafts (BPD, docs/bpd.md). Token ids are small integers,
 so an n-gram is one int64 key (base ``vocab_size``); counts are sorted key arrays looked up with
 ``searchsorted``, a batch of queries at once. No maintained Python library fits token-id n-grams on
 this stack (KenLM needs a compiled binary and text files; ``nltk.lm`` is pure-Python dictionaries,

@@ -1,4 +1,4 @@
-"""SD^2 steering: the verifier's hidden states steer a pretrained drafter (ALGORITHMS.md section 6).
+"""SD^2 steering: the verifier's hidden states steer a pretrained drafter (docs/steering.md).
 
 Berdoz, Rheinboldt, Wattenhofer, "Steering Pretrained Drafters during Speculative Decoding" (arXiv
 2511.09844). :class:`SteeringModule` reads the verifier's hidden states entering three of its layers

@@ -1,6 +1,6 @@
 """Batched rollouts for training: left-padded prompts -> sampled continuations, with a KV cache.
 
-DistillSpec / GKD (ALGORITHMS.md section 2) train the drafter on continuations sampled from the
+DistillSpec / GKD (docs/distillspec.md) train the drafter on continuations sampled from the
 teacher or from the student itself. Those rollouts use the evaluator's own :func:`warp` and
 :func:`sample`, so a drafter is trained under the regime it is evaluated under. No gradient flows
 through sampling (everything here runs under ``torch.no_grad``).

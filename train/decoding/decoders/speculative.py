@@ -1,4 +1,4 @@
-"""Chain speculative decoding (Leviathan et al. 2023; Chen et al. 2023), ALGORITHMS.md section 1.
+"""Chain speculative decoding (Leviathan et al. 2023; Chen et al. 2023), docs/decoding.md.
 
 A thin composition of the engine's parts: a :class:`~train.decoding.proposers.model_proposer.ModelProposer` drafts up
 to ``gamma`` tokens with the drafter, :func:`~train.decoding.loop.run_synchronous` verifies them in one

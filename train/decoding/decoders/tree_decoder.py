@@ -1,4 +1,4 @@
-"""Tree speculative decoding: SpecInfer, RSD-C and RSD-S (ALGORITHMS.md section 5).
+"""Tree speculative decoding: SpecInfer, RSD-C and RSD-S (docs/trees.md).
 
 A composition of the engine's parts, like :class:`~train.decoding.decoders.speculative.SpeculativeDecoder`: a
 :class:`~train.decoding.proposers.tree_proposers.TreeProposer` drafts a tree with the drafter (one forward per

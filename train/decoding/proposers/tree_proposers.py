@@ -1,6 +1,6 @@
 """Tree proposers: a drafter expands a draft tree level by level, one forward per depth.
 
-Three ways to choose the children of a node (ALGORITHMS.md section 5):
+Three ways to choose the children of a node (docs/trees.md):
 
 - ``specinfer`` (Miao et al.): ``branching[d]`` children of every depth-d node drawn i.i.d. from the
   drafter's q (duplicates possible), verified with the multi-round rule with replacement;

@@ -1,4 +1,4 @@
-"""Medusa's typical acceptance: a lossy tree rule (Cai et al. 2024, ALGORITHMS.md section 3).
+"""Medusa's typical acceptance: a lossy tree rule (Cai et al. 2024, docs/medusa.md).
 
 At temperature T > 0 a drafted token x after a node whose verifier distribution is p is kept when
 ``p(x) > min(threshold, alpha * exp(-H(p)))`` (the authors' ``posterior_threshold`` 0.09 and

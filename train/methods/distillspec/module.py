@@ -1,6 +1,6 @@
 """DistillSpec / GKD: distil the drafter (student) towards the frozen verifier (teacher).
 
-ALGORITHMS.md section 2 (Zhou et al. 2023, arXiv 2310.08461; Agarwal et al. 2023, arXiv 2306.13649).
+docs/distillspec.md (Zhou et al. 2023, arXiv 2310.08461; Agarwal et al. 2023, arXiv 2306.13649).
 Each training step draws a batch of prompts, picks where its continuations come from, and minimises
 the mean per-token divergence D(p || q_theta) over the continuation tokens only:
 

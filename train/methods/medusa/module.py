@@ -1,4 +1,4 @@
-"""Medusa-1 and Medusa-2: prediction heads on the verifier (ALGORITHMS.md section 3, docs/medusa.md).
+"""Medusa-1 and Medusa-2: prediction heads on the verifier (docs/medusa.md).
 
 Each step runs the verifier over packed corpus blocks, takes its last hidden states and trains
 :class:`~train.models.heads.MedusaHeads` with :func:`~train.models.heads.medusa_loss`: head k against

@@ -1,5 +1,5 @@
 """SD^2: train a steering module (and the drafter) so the verifier's hidden states steer a pretrained
-drafter (ALGORITHMS.md section 6; Berdoz, Rheinboldt, Wattenhofer, arXiv 2511.09844; docs/steering.md).
+drafter (docs/steering.md; Berdoz, Rheinboldt, Wattenhofer, arXiv 2511.09844).
 
 **Data.** The frozen verifier answers each training prompt once per run at ``temperature`` (T = 1 by
 default), in batched rollouts with the engine's sampling (:class:`train.training.responses.ResponseCache`);
