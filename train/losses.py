@@ -40,10 +40,8 @@ Conventions shared by every function here
   below at the dtype's most negative finite value, which makes ``0 * log 0 = 0`` hold exactly and keeps
   values and gradients finite (no NaN) when probabilities underflow or logits are ``-inf``.  The only
   non-finite results are the mathematically infinite ones, e.g. RKL when the teacher gives *exactly* zero
-  probability (logit ``-inf``) to a token the student supports; such a value comes out huge (~3e38) or
-  ``inf`` -- replace ``-inf`` teacher logits by a large finite negative such as ``-1e4`` if that matters.
-  Tiny negative values (~1e-7) can appear for ``D(p, p)`` from rounding; they are not clamped, so the
-  gradient stays exact.
+  probability (logit ``-inf``) to a token the student supports: huge (~3e38) or ``inf`` (use ``-1e4``).
+  Tiny negative values (~1e-7) for ``D(p, p)`` are rounding, left unclamped (the gradient stays exact).
 * **Memory.**  Nothing is gathered or flattened up front (non-contiguous inputs such as ``logits[:, :-1]``
   are not copied): the selected positions are processed in chunks of ``chunk_size`` rows, each upcast and
   reduced on its own.  With a gradient, the closed-form gradient w.r.t. the student logits
