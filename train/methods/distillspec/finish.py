@@ -16,49 +16,51 @@ if TYPE_CHECKING:
     from train.methods.distillspec.module import DistillSpecModule
 
 
-class DistillSpecFinish:
-    """Mixed into :class:`~train.methods.distillspec.module.DistillSpecModule`."""
+def distilled_drafter(module: DistillSpecModule) -> torch.nn.Module:
+    """The student as a plain Hugging Face model (LoRA adapters merged into a copy) in the dtype it
+    was loaded in (``model.dtype``): what is exported and evaluated as ``after``."""
+    return merge_lora(module.student, module.export_dtype)
 
-    def distilled_drafter(self: DistillSpecModule) -> torch.nn.Module:
-        """The student as a plain Hugging Face model (LoRA adapters merged into a copy) in the dtype it
-        was loaded in (``model.dtype``): what is exported and evaluated as ``after``."""
-        return merge_lora(self.student, self.export_dtype)
 
-    def drafters_to_evaluate(self: DistillSpecModule) -> dict[str, torch.nn.Module]:
-        """``before`` (the pretrained drafter, reloaded) and ``after`` (the distilled one)."""
-        drafters = {"after": self.distilled_drafter()}
-        if self.pretrained is not None:
-            drafters = {"before": self.pretrained(), **drafters}
-        return drafters
+def drafters_to_evaluate(module: DistillSpecModule) -> dict[str, torch.nn.Module]:
+    """``before`` (the pretrained drafter, reloaded) and ``after`` (the distilled one)."""
+    drafters = {"after": module.distilled_drafter()}
+    if module.pretrained is not None:
+        drafters = {"before": module.pretrained(), **drafters}
+    return drafters
 
-    def evaluation_verifier(self: DistillSpecModule, verifier: torch.nn.Module) -> torch.nn.Module:
-        """The pair's verifier, unchanged by distillation."""
-        return verifier
 
-    def report_sections(self: DistillSpecModule) -> list[str]:
-        return []
+def evaluation_verifier(module: DistillSpecModule, verifier: torch.nn.Module) -> torch.nn.Module:
+    """The pair's verifier, unchanged by distillation."""
+    return verifier
 
-    def export(self: DistillSpecModule, out_dir: str) -> Path:
-        """The distilled drafter as a Hugging Face folder (safetensors + tokenizer)."""
-        return export_drafter(self.distilled_drafter(), self.tokenizer, out_dir)
 
-    def report_summary(self: DistillSpecModule) -> dict[str, Any]:
-        """The settings that define this distillation run, for ``report.json``."""
-        keys = (
-            "divergence",
-            "beta",
-            "lmbda",
-            "data_source",
-            "temperature",
-            "max_new_tokens",
-            "prompt_len",
-            "batch_size",
-            "num_prompts",
-            "ce_weight",
-            "gamma",
-        )
-        return {
-            "method": "distillspec",
-            **{k: getattr(self.cfg, k) for k in keys},
-            "lora": asdict(self.cfg.lora),
-        }
+def report_sections(module: DistillSpecModule) -> list[str]:
+    return []
+
+
+def export(module: DistillSpecModule, out_dir: str) -> Path:
+    """The distilled drafter as a Hugging Face folder (safetensors + tokenizer)."""
+    return export_drafter(module.distilled_drafter(), module.tokenizer, out_dir)
+
+
+def report_summary(module: DistillSpecModule) -> dict[str, Any]:
+    """The settings that define this distillation run, for ``report.json``."""
+    keys = (
+        "divergence",
+        "beta",
+        "lmbda",
+        "data_source",
+        "temperature",
+        "max_new_tokens",
+        "prompt_len",
+        "batch_size",
+        "num_prompts",
+        "ce_weight",
+        "gamma",
+    )
+    return {
+        "method": "distillspec",
+        **{k: getattr(module.cfg, k) for k in keys},
+        "lora": asdict(module.cfg.lora),
+    }

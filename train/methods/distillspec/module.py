@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -47,8 +48,8 @@ import torch
 from train.decoding.metrics import simulated_block_efficiency
 from train.decoding.sampling import SamplingParams
 from train.losses import divergence, expected_acceptance
+from train.methods.distillspec import finish as finish_step
 from train.methods.distillspec.config import DistillSpecConfig
-from train.methods.distillspec.finish import DistillSpecFinish
 from train.models.draft_vocab import (
     DraftVocabModel,
     draft_acceptance,
@@ -74,7 +75,7 @@ from train.training.responses import (
 from train.training.rollout import Rollout, rollout
 
 
-class DistillSpecModule(DistillSpecFinish, L.LightningModule):
+class DistillSpecModule(L.LightningModule):
     """The drafter learns the verifier's next-token distributions on continuation tokens.
 
     ``pretrained``: loads the drafter as it was before training (the finish step's ``before``);
@@ -323,4 +324,22 @@ class DistillSpecModule(DistillSpecFinish, L.LightningModule):
             "val/simulated_block_efficiency", simulated_block_efficiency(ea, self.cfg.gamma), sync_dist=True
         )
 
-    # ---------------------------------------------------------------- finish
+    # ---- the finish step (finish.py): what the run exports, evaluates and reports
+
+    def distilled_drafter(self) -> torch.nn.Module:
+        return finish_step.distilled_drafter(self)
+
+    def drafters_to_evaluate(self) -> dict[str, torch.nn.Module]:
+        return finish_step.drafters_to_evaluate(self)
+
+    def evaluation_verifier(self, verifier: torch.nn.Module) -> torch.nn.Module:
+        return finish_step.evaluation_verifier(self, verifier)
+
+    def report_sections(self) -> list[str]:
+        return finish_step.report_sections(self)
+
+    def export(self, out_dir: str) -> Path:
+        return finish_step.export(self, out_dir)
+
+    def report_summary(self) -> dict[str, Any]:
+        return finish_step.report_summary(self)

@@ -21,95 +21,98 @@ if TYPE_CHECKING:
     from train.methods.steering.module import SteeringTrainingModule
 
 
-class SteeringTrainingFinish:
-    """Mixed into :class:`~train.methods.steering.module.SteeringTrainingModule`."""
+def plain_drafter(module: SteeringTrainingModule, label: str) -> torch.nn.Module:
+    """The arm's drafter as a plain Hugging Face model (LoRA adapters merged into a copy) in the dtype
+    it was loaded in (``model.dtype``), as exported and evaluated."""
+    return merge_lora(module.drafters[label], module.export_dtype)
 
-    def plain_drafter(self: SteeringTrainingModule, label: str) -> torch.nn.Module:
-        """The arm's drafter as a plain Hugging Face model (LoRA adapters merged into a copy) in the dtype
-        it was loaded in (``model.dtype``), as exported and evaluated."""
-        return merge_lora(self.drafters[label], self.export_dtype)
 
-    def trained(self: SteeringTrainingModule, label: str) -> torch.nn.Module:
-        """What the arm evaluates as: its drafter, with its steering module when it has one."""
-        drafter = self.plain_drafter(label)
-        if label in self.steering:
-            return SteeredDrafter(drafter, self.steering_of(label))
-        return drafter
+def trained(module: SteeringTrainingModule, label: str) -> torch.nn.Module:
+    """What the arm evaluates as: its drafter, with its steering module when it has one."""
+    drafter = module.plain_drafter(label)
+    if label in module.steering:
+        return SteeredDrafter(drafter, module.steering_of(label))
+    return drafter
 
-    def drafters_to_evaluate(self: SteeringTrainingModule) -> dict[str, torch.nn.Module]:
-        """The pretrained drafter, the DistillSpec drafter as it was (when given) and every arm."""
-        drafters = {"pretrained": self.references["pretrained"]()} if "pretrained" in self.references else {}
-        for label in self.drafters:
-            if label == DISTILLSPEC_ARM and "distillspec" in self.references:
-                drafters["distillspec"] = self.references["distillspec"]()
-            drafters[label] = self.trained(label)
-        return drafters
 
-    def evaluation_verifier(self: SteeringTrainingModule, verifier: torch.nn.Module) -> torch.nn.Module:
-        return verifier
+def drafters_to_evaluate(module: SteeringTrainingModule) -> dict[str, torch.nn.Module]:
+    """The pretrained drafter, the DistillSpec drafter as it was (when given) and every arm."""
+    drafters = {"pretrained": module.references["pretrained"]()} if "pretrained" in module.references else {}
+    for label in module.drafters:
+        if label == DISTILLSPEC_ARM and "distillspec" in module.references:
+            drafters["distillspec"] = module.references["distillspec"]()
+        drafters[label] = module.trained(label)
+    return drafters
 
-    def export(self: SteeringTrainingModule, out_dir: str) -> Path:
-        """``steering/`` (mixin folder), ``drafter/`` beside it (save_pretrained + tokenizer), and the
-        other arms: ``distilled_drafter/`` and ``distillspec_steered/{drafter,steering}``."""
-        out = Path(out_dir)
-        self.steering_of(MAIN_ARM).save_pretrained(out)
-        export_drafter(
-            self.plain_drafter(MAIN_ARM), self.tokenizer, out.parent / "drafter", name="SD^2 drafter"
+
+def evaluation_verifier(module: SteeringTrainingModule, verifier: torch.nn.Module) -> torch.nn.Module:
+    return verifier
+
+
+def export(module: SteeringTrainingModule, out_dir: str) -> Path:
+    """``steering/`` (mixin folder), ``drafter/`` beside it (save_pretrained + tokenizer), and the
+    other arms: ``distilled_drafter/`` and ``distillspec_steered/{drafter,steering}``."""
+    out = Path(out_dir)
+    module.steering_of(MAIN_ARM).save_pretrained(out)
+    export_drafter(
+        module.plain_drafter(MAIN_ARM), module.tokenizer, out.parent / "drafter", name="SD^2 drafter"
+    )
+    if BASELINE_ARM in module.drafters:
+        export_drafter(module.plain_drafter(BASELINE_ARM), module.tokenizer, out.parent / "distilled_drafter")
+    if DISTILLSPEC_ARM in module.drafters:
+        folder = out.parent / DISTILLSPEC_ARM
+        module.steering_of(DISTILLSPEC_ARM).save_pretrained(folder / "steering")
+        export_drafter(module.plain_drafter(DISTILLSPEC_ARM), module.tokenizer, folder / "drafter")
+    return out
+
+
+def report_summary(module: SteeringTrainingModule) -> dict[str, Any]:
+    keys = (
+        "train_drafter",
+        "divergence",
+        "beta",
+        "temperature",
+        "max_new_tokens",
+        "prompt_len",
+        "batch_size",
+        "num_prompts",
+        "gamma",
+        "steering_lr_multiplier",
+    )
+    return {
+        "method": "sd2-steering",
+        **{k: getattr(module.cfg, k) for k in keys},
+        "verifier_layers": module.layers,
+        "arms": list(module.drafters),
+        "sources": module.sources,
+        "lora": asdict(module.cfg.lora),
+        "validation": module.last_validation,
+    }
+
+
+def report_sections(module: SteeringTrainingModule) -> list[str]:
+    rows = []
+    for label in module.drafters:
+        prefix = "val" if label == MAIN_ARM else f"val/{label}"
+        rows.append(
+            [
+                label,
+                "yes" if label in module.steering else "no",
+                format_value(module.last_validation.get(f"{prefix}/expected_acceptance"), 3),
+                format_value(module.last_validation.get(f"{prefix}/simulated_block_efficiency"), 2),
+            ]
         )
-        if BASELINE_ARM in self.drafters:
-            export_drafter(self.plain_drafter(BASELINE_ARM), self.tokenizer, out.parent / "distilled_drafter")
-        if DISTILLSPEC_ARM in self.drafters:
-            folder = out.parent / DISTILLSPEC_ARM
-            self.steering_of(DISTILLSPEC_ARM).save_pretrained(folder / "steering")
-            export_drafter(self.plain_drafter(DISTILLSPEC_ARM), self.tokenizer, folder / "drafter")
-        return out
-
-    def report_summary(self: SteeringTrainingModule) -> dict[str, Any]:
-        keys = (
-            "train_drafter",
-            "divergence",
-            "beta",
-            "temperature",
-            "max_new_tokens",
-            "prompt_len",
-            "batch_size",
-            "num_prompts",
-            "gamma",
-            "steering_lr_multiplier",
-        )
-        return {
-            "method": "sd2-steering",
-            **{k: getattr(self.cfg, k) for k in keys},
-            "verifier_layers": self.layers,
-            "arms": list(self.drafters),
-            "sources": self.sources,
-            "lora": asdict(self.cfg.lora),
-            "validation": self.last_validation,
-        }
-
-    def report_sections(self: SteeringTrainingModule) -> list[str]:
-        rows = []
-        for label in self.drafters:
-            prefix = "val" if label == MAIN_ARM else f"val/{label}"
-            rows.append(
-                [
-                    label,
-                    "yes" if label in self.steering else "no",
-                    format_value(self.last_validation.get(f"{prefix}/expected_acceptance"), 3),
-                    format_value(self.last_validation.get(f"{prefix}/simulated_block_efficiency"), 2),
-                ]
-            )
-        table = markdown_table(["arm", "steered", "expected acceptance", "simulated tau"], rows, "llrr")
-        return [
-            "## Arms (last validation)",
-            table.rstrip(),
-            f"Every arm trained on the same verifier responses (T = {self.cfg.temperature}), steps and loss "
-            f"({self.cfg.divergence}). Steered arms are measured with guides 1..{self.cfg.gamma} positions "
-            "stale (block position i with staleness i); the evaluation below decodes with them."
-            + (
-                ""
-                if self.cfg.train_drafter
-                else " method.train_drafter=false: only the steering modules trained, the drafters stayed "
-                "as loaded, and ratios are to the untouched drafter (pretrained)."
-            ),
-        ]
+    table = markdown_table(["arm", "steered", "expected acceptance", "simulated tau"], rows, "llrr")
+    return [
+        "## Arms (last validation)",
+        table.rstrip(),
+        f"Every arm trained on the same verifier responses (T = {module.cfg.temperature}), steps and loss "
+        f"({module.cfg.divergence}). Steered arms are measured with guides 1..{module.cfg.gamma} positions "
+        "stale (block position i with staleness i); the evaluation below decodes with them."
+        + (
+            ""
+            if module.cfg.train_drafter
+            else " method.train_drafter=false: only the steering modules trained, the drafters stayed "
+            "as loaded, and ratios are to the untouched drafter (pretrained)."
+        ),
+    ]

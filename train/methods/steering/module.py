@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, cast
 
 import lightning as L
@@ -52,8 +53,8 @@ import torch
 from train.decoding.metrics import positional_block_efficiency
 from train.decoding.sampling import SamplingParams
 from train.losses import divergence, expected_acceptance
+from train.methods.steering import finish as finish_step
 from train.methods.steering.config import BASELINE_ARM, MAIN_ARM, SteeringConfig, log
-from train.methods.steering.finish import SteeringTrainingFinish
 from train.models.loading import eos_token_ids, output_vocab_size
 from train.models.lora import apply_lora
 from train.models.steering_module import (
@@ -78,7 +79,7 @@ from train.training.responses import (
 from train.training.rollout import Rollout, position_ids_from_mask, rollout
 
 
-class SteeringTrainingModule(SteeringTrainingFinish, L.LightningModule):
+class SteeringTrainingModule(L.LightningModule):
     """Every arm's drafter (and steering module) learns the verifier's distributions on its responses.
 
     ``arms``: {label: (drafter, steering module or None)}; ``references``: {label: loader} of drafters
@@ -341,4 +342,25 @@ class SteeringTrainingModule(SteeringTrainingFinish, L.LightningModule):
             self.log(key, value, prog_bar=key in ("val/loss", "val/expected_acceptance"), sync_dist=True)
         self.last_validation = metrics
 
-    # ---------------------------------------------------------------- finish
+    # ---- the finish step (finish.py): what the run exports, evaluates and reports
+
+    def plain_drafter(self, label: str) -> torch.nn.Module:
+        return finish_step.plain_drafter(self, label)
+
+    def trained(self, label: str) -> torch.nn.Module:
+        return finish_step.trained(self, label)
+
+    def drafters_to_evaluate(self) -> dict[str, torch.nn.Module]:
+        return finish_step.drafters_to_evaluate(self)
+
+    def evaluation_verifier(self, verifier: torch.nn.Module) -> torch.nn.Module:
+        return finish_step.evaluation_verifier(self, verifier)
+
+    def export(self, out_dir: str) -> Path:
+        return finish_step.export(self, out_dir)
+
+    def report_summary(self) -> dict[str, Any]:
+        return finish_step.report_summary(self)
+
+    def report_sections(self) -> list[str]:
+        return finish_step.report_sections(self)
