@@ -43,8 +43,8 @@ def _cited(pattern: re.Pattern[str]) -> list[tuple[str, str]]:
 
 def _resolves(dotted: str) -> bool:
     parts = dotted.split(".")
-    if parts[-1] in NOT_NAMES or dotted in RENAMED_TARGETS:  # the old names kept working on purpose
-        return True
+    if parts[-1] in NOT_NAMES or any(old.startswith(dotted) for old in RENAMED_TARGETS):
+        return True  # a file name, or an old name that keeps working on purpose
     for cut in range(len(parts), 0, -1):
         try:
             obj = importlib.import_module(".".join(parts[:cut]))

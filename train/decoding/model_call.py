@@ -36,16 +36,7 @@ from train.models.introspect import (
     supports_logits_to_keep,
 )
 
-__all__ = [
-    "CallResult",
-    "TimedModel",
-    "cache_keyword",
-    "input_vocab_size",
-    "model_device",
-    "output_vocab_size",
-    "returned_cache",
-    "supports_logits_to_keep",
-]
+__all__ = ["CallResult", "TimedModel"]
 
 
 @dataclass
