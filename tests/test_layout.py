@@ -16,7 +16,9 @@ def _sources() -> list[Path]:
 
 
 def test_no_source_file_is_over_the_limit():
-    long = {str(p.relative_to(ROOT)): n for p in _sources() if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    long = {
+        str(p.relative_to(ROOT)): n for p in _sources() if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
     assert not long, f"files over {MAX_LINES} lines (split them by job): {long}"
 
 
@@ -24,7 +26,9 @@ def test_no_two_modules_in_train_share_a_name():
     by_name: dict[str, list[str]] = defaultdict(list)
     for path in (ROOT / "train").rglob("*.py"):
         rel = path.relative_to(ROOT)
-        method_part = rel.parts[:2] == ("train", "methods") and len(rel.parts) == 4 and path.name in METHOD_PARTS
+        method_part = (
+            rel.parts[:2] == ("train", "methods") and len(rel.parts) == 4 and path.name in METHOD_PARTS
+        )
         if path.name != "__init__.py" and not method_part:
             by_name[path.stem].append(str(rel))
     packages = {p.name for p in (ROOT / "train").rglob("*") if p.is_dir() and (p / "__init__.py").exists()}

@@ -64,7 +64,9 @@ def test_every_cited_path_exists():
 
 
 def test_every_cited_train_name_resolves():
-    cited = [(src, name) for src, name in _cited(DOTTED) if not name.startswith("train.select")]  # a Dataset split
+    cited = [
+        (src, name) for src, name in _cited(DOTTED) if not name.startswith("train.select")
+    ]  # a Dataset split
     missing = sorted({f"{src}: {name}" for src, name in cited if not _resolves(name)})
     assert not missing, "train.* names cited but missing:\n" + "\n".join(missing)
 

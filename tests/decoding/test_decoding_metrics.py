@@ -29,7 +29,7 @@ from train.decoding import (
 
 def make_stats() -> DecodeStats:
     return DecodeStats(
-        gamma=3,
+        max_draft=3,
         drafted=12,
         accepted=6,
         verifier_calls=4,
@@ -47,7 +47,7 @@ def make_stats() -> DecodeStats:
 
 
 def test_position_lists_grow_with_the_deepest_draft():
-    s = DecodeStats(gamma=2)
+    s = DecodeStats(max_draft=2)
     assert s.position_drafted == s.position_tested == s.position_accepted == []
     s.count_depths(drafted=5, tested=3, accepted=2)  # deeper than gamma (a tree, an async block)
     s.count_depths(drafted=1, tested=1, accepted=0)
@@ -89,7 +89,7 @@ def test_basic_metrics():
 
 
 def test_empty_stats_give_nan_not_errors():
-    s = DecodeStats(gamma=2)
+    s = DecodeStats(max_draft=2)
     assert math.isnan(acceptance_rate(s))
     assert math.isnan(block_efficiency(s))
     assert math.isnan(cost_ratio(s))

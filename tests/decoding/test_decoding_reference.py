@@ -81,7 +81,7 @@ def assert_same(res, ref, where) -> None:
     assert s.sum_expected_acceptance == pytest.approx(ref.sum_expected_acceptance), where
     for name in ("position_drafted", "position_tested", "position_accepted"):
         assert trim(getattr(s, name)) == trim(getattr(ref, name)), (where, name)
-    assert s.gamma >= len(trim(s.position_drafted))
+    assert s.max_draft >= len(trim(s.position_drafted))
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3", "gpt2", "gpt2_wide_init"])

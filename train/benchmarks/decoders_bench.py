@@ -157,7 +157,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tokens: dict[str, int] = dict.fromkeys(METHODS, 0)
     fwd: dict[str, float] = {"ours-ar": 0.0, "ours-sd": 0.0}
     loop_wall: dict[str, float] = {"ours-ar": 0.0, "ours-sd": 0.0}
-    sd_stats = DecodeStats(gamma=args.gamma)
+    sd_stats = DecodeStats(max_draft=args.gamma)
     mismatches = {"ar": 0, "sd": 0}
     for rep in range(args.repeats):
         for i, ids in enumerate(prompts):

@@ -172,7 +172,7 @@ def run_asynchronous(
     docstring). ``generator`` drives the verifier's draws; the drafter's generator is seeded from it.
     ``pin_cores``: (verifier core, drafter core). ``on_block``: called with each block's length (tests)."""
     t_start = time.perf_counter()
-    stats = DecodeStats(gamma=max_block)
+    stats = DecodeStats(max_draft=max_block)
     drafter_stats = DecodeStats()
     limit = len(prompt) + max_new_tokens
     if max_new_tokens == 0:

@@ -2,7 +2,7 @@
 
 One block (docs/decoding.md)::
 
-    draft  = proposer.propose(sequence, budget)                # up to gamma tokens (0: plain decoding)
+    draft  = proposer.propose(sequence, budget)                # up to max_draft tokens (0: plain decoding)
     logits = verifier(uncached committed tokens + draft)       # ONE forward over a cached prefix
     n, next = rule(verifier distributions, draft)              # pure: greedy_chain / chain_rejection
     commit draft[:n] + [next]; crop both caches to the accepted prefix
@@ -10,15 +10,15 @@ One block (docs/decoding.md)::
 Cache invariants (batch size 1): the verifier cache holds every committed token except the last one,
 so the first block's verifier forward is the prompt prefill and a block costs exactly one verifier
 call; on rejection both caches are cropped back to the accepted prefix; nothing is re-encoded. The
-draft budget of a block is ``min(gamma, tokens still allowed - 1)`` (as in Hugging Face assisted
+draft budget of a block is ``min(max_draft, tokens still allowed - 1)`` (as in Hugging Face assisted
 generation), so a block never overshoots ``max_new_tokens``; this changes no output distribution.
-An accepted EOS ends generation without a bonus token. With no proposer (``gamma == 0``) the same loop
+An accepted EOS ends generation without a bonus token. With no proposer (``max_draft == 0``) the same loop
 is plain autoregressive decoding.
 
 A tree draft (:mod:`train.decoding.tree_attention`) goes through the same block: the verifier scores every node
 in one forward with a tree mask, :func:`~train.decoding.rules.tree_walk.verify_tree` walks it, and both caches
-keep the committed prefix plus the accepted path, compacted (``keep_positions``). ``gamma`` is then
-the tree's depth. A proposer with ``hidden_layers`` (prediction heads, a steered drafter) gets those layers' hidden states
+keep the committed prefix plus the accepted path, compacted (``keep_positions``). ``max_draft`` is then
+the tree's depth (a chain's is its gamma). A proposer with ``hidden_layers`` (prediction heads, a steered drafter) gets those layers' hidden states
 at the last accepted position of every verifier forward (``observe``), at no extra forward; so does
 a steered drafter (SD^2), whose guide comes from several layers.
 
@@ -54,7 +54,7 @@ def run_synchronous(
     proposer: Proposer | None,
     prompt: list[int],
     max_new_tokens: int,
-    gamma: int,
+    max_draft: int,
     params: SamplingParams,
     eos: frozenset[int],
     generator: torch.Generator | None,
@@ -65,7 +65,7 @@ def run_synchronous(
     """Decode up to ``max_new_tokens`` after ``prompt``; see the module docstring. ``typical``: Medusa's
     lossy typical acceptance for every draft at T > 0 (:mod:`train.decoding.rules.typical`)."""
     t_start = time.perf_counter()
-    stats = DecodeStats(gamma=gamma if proposer is not None else 0)
+    stats = DecodeStats(max_draft=max_draft if proposer is not None else 0)
     seq = list(prompt)
     limit = len(prompt) + max_new_tokens
     v_cache = None
@@ -81,7 +81,7 @@ def run_synchronous(
         n_seq = len(seq)
         draft = _EMPTY
         if proposer is not None:
-            budget = min(gamma, limit - n_seq - 1)
+            budget = min(max_draft, limit - n_seq - 1)
             if budget > 0:
                 draft = proposer.propose(seq, budget, params, generator, eos, stats)
         k = len(draft)

@@ -52,14 +52,15 @@ __all__ = [
 class DecodeStats:
     """Raw counts and timings accumulated by one ``generate`` call (or several, via :meth:`merge`).
 
-    Per-depth lists (``position_*``) grow with the deepest draft seen; they are not sized by gamma, so
+    Per-depth lists (``position_*``) grow with the deepest draft seen; they are not sized by ``max_draft``, so
     trees, variable-length asynchronous blocks and pooled runs with different draft lengths all fit.
     The first call of each model in a ``generate`` also encodes the prompt (the *prefill*); its time
     and count are kept apart so :func:`cost_ratio` compares decoding steps only.
     """
 
-    #: The decoder's configured draft length (informational: simulated tau uses it).
-    gamma: int = 0
+    #: The most draft tokens a block may verify: a chain's gamma, a tree's depth, an asynchronous
+    #: ``max_block`` (informational: simulated tau uses it).
+    max_draft: int = 0
     drafted: int = 0
     accepted: int = 0
     verifier_calls: int = 0
@@ -109,15 +110,15 @@ class DecodeStats:
             self.position_accepted[i] += 1
 
     def merge(self, other: DecodeStats) -> DecodeStats:
-        """Element-wise sum of two stats objects (gamma = the larger of the two)."""
+        """Element-wise sum of two stats objects (``max_draft`` = the larger of the two)."""
 
         def add(a: list[int], b: list[int]) -> list[int]:
             n = max(len(a), len(b))
             return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)]
 
-        merged = DecodeStats(gamma=max(self.gamma, other.gamma))
+        merged = DecodeStats(max_draft=max(self.max_draft, other.max_draft))
         for f in fields(DecodeStats):
-            if f.name == "gamma":
+            if f.name == "max_draft":
                 continue
             a, b = getattr(self, f.name), getattr(other, f.name)
             setattr(merged, f.name, add(a, b) if isinstance(a, list) else a + b)
@@ -257,7 +258,7 @@ def summarize(stats: DecodeStats, c_param: float | None = None) -> dict[str, flo
         "accepted_per_block": tau - 1.0,
         "per_position_acceptance": per_position_acceptance(stats),
         "simulated_block_efficiency": (
-            simulated_block_efficiency(ea, stats.gamma) if not math.isnan(ea) else float("nan")
+            simulated_block_efficiency(ea, stats.max_draft) if not math.isnan(ea) else float("nan")
         ),
         "verifier_tokens_per_call": verifier_tokens_per_call(stats),
         "drafter_calls_per_verifier_call": drafter_calls_per_verifier_call(stats),

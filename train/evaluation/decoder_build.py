@@ -3,6 +3,7 @@ evaluation's decoder configs for one verifier/drafter pair."""
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,9 +26,22 @@ def drafter_kind(obj: Any) -> str:
 
 
 def accepted_kinds(obj: Any) -> tuple[str, ...]:
-    """The kinds of drafter a decoder class takes: its ``drafter_kinds``, else its one ``drafter_kind``."""
-    kinds = getattr(obj, "drafter_kinds", None)
-    return tuple(str(k) for k in kinds) if kinds else (drafter_kind(obj),)
+    """The kinds of drafter a decoder class takes: its ``accepts`` (:class:`~train.decoding.decoders.base.Decoder`).
+
+    A decoder written before 0.2 names them ``drafter_kinds`` (or one ``drafter_kind``): still read, with
+    a deprecation line."""
+    kinds = getattr(obj, "accepts", None)
+    if kinds is None:
+        old = getattr(obj, "drafter_kinds", None) or (getattr(obj, "drafter_kind", None),)
+        if old != (None,):
+            warnings.warn(
+                f"{getattr(obj, '__name__', obj)}: drafter_kinds / drafter_kind on a decoder is deprecated; "
+                "name what it accepts in `accepts`",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+        kinds = tuple(k for k in old if k is not None) or ("model",)
+    return tuple(str(k) for k in kinds)
 
 
 def _config_kinds(settings: dict[str, Any]) -> tuple[str, ...]:

@@ -42,11 +42,6 @@ class Rollout:
     continuation_mask: torch.Tensor
     prompt_width: int
 
-    @property
-    def num_tokens(self) -> int:
-        """Continuation tokens that count (the loss's denominator)."""
-        return int(self.continuation_mask.sum())
-
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """(B, T) 0/1 mask -> (B, T) positions counting real tokens only (left padding gets 0)."""

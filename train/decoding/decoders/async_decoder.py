@@ -46,7 +46,6 @@ class AsyncSpeculativeDecoder(Decoder):
         self.verifier, self.drafter = verifier, drafter
         self.max_block, self.max_ahead, self.min_ahead, self.idle = max_block, max_ahead, min_ahead, idle
         self.pin_cores = None if pin_cores is None else (int(pin_cores[0]), int(pin_cores[1]))
-        self.gamma = max_block
         self._verifier = TimedModel(verifier)
         self._drafter = TimedModel(drafter)
         self.vocab_size = self._verifier.vocab_size

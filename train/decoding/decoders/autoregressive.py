@@ -7,6 +7,8 @@ two are timed and compared like for like.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from train.decoding.decoders.base import Decoder
@@ -21,6 +23,8 @@ class AutoregressiveDecoder(Decoder):
 
     ``stats.verifier_calls`` counts forward passes (the prompt prefill included), ``drafted`` is 0.
     """
+
+    accepts: ClassVar[tuple[str, ...]] = ()  # no drafter
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model

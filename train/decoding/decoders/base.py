@@ -9,7 +9,7 @@ runs under ``torch.inference_mode``, the same way for every decoder.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -82,6 +82,10 @@ _DEFAULT_PARAMS = SamplingParams()
 
 class Decoder:
     """The shared ``generate`` of every decoder; subclasses implement :meth:`models` and :meth:`decode`."""
+
+    #: The kinds of drafter this decoder takes (what a drafter *is* is its own ``drafter_kind``:
+    #: ``model``, ``heads`` or ``steered``); the evaluator pairs drafters and decoders by it.
+    accepts: ClassVar[tuple[str, ...]] = ("model",)
 
     def models(self) -> tuple[torch.nn.Module, ...]:
         """The models a request must fit (their maximum positions are checked)."""

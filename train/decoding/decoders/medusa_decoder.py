@@ -44,7 +44,7 @@ class MedusaDecoder(Decoder):
     ``posterior_threshold`` and ``posterior_alpha``; :attr:`lossless` is then False).
     """
 
-    drafter_kind: ClassVar[str] = "heads"
+    accepts: ClassVar[tuple[str, ...]] = ("heads",)
 
     def __init__(
         self,

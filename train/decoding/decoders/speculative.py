@@ -41,7 +41,7 @@ class SpeculativeDecoder(Decoder):
     elsewhere), so the output is exactly the verifier's either way.
     """
 
-    drafter_kinds: ClassVar[tuple[str, ...]] = ("model", "steered")
+    accepts: ClassVar[tuple[str, ...]] = ("model", "steered")
 
     def __init__(
         self,

@@ -86,13 +86,6 @@ class TreeSpeculativeDecoder(Decoder):
         )
         self.vocab_size = self._verifier.vocab_size
 
-    @property
-    def max_tree_tokens(self) -> int:
-        """The most draft tokens one block scores (the verifier budget per call, minus its context)."""
-        if self.method == "rsd_s":
-            return self.depth * int(self.beam_width or 0)
-        return tree_size(self.branching)
-
     def models(self) -> tuple[torch.nn.Module, ...]:
         return (self.verifier, self.drafter)
 

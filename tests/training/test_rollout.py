@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.decoding.decoding_helpers import BOS, VOCAB, build, tiny_config
 from train.data.lm import collate_left_pad
 from train.decoding.sampling import SamplingParams
 from train.training.rollout import position_ids_from_mask, rollout
-
-from .decoding_helpers import BOS, VOCAB, build, tiny_config
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -50,7 +49,7 @@ def test_greedy_batched_left_padded_equals_hf_generate_per_prompt(model):
     assert ro.continuation_mask[:, :9].sum() == 0
     assert ro.continuation_mask[:, 9:].all()
     assert torch.equal(ro.attention_mask[:, :9], batch["attention_mask"])
-    assert ro.num_tokens == 24
+    assert int(ro.continuation_mask.sum()) == 24
 
 
 def test_eos_masks_and_pads_the_rest_and_stops_early(model):
@@ -151,7 +150,7 @@ def test_sampled_rows_follow_the_unpadded_distribution(model):
 def test_zero_new_tokens_and_bad_input(model):
     ids = torch.tensor([[0, 5, 6]])
     ro = rollout(model, ids, None, 0, GREEDY)
-    assert torch.equal(ro.sequences, ids) and ro.num_tokens == 0
+    assert torch.equal(ro.sequences, ids) and int(ro.continuation_mask.sum()) == 0
     with pytest.raises(ValueError, match="max_new_tokens"):
         rollout(model, ids, None, -1, GREEDY)
     with pytest.raises(ValueError, match=r"\(B, P\)"):
