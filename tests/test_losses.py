@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.distributions import Categorical, kl_divergence
 
-from train.losses import DIVERGENCES, divergence, expected_acceptance
+from train.losses import DIVERGENCES, acceptance_from_logits, divergence
 
 NAMES = list(DIVERGENCES)
 
@@ -108,15 +108,15 @@ def test_tvd_bounds_and_acceptance_identity():
     assert (per >= 0).all() and (per <= 1 + 1e-6).all()
     p, q = torch.softmax(t.double(), -1), torch.softmax(s.double(), -1)
     torch.testing.assert_close(per.double(), 1 - torch.minimum(p, q).sum(-1), atol=1e-6, rtol=0)
-    acc = expected_acceptance(s, t)
+    acc = acceptance_from_logits(s, t)
     torch.testing.assert_close(acc.double(), 1 - tvd(s, t).double(), atol=1e-6, rtol=0)
     assert not acc.requires_grad
     # disjoint supports: TVD = 1, acceptance = 0; identical: TVD = 0, acceptance = 1
     a = torch.tensor([[0.0, 0.0, -float("inf"), -float("inf")]])
     b = torch.tensor([[-float("inf"), -float("inf"), 0.0, 0.0]])
     assert tvd(a, b).item() == pytest.approx(1.0)
-    assert expected_acceptance(a, b).item() == pytest.approx(0.0)
-    assert expected_acceptance(a, a).item() == pytest.approx(1.0)
+    assert acceptance_from_logits(a, b).item() == pytest.approx(0.0)
+    assert acceptance_from_logits(a, a).item() == pytest.approx(1.0)
 
 
 def test_kl_against_torch_distributions():
@@ -284,7 +284,9 @@ def test_chunked_equals_unchunked(name):
         torch.testing.assert_close(x.grad, x0.grad, atol=1e-7, rtol=1e-5)
     with torch.no_grad():
         torch.testing.assert_close(divergence(name, s, t, mask, beta=0.4, chunk_size=2), base.detach())
-    torch.testing.assert_close(expected_acceptance(s, t, mask, chunk_size=2), expected_acceptance(s, t, mask))
+    torch.testing.assert_close(
+        acceptance_from_logits(s, t, mask, chunk_size=2), acceptance_from_logits(s, t, mask)
+    )
 
 
 def test_bf16_inputs_and_combined_losses():
@@ -394,7 +396,7 @@ def test_empty_mask(name):
     assert d.item() == 0.0 and d.requires_grad
     d.backward()
     assert s.grad is not None and (s.grad == 0).all()
-    assert expected_acceptance(s, t, torch.zeros(2, 3)).item() == 0.0
+    assert acceptance_from_logits(s, t, torch.zeros(2, 3)).item() == 0.0
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -412,7 +414,7 @@ def test_non_contiguous_inputs(name, use_mask):
     torch.testing.assert_close(d.double(), _ref(name, s[:, :-1], t[:, 1:], mask), atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(x.grad, ref.grad, atol=1e-6, rtol=1e-5)
     assert (x.grad[:, -1] == 0).all()
-    acc = expected_acceptance(s[:, :-1], t[:, 1:], mask, chunk_size=4)
+    acc = acceptance_from_logits(s[:, :-1], t[:, 1:], mask, chunk_size=4)
     torch.testing.assert_close(acc.double(), 1 - _ref("tvd", s[:, :-1], t[:, 1:], mask), atol=1e-6, rtol=0)
 
 
@@ -431,7 +433,7 @@ def test_vocab_mismatch_uses_common_prefix(name):
     torch.testing.assert_close(d.double(), want, atol=1e-6, rtol=1e-6)
     d.backward()
     assert (pad.grad[..., 20:] == 0).all()
-    acc = expected_acceptance(s, t)
+    acc = acceptance_from_logits(s, t)
     torch.testing.assert_close(acc.double(), 1 - _ref("tvd", s, t[..., :20]), atol=1e-6, rtol=0)
 
 
@@ -449,7 +451,7 @@ def test_bad_arguments():
         with pytest.raises(ValueError, match="temperature"):
             divergence("fkl", s, t, temperature=temperature)
         with pytest.raises(ValueError, match="temperature"):
-            expected_acceptance(s, t, temperature=temperature)
+            acceptance_from_logits(s, t, temperature=temperature)
     for cs in [0, -3, 2.5]:
         with pytest.raises(ValueError, match="chunk_size"):
             divergence("tvd", s, t, chunk_size=cs)

@@ -67,7 +67,7 @@ __all__ = [
     "DEFAULT_CHUNK_SIZE",
     "DIVERGENCES",
     "divergence",
-    "expected_acceptance",
+    "acceptance_from_logits",
 ]
 
 #: Names accepted by :func:`divergence`.
@@ -369,7 +369,7 @@ def divergence(
 
 
 @torch.no_grad()
-def expected_acceptance(
+def acceptance_from_logits(
     student_logits: Tensor,
     teacher_logits: Tensor,
     mask: Tensor | None = None,

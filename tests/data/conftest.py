@@ -32,6 +32,6 @@ def tokenizer_dir(corpus, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tokenizer(tokenizer_dir: Path):
-    from train.data.tokenizer import load_tokenizer
+    from train.data.tokenizer import load_tokenizer_file
 
-    return load_tokenizer(tokenizer_dir)
+    return load_tokenizer_file(tokenizer_dir)

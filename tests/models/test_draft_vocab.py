@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from train.losses import expected_acceptance
+from train.losses import acceptance_from_logits
 from train.models.draft_vocab import (
     draft_acceptance,
     draft_divergence,
@@ -80,7 +80,7 @@ def test_draft_acceptance_is_sum_min_p_q_with_q_zero_outside_the_draft_ids(tempe
     want = torch.minimum(p, q).sum(-1)[mask].mean()
     got = draft_acceptance(student, teacher, IDS, mask, temperature=temperature)
     torch.testing.assert_close(got, want)
-    over_draft_ids = expected_acceptance(
+    over_draft_ids = acceptance_from_logits(
         student, restrict_logits(teacher, IDS), mask, temperature=temperature
     )
     assert float(got) < float(over_draft_ids)  # the renormalised figure would overstate it

@@ -7,7 +7,7 @@ Lightning data modules live in :mod:`train.data.datamodule` (not imported here, 
 from train.data.corpus import DEFAULT_CORPUS_DIR, build_corpus, load_corpus, read_manifest
 from train.data.lm import collate_left_pad, make_prompts, pack_sequences
 from train.data.sources import DataSourceConfig, load_text_dataset
-from train.data.tokenizer import load_or_train_tokenizer, load_tokenizer, train_tokenizer
+from train.data.tokenizer import load_or_train_tokenizer, load_tokenizer_file, train_tokenizer
 
 __all__ = [
     "DEFAULT_CORPUS_DIR",
@@ -17,7 +17,7 @@ __all__ = [
     "load_corpus",
     "load_or_train_tokenizer",
     "load_text_dataset",
-    "load_tokenizer",
+    "load_tokenizer_file",
     "make_prompts",
     "pack_sequences",
     "read_manifest",

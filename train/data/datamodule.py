@@ -33,9 +33,9 @@ SplitsArg = Splits | Callable[[], Splits]
 
 def _resolve_tokenizer(tokenizer: Any) -> Any:
     if isinstance(tokenizer, str | os.PathLike):
-        from train.data.tokenizer import load_tokenizer
+        from train.data.tokenizer import load_tokenizer_file
 
-        return load_tokenizer(tokenizer)
+        return load_tokenizer_file(tokenizer)
     return tokenizer
 
 

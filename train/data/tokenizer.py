@@ -33,7 +33,7 @@ __all__ = [
     "PAD_TOKEN",
     "SPECIAL_TOKENS",
     "load_or_train_tokenizer",
-    "load_tokenizer",
+    "load_tokenizer_file",
     "train_tokenizer",
 ]
 
@@ -128,7 +128,7 @@ def train_tokenizer(
     return hf_tok
 
 
-def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerFast:
+def load_tokenizer_file(path: str | os.PathLike[str]) -> PreTrainedTokenizerFast:
     """Load a saved tokenizer (plain ``AutoTokenizer.from_pretrained`` on a local folder)."""
     tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     if not isinstance(tok, PreTrainedTokenizerFast):
@@ -154,5 +154,5 @@ def load_or_train_tokenizer(
         except ValueError:
             meta = {}
         if meta.get("vocab_size") == vocab_size and meta.get("fingerprint") == fingerprint:
-            return load_tokenizer(out_dir)
+            return load_tokenizer_file(out_dir)
     return train_tokenizer(dataset, vocab_size, out_dir, text_column=text_column, fingerprint=fingerprint)

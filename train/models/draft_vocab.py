@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from train.losses import divergence, expected_acceptance
+from train.losses import acceptance_from_logits, divergence
 from train.models.introspect import cache_keyword, model_device
 
 __all__ = [
@@ -151,7 +151,7 @@ def draft_acceptance(
     Lower than the acceptance over the renormalised teacher (the teacher's mass outside the draft ids is
     never accepted). Shapes as :func:`draft_divergence`; a detached 0-d tensor."""
     full = scatter_draft_logits(draft_logits, draft_ids, teacher_logits.shape[-1])
-    return expected_acceptance(full, teacher_logits, mask, temperature=temperature)
+    return acceptance_from_logits(full, teacher_logits, mask, temperature=temperature)
 
 
 class DraftVocabModel(torch.nn.Module):

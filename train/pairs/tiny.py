@@ -30,7 +30,7 @@ from train.config import TrainerConfig, require
 from train.data.corpus import build_corpus
 from train.data.lm import pack_sequences
 from train.data.tokenizer import train_tokenizer
-from train.losses import expected_acceptance
+from train.losses import acceptance_from_logits
 from train.methods.pretrain.module import PretrainConfig, PretrainModule
 from train.progress import StepProgressBar
 
@@ -213,7 +213,7 @@ def evaluate_pair(
             nll[role] += float(
                 torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
             )
-        acc_sum += float(expected_acceptance(q_logits, p_logits)) * n
+        acc_sum += float(acceptance_from_logits(q_logits, p_logits)) * n
         tokens += n
     return {
         "verifier_perplexity": math.exp(nll["verifier"] / tokens),

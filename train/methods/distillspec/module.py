@@ -47,7 +47,7 @@ import torch
 
 from train.decoding.metrics import simulated_block_efficiency
 from train.decoding.sampling import SamplingParams
-from train.losses import divergence, expected_acceptance
+from train.losses import acceptance_from_logits, divergence
 from train.methods.distillspec import finish as finish_step
 from train.methods.distillspec.config import DistillSpecConfig
 from train.models.draft_vocab import (
@@ -255,7 +255,7 @@ class DistillSpecModule(L.LightningModule):
         teacher's mass there counts as rejected, as in decoding."""
         t = self.cfg.temperature
         if self.draft_ids is None:
-            return expected_acceptance(student_logits, teacher_logits, mask, temperature=t)
+            return acceptance_from_logits(student_logits, teacher_logits, mask, temperature=t)
         return draft_acceptance(student_logits, teacher_logits, self.draft_ids, mask, temperature=t)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:

@@ -60,7 +60,6 @@ class MedusaConfig:
     ngram_orders: list[int] = field(default_factory=list)
     """n-gram models over token ids (orders 2..4) estimated from the training split and saved with the
     heads (``heads/ngram_<n>/``), for BPD's rescoring (train.decoding.refine, docs/bpd.md)."""
-    lora_settings: LoraSettings = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         check_optimizer("method", self.optimizer, self.scheduler)
@@ -107,12 +106,12 @@ class MedusaConfig:
             "a list of n-gram orders in 1..4",
             self.ngram_orders,
         )
-        self.lora_settings = LoraSettings.coerce(self.lora)
+        self.lora = LoraSettings.coerce(self.lora, "method.lora")
         require(
-            not self.joint or self.lora_settings.enabled,
+            not self.joint or self.lora.enabled,
             "method.lora.enabled",
             "true for Medusa-2 (joint: true trains the verifier through LoRA adapters only)",
-            self.lora_settings.enabled,
+            self.lora.enabled,
         )
 
     def build(self, pair: Any, spec: Any) -> tuple[MedusaModule, L.LightningDataModule]:

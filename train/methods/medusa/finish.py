@@ -80,7 +80,7 @@ def report_summary(module: MedusaModule) -> dict[str, Any]:
         "rank_accuracy": module.rank_accuracy,
     }
     if module.cfg.joint:
-        lora = module.cfg.lora_settings
+        lora = module.cfg.lora
         summary.update(
             lora={"r": lora.r, "alpha": lora.alpha, "target_modules": list(lora.target_modules)},
             heads_weight=module.cfg.heads_weight,

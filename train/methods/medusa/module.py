@@ -120,7 +120,7 @@ class MedusaModule(L.LightningModule):
         if cfg.joint:
             verifier.requires_grad_(False)
             # a child: DDP sees the adapters (float32; the frozen base keeps its dtype)
-            self.verifier = float32_trainables(apply_lora(verifier, cfg.lora_settings))
+            self.verifier = float32_trainables(apply_lora(verifier, cfg.lora))
             self.verifier.train()  # the pair is loaded in eval mode; the adapters train
             self.strict_loading = False  # checkpoints hold the trainable tensors only
         else:

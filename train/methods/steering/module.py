@@ -52,7 +52,7 @@ import torch
 
 from train.decoding.metrics import positional_block_efficiency
 from train.decoding.sampling import SamplingParams
-from train.losses import divergence, expected_acceptance
+from train.losses import acceptance_from_logits, divergence
 from train.methods.steering import finish as finish_step
 from train.methods.steering.config import BASELINE_ARM, MAIN_ARM, SteeringConfig, log
 from train.models.loading import eos_token_ids, output_vocab_size
@@ -275,7 +275,7 @@ class SteeringTrainingModule(L.LightningModule):
             logits = self.arm_logits(label, ro, states, offset)
             loss = self._divergence(logits, teacher, mask)
             total = total + loss
-            ea = expected_acceptance(logits.detach(), teacher, mask, temperature=self.cfg.temperature)
+            ea = acceptance_from_logits(logits.detach(), teacher, mask, temperature=self.cfg.temperature)
             prefix = "train" if label == MAIN_ARM else f"train/{label}"
             self.log(f"{prefix}/divergence", loss.detach(), batch_size=bs)
             self.log(f"{prefix}/expected_acceptance", ea, prog_bar=label == MAIN_ARM, batch_size=bs)
@@ -304,7 +304,7 @@ class SteeringTrainingModule(L.LightningModule):
             steered = label in self.steering
             for o in range(1, self.cfg.gamma + 1) if steered else (0,):
                 logits = self.arm_logits(label, ro, states, max(o, 1))
-                ea = float(expected_acceptance(logits, teacher, mask, temperature=self.cfg.temperature))
+                ea = float(acceptance_from_logits(logits, teacher, mask, temperature=self.cfg.temperature))
                 loss = float(self._divergence(logits, teacher, mask))
                 sums = self._val_sums.setdefault((label, o), [0.0, 0.0, 0.0])
                 sums[0] += loss * n
@@ -318,7 +318,9 @@ class SteeringTrainingModule(L.LightningModule):
                     count = float(selected.sum())
                     if count:
                         a = float(
-                            expected_acceptance(logits, teacher, selected, temperature=self.cfg.temperature)
+                            acceptance_from_logits(
+                                logits, teacher, selected, temperature=self.cfg.temperature
+                            )
                         )
                         by_staleness = self._val_stale.setdefault((label, s), [0.0, 0.0])
                         by_staleness[0] += a * count
