@@ -116,3 +116,21 @@ def test_experiments_carry_their_run_command() -> None:
         assert text.startswith("# @package _global_"), path
         assert "python train.py experiment=" in text, path
         assert OmegaConf.load(path).get("name"), path
+
+
+def test_renamed_targets_point_at_what_exists_and_old_configs_still_build():
+    """Configs written for the old layout keep working, with a deprecation line naming the new target."""
+    from hydra.utils import get_method, get_object
+    from omegaconf import OmegaConf
+
+    from train.config import RENAMED_TARGETS, instantiate_group
+
+    for old, new in RENAMED_TARGETS.items():
+        assert new != old
+        assert get_object(new) is not None or get_method(new) is not None, new
+    cfg = OmegaConf.create({"cb": {"_target_": "train.callbacks.NonFiniteLossGuard"}})
+    with pytest.warns(DeprecationWarning, match="train.callbacks.NonFiniteLossGuard is deprecated"):
+        guard = instantiate_group(cfg, "cb")
+    from train.training.callbacks import NonFiniteLossGuard
+
+    assert isinstance(guard, NonFiniteLossGuard)

@@ -257,7 +257,7 @@ RENAMED_TARGETS: dict[str, str] = {
     "train.methods.distillspec.DistillSpecConfig": "train.methods.distillspec.config.DistillSpecConfig",
     "train.methods.medusa.MedusaConfig": "train.methods.medusa.config.MedusaConfig",
     "train.methods.steering.SteeringConfig": "train.methods.steering.config.SteeringConfig",
-    "train.methods.pretrain.PretrainConfig": "train.methods.pretrain.module.PretrainConfig",
+    "train.methods.pretrain.PretrainConfig": "train.methods.pretrain.config.PretrainConfig",
     "train.callbacks.NonFiniteLossGuard": "train.training.callbacks.NonFiniteLossGuard",
     "train.export.HubConfig": "train.export.hub.HubConfig",
     "train.models.steering.SteeringModule.from_pretrained": "train.models.steering_module.SteeringModule.from_pretrained",

@@ -1,11 +1,11 @@
-"""The evaluator's decoding engine (docs/decoding.md, "How the engine is built"; the layout: docs/architecture.md).
+"""The evaluator's decoding engine (docs/decoding.md, "How the engine is built"; docs/architecture.md).
 
-Parts, each in its own file: ``cache`` (crop, keep positions compacted), ``model_call`` (one timed
-forward), ``draft`` (a chain or tree of draft tokens), ``proposers`` (the drafting side),
-``verification`` (pure rules), ``loop`` (the synchronous schedule), ``sampling`` (warping and draws),
-``metrics`` (the metric contract), ``tree`` (tree attention and verification) and ``tree_proposers``
-(SpecInfer / RSD-C / RSD-S trees). ``AutoregressiveDecoder``, ``SpeculativeDecoder`` and
-``TreeSpeculativeDecoder`` are thin compositions of them.
+By role: ``decoders/`` (one file per decoder; ``base.Decoder.generate`` is the one ``generate`` they
+share), ``proposers/`` (the drafting side; ``protocol.Proposer`` names all the loop uses), ``rules/``
+(verification as pure functions: chain, recursive, tree walk, typical), the schedules ``loop``
+(synchronous) and ``async_loop`` (AMUSD), and the building blocks ``model_call`` (one timed forward),
+``cache``, ``tree_attention``, ``draft``, ``sampling``, ``metrics`` (the metric contract) and
+``refine`` (BPD). The names below are the engine's public face.
 """
 
 from train.decoding.cache import cache_length, crop_cache, keep_positions

@@ -40,12 +40,8 @@ from train.config import require
 from train.data.lm import make_prompts
 from train.data.sources import DataSourceConfig, load_text_dataset
 from train.hardware import best_dtype
-from train.methods.answer_distill.module import (
-    AnswerDistillConfig,
-    AnswerDistillModule,
-    answer_example,
-    collate_right_pad,
-)
+from train.methods.answer_distill.config import AnswerDistillConfig
+from train.methods.answer_distill.module import AnswerDistillModule, answer_example, collate_right_pad
 from train.models.answers import Answer, generate_answers, load_answers, save_answers
 from train.models.draft_vocab import frequent_tokens, set_draft_vocab, vocab_index
 from train.models.smollm2 import ensure_smollm2, eos_ids

@@ -31,7 +31,8 @@ from train.data.corpus import build_corpus
 from train.data.lm import pack_sequences
 from train.data.tokenizer import train_tokenizer
 from train.losses import acceptance_from_logits
-from train.methods.pretrain.module import PretrainConfig, PretrainModule
+from train.methods.pretrain.config import PretrainConfig
+from train.methods.pretrain.module import PretrainModule
 from train.progress import StepProgressBar
 
 log = logging.getLogger(__name__)

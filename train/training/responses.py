@@ -16,20 +16,9 @@ from typing import Any
 
 import torch
 
-from train.config import require
-from train.data.datamodule import PromptDataModule
-from train.data.sources import load_text_dataset
 from train.training.rollout import Rollout, position_ids_from_mask
 
-__all__ = [
-    "ResponseCache",
-    "check_prompt_settings",
-    "continuation_logits",
-    "mix_seed",
-    "seeded_generator",
-    "prompt_data",
-    "with_continuation",
-]
+__all__ = ["ResponseCache", "continuation_logits", "with_continuation"]
 
 Generate = Callable[[torch.Tensor, torch.Tensor, torch.Generator], Rollout]
 
@@ -107,50 +96,3 @@ class ResponseCache:
     def load(self, saved: dict[str, Any] | None) -> None:
         if saved:
             self.responses = dict(zip(saved["prompts"], saved["continuations"], strict=True))
-
-
-def mix_seed(*values: int) -> int:
-    """A seed from integers (run seed, step, rank, ...), stable across processes, unlike ``hash``:
-    a resumed run draws the same responses the killed one would have."""
-    seed = 0
-    for v in values:
-        seed = (seed * 1_000_003 + int(v)) % (2**61 - 1)
-    return seed
-
-
-def seeded_generator(device: torch.device | str, *values: int) -> torch.Generator:
-    """A generator on ``device`` seeded by :func:`mix_seed` of (run seed, step, rank, ...): a resumed run
-    draws what the killed one would have, and each rank its own."""
-    gen = torch.Generator(device=device)
-    gen.manual_seed(mix_seed(*values))
-    return gen
-
-
-def check_prompt_settings(cfg: Any) -> None:
-    """Validate the prompt and response sizes a method config shares (``max_new_tokens``, ``prompt_len``,
-    ``batch_size``, ``num_prompts``, ``num_val_prompts``); errors name ``method.<key>``."""
-    require(cfg.max_new_tokens >= 1, "method.max_new_tokens", ">= 1", cfg.max_new_tokens)
-    require(cfg.prompt_len >= 2, "method.prompt_len", ">= 2", cfg.prompt_len)
-    require(cfg.batch_size >= 1, "method.batch_size", ">= 1", cfg.batch_size)
-    require(
-        cfg.num_prompts >= cfg.batch_size,
-        "method.num_prompts",
-        f">= method.batch_size ({cfg.batch_size})",
-        cfg.num_prompts,
-    )
-    require(cfg.num_val_prompts >= 1, "method.num_val_prompts", ">= 1", cfg.num_val_prompts)
-
-
-def prompt_data(cfg: Any, tokenizer: Any, data: Any, seed: int) -> PromptDataModule:
-    """Training and held-out prompts of ``data`` (a data config) sized by ``cfg`` (see
-    :func:`check_prompt_settings`), with the corpus continuations for sources that need them."""
-    return PromptDataModule(
-        lambda: load_text_dataset(data, tokenizer),
-        tokenizer,
-        prompt_len=cfg.prompt_len,
-        batch_size=cfg.batch_size,
-        continuation_len=cfg.max_new_tokens,
-        max_prompts=cfg.num_prompts,
-        max_val_prompts=cfg.num_val_prompts,
-        seed=seed,
-    )

@@ -1,1 +1,1 @@
-"""The answer_distill method."""
+"""The answer distill method: its settings (config.py) and its LightningModule (module.py)."""

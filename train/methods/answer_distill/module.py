@@ -10,13 +10,13 @@ answer positions count: they are what the drafter will be asked to guess.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import lightning as L
 import torch
 import torch.nn.functional as F
 
+from train.methods.answer_distill.config import AnswerDistillConfig
 from train.models.answers import Answer
 
 
@@ -93,14 +93,6 @@ def draft_head_logits(
     hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     weight = model.get_output_embeddings().weight
     return F.linear(hidden, weight.index_select(0, draft_ids.to(weight.device)))
-
-
-@dataclass
-class AnswerDistillConfig:
-    lr: float = 2e-3
-    weight_decay: float = 0.01
-    warmup_steps: int = 50
-    max_steps: int = 1000
 
 
 class AnswerDistillModule(L.LightningModule):

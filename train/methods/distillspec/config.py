@@ -17,10 +17,7 @@ from train.models.lora import LoraSettings
 from train.training.optim import (
     check_optimizer,
 )
-from train.training.responses import (
-    check_prompt_settings,
-    prompt_data,
-)
+from train.training.prompt_data import check_prompt_settings, prompt_data
 
 log = logging.getLogger(__name__)
 

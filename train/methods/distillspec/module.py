@@ -65,14 +65,9 @@ from train.training.optim import (
     float32_trainables,
     weights_dtype,
 )
-from train.training.responses import (
-    ResponseCache,
-    continuation_logits,
-    mix_seed,
-    seeded_generator,
-    with_continuation,
-)
+from train.training.responses import ResponseCache, continuation_logits, with_continuation
 from train.training.rollout import Rollout, rollout
+from train.training.seeding import mix_seed, seeded_generator
 
 
 class DistillSpecModule(L.LightningModule):

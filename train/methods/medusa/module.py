@@ -55,8 +55,8 @@ from train.training.optim import (
     partial_kwarg,
     weights_dtype,
 )
-from train.training.responses import seeded_generator
 from train.training.rollout import rollout
+from train.training.seeding import seeded_generator
 
 
 def head_metrics(

@@ -1,1 +1,1 @@
-"""The pretrain method."""
+"""The pretrain method: its settings (config.py) and its LightningModule (module.py)."""

@@ -5,36 +5,14 @@ from __future__ import annotations
 import math
 import os
 import sys
-from dataclasses import dataclass
 from typing import Any
 
 import lightning as L
 import torch
 from transformers import PreTrainedModel
 
-from train.config import require
-from train.data.datamodule import packed_corpus
-from train.training.optim import check_optimizer, configure_optimizers
-
-
-@dataclass
-class PretrainConfig:
-    """Hyperparameters of plain LM pretraining (``method=pretrain``)."""
-
-    optimizer: Any
-    scheduler: Any = None
-    seq_len: int = 256
-    batch_size: int = 16
-
-    def __post_init__(self) -> None:
-        check_optimizer("method", self.optimizer, self.scheduler)
-        require(self.seq_len >= 8, "method.seq_len", ">= 8", self.seq_len)
-        require(self.batch_size >= 1, "method.batch_size", ">= 1", self.batch_size)
-
-    def build(self, pair: Any, spec: Any) -> tuple[PretrainModule, L.LightningDataModule]:
-        """Continued pretraining of the pair's drafter on ``spec.data`` (packed blocks)."""
-        data = packed_corpus(spec.data, pair.tokenizer, self.seq_len, self.batch_size, spec.seed)
-        return PretrainModule(pair.drafter, self), data
+from train.methods.pretrain.config import PretrainConfig
+from train.training.optim import configure_optimizers
 
 
 class PretrainModule(L.LightningModule):

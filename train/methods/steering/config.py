@@ -23,10 +23,7 @@ from train.rundir import newest_artifact
 from train.training.optim import (
     check_optimizer,
 )
-from train.training.responses import (
-    check_prompt_settings,
-    prompt_data,
-)
+from train.training.prompt_data import check_prompt_settings, prompt_data
 
 __all__ = ["SteeringConfig"]
 

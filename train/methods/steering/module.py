@@ -70,13 +70,9 @@ from train.training.optim import (
     partial_kwarg,
     weights_dtype,
 )
-from train.training.responses import (
-    ResponseCache,
-    continuation_logits,
-    mix_seed,
-    seeded_generator,
-)
+from train.training.responses import ResponseCache, continuation_logits
 from train.training.rollout import Rollout, position_ids_from_mask, rollout
+from train.training.seeding import mix_seed, seeded_generator
 
 
 class SteeringTrainingModule(L.LightningModule):
