@@ -14,14 +14,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from train.decoding.decoders.base import eos_set
 from train.decoding.sampling import SamplingParams, sample, warp
 from train.models.introspect import cache_keyword, output_vocab_size, returned_cache, supports_logits_to_keep
+from train.models.loading import eos_token_ids
 
-__all__ = ["Rollout", "position_ids_from_mask", "rollout"]
+__all__ = ["ResponseSampler", "Rollout", "position_ids_from_mask", "rollout"]
 
 
 @dataclass
@@ -128,3 +130,51 @@ def rollout(
     cont_mask = mask.bool().clone()
     cont_mask[:, :width] = False
     return Rollout(sequences=sequences, attention_mask=mask, continuation_mask=cont_mask, prompt_width=width)
+
+
+@dataclass(frozen=True)
+class ResponseSampler:
+    """How a method samples its training responses (DistillSpec, SD^2): their length and temperature,
+    the ids that end them, the pad id, and the vocabulary prefix all the method's models share."""
+
+    max_new_tokens: int
+    params: SamplingParams
+    eos_token_id: tuple[int, ...]
+    pad_token_id: int
+    vocab_size: int
+
+    @classmethod
+    def for_models(
+        cls, tokenizer: Any, max_new_tokens: int, temperature: float, *models: torch.nn.Module
+    ) -> ResponseSampler:
+        """EOS ids of the tokenizer and every model, the tokenizer's pad id (else the first EOS id), the
+        smallest output vocabulary of ``models``."""
+        eos = eos_token_ids(tokenizer, *models)
+        pad = tokenizer.pad_token_id
+        return cls(
+            int(max_new_tokens),
+            SamplingParams(temperature=float(temperature)),
+            tuple(eos),
+            int(pad if pad is not None else eos[0]),
+            min(output_vocab_size(m) for m in models),
+        )
+
+    def sample(
+        self,
+        model: torch.nn.Module,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        generator: torch.Generator | None,
+    ) -> Rollout:
+        """:func:`rollout` of ``model`` with these settings."""
+        return rollout(
+            model,
+            input_ids,
+            attention_mask,
+            self.max_new_tokens,
+            self.params,
+            eos_token_id=self.eos_token_id,
+            pad_token_id=self.pad_token_id,
+            generator=generator,
+            vocab_size=self.vocab_size,
+        )

@@ -4,20 +4,18 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import lightning as L
 
 from train.config import require
-from train.losses import DIVERGENCES
 from train.models.loading import load_model
 from train.models.lora import LoraSettings
 from train.training.optim import (
     check_optimizer,
 )
-from train.training.prompt_data import check_prompt_settings, prompt_data
+from train.training.prompt_data import ResponseDistillSettings, prompt_data
 
 log = logging.getLogger(__name__)
 
@@ -28,32 +26,18 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class DistillSpecConfig:
-    """Hyperparameters of DistillSpec (``method=distillspec``); validated before any model loads."""
+class DistillSpecConfig(ResponseDistillSettings):
+    """Hyperparameters of DistillSpec (``method=distillspec``); validated before any model loads. The
+    divergence, sampling and prompt settings are :class:`~train.training.prompt_data.ResponseDistillSettings`."""
 
     optimizer: Any
     scheduler: Any = None
-    divergence: str = "fkl"
-    """One of ``fkl``, ``rkl``, ``jsd``, ``tvd`` (:func:`train.losses.divergence`)."""
-    beta: float = 0.5
-    """JSD interpolation in [0, 1]; 0 is FKL, 1 is RKL (GKD's convention)."""
     lmbda: float = 0.5
     """Probability of an on-policy batch for the ``mixed_*`` data sources."""
     data_source: str = "teacher"
     """Where continuations come from: see the module docstring."""
-    temperature: float = 1.0
-    """Sampling temperature of rollouts, also the softmax temperature of the loss; > 0."""
-    max_new_tokens: int = 32
-    prompt_len: int = 64
-    batch_size: int = 16
-    num_prompts: int = 1024
-    """Training prompts cut from the corpus's train split."""
-    num_val_prompts: int = 32
-    """Held-out prompts (validation split) whose teacher continuations are generated once per run."""
     ce_weight: float = 0.0
     """Weight of an extra cross-entropy on the ground-truth continuation (0 = off)."""
-    gamma: int = 4
-    """Draft length for ``val/simulated_block_efficiency``."""
     cache_teacher: bool = True
     """Generate each training prompt's teacher continuation once and reuse it in later epochs."""
     lora: Any = None
@@ -61,23 +45,12 @@ class DistillSpecConfig:
 
     def __post_init__(self) -> None:
         check_optimizer("method", self.optimizer, self.scheduler)
-        require(self.divergence in DIVERGENCES, "method.divergence", f"one of {DIVERGENCES}", self.divergence)
-        require(_in_unit(self.beta), "method.beta", "in [0, 1]", self.beta)
+        self.check_response_settings()
         require(_in_unit(self.lmbda), "method.lmbda", "in [0, 1]", self.lmbda)
         require(
             self.data_source in DATA_SOURCES, "method.data_source", f"one of {DATA_SOURCES}", self.data_source
         )
-        require(
-            isinstance(self.temperature, int | float)
-            and math.isfinite(self.temperature)
-            and self.temperature > 0,
-            "method.temperature",
-            "> 0 (rollouts sample; greedy rollouts are not supported)",
-            self.temperature,
-        )
-        check_prompt_settings(self)
         require(self.ce_weight >= 0, "method.ce_weight", ">= 0", self.ce_weight)
-        require(self.gamma >= 1, "method.gamma", ">= 1", self.gamma)
         self.lora = LoraSettings.coerce(self.lora, "method.lora")
 
     @property

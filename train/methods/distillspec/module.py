@@ -46,7 +46,6 @@ import lightning as L
 import torch
 
 from train.decoding.metrics import simulated_block_efficiency
-from train.decoding.sampling import SamplingParams
 from train.losses import acceptance_from_logits, divergence
 from train.methods.distillspec import finish as finish_step
 from train.methods.distillspec.config import DistillSpecConfig
@@ -57,7 +56,6 @@ from train.models.draft_vocab import (
     draft_vocab_of,
     vocab_index,
 )
-from train.models.loading import eos_token_ids, output_vocab_size
 from train.models.lora import apply_lora
 from train.training.optim import (
     clip_gradients,
@@ -66,7 +64,7 @@ from train.training.optim import (
     weights_dtype,
 )
 from train.training.responses import ResponseCache, continuation_logits, with_continuation
-from train.training.rollout import Rollout, rollout
+from train.training.rollout import ResponseSampler, Rollout
 from train.training.seeding import mix_seed, seeded_generator
 
 
@@ -103,16 +101,14 @@ class DistillSpecModule(L.LightningModule):
         teacher.requires_grad_(False)
         self.tokenizer = tokenizer
         self.pretrained = pretrained
-        self.params = SamplingParams(temperature=float(cfg.temperature))
-        self.eos_token_id = eos_token_ids(tokenizer, teacher, student)
-        pad = tokenizer.pad_token_id
-        self.pad_token_id = int(pad if pad is not None else self.eos_token_id[0])
-        self.vocab_size = min(output_vocab_size(student), output_vocab_size(teacher))
+        self.sampler = ResponseSampler.for_models(
+            tokenizer, cfg.max_new_tokens, cfg.temperature, teacher, student
+        )
         ids = draft_vocab_of(student)
         #: A drafter with a reduced vocabulary (``config.draft_vocab``) samples and is trained over it only.
         self.draft_ids: torch.Tensor | None = torch.tensor(ids, dtype=torch.long) if ids else None
         self._teacher_cache = ResponseCache(
-            lambda ids, attn, gen: self._generate(self.teacher, ids, attn, gen), self.pad_token_id
+            lambda ids, attn, gen: self._generate(self.teacher, ids, attn, gen), self.sampler.pad_token_id
         )
         self._val_cache: dict[int, Rollout] = {}
         self._val_sums = [0.0, 0.0, 0]
@@ -165,17 +161,7 @@ class DistillSpecModule(L.LightningModule):
     def _generate(
         self, model: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor, gen: torch.Generator
     ) -> Rollout:
-        return rollout(
-            model,
-            ids,
-            attn,
-            self.cfg.max_new_tokens,
-            self.params,
-            eos_token_id=self.eos_token_id,
-            pad_token_id=self.pad_token_id,
-            generator=gen,
-            vocab_size=self.vocab_size,
-        )
+        return self.sampler.sample(model, ids, attn, gen)
 
     def _teacher_rollout(self, batch: dict[str, torch.Tensor], gen: torch.Generator) -> Rollout:
         ids, attn = batch["input_ids"], batch["attention_mask"]
@@ -279,11 +265,11 @@ class DistillSpecModule(L.LightningModule):
         labels = ro.sequences[:, ro.prompt_width :]
         mask = ro.continuation_mask[:, ro.prompt_width :]
         if self.draft_ids is not None:  # over the draft vocabulary: labels outside it do not count
-            labels = vocab_index(self.draft_ids.to(labels.device), self.vocab_size)[labels]
+            labels = vocab_index(self.draft_ids.to(labels.device), self.sampler.vocab_size)[labels]
             mask = mask & (labels >= 0)
             logits = self.logits(self.drafting_student(full_logits=False), ro)
         else:
-            logits = self.logits(self.student, ro)[..., : self.vocab_size]
+            logits = self.logits(self.student, ro)[..., : self.sampler.vocab_size]
         if not mask.any():  # no label inside the draft vocabulary: a zero still attached to the graph
             return logits.sum() * 0.0
         return torch.nn.functional.cross_entropy(logits[mask].float(), labels[mask])

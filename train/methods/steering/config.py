@@ -13,7 +13,6 @@ import lightning as L
 import torch
 
 from train.config import check_model_source, require
-from train.losses import DIVERGENCES
 from train.models.loading import load_drafter
 from train.models.lora import LoraSettings
 from train.models.steering_module import (
@@ -23,7 +22,7 @@ from train.rundir import newest_artifact
 from train.training.optim import (
     check_optimizer,
 )
-from train.training.prompt_data import check_prompt_settings, prompt_data
+from train.training.prompt_data import ResponseDistillSettings, prompt_data
 
 __all__ = ["SteeringConfig"]
 
@@ -38,7 +37,7 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class SteeringConfig:
+class SteeringConfig(ResponseDistillSettings):
     """Hyperparameters of SD^2 training (``method=steering``); validated before any model loads."""
 
     optimizer: Any
@@ -51,18 +50,6 @@ class SteeringConfig:
     """LoRA on the drafters (:class:`train.models.lora.LoraSettings`); None or disabled: full fine-tune."""
     layers: list[int] | None = None
     """Verifier layers the guide reads (indices into ``hidden_states``); None: early/middle/late."""
-    divergence: str = "fkl"
-    """One of ``fkl``, ``rkl``, ``jsd``, ``tvd`` (:func:`train.losses.divergence`)."""
-    beta: float = 0.5
-    temperature: float = 1.0
-    """The verifier's sampling temperature for the responses (> 0), also the loss's softmax temperature."""
-    max_new_tokens: int = 32
-    prompt_len: int = 64
-    batch_size: int = 16
-    num_prompts: int = 1024
-    num_val_prompts: int = 32
-    gamma: int = 4
-    """Guides are 1..gamma positions stale in training and validation (the decoder's draft length)."""
     steering_lr_multiplier: float = 1.0
     """The steering modules learn at this multiple of the optimizer's rate (they start from zero)."""
     distilled_baseline: bool = True
@@ -72,11 +59,7 @@ class SteeringConfig:
 
     def __post_init__(self) -> None:
         check_optimizer("method", self.optimizer, self.scheduler)
-        require(self.divergence in DIVERGENCES, "method.divergence", f"one of {DIVERGENCES}", self.divergence)
-        require(0.0 <= self.beta <= 1.0, "method.beta", "in [0, 1]", self.beta)
-        require(self.temperature > 0, "method.temperature", "> 0 (responses are sampled)", self.temperature)
-        check_prompt_settings(self)
-        require(self.gamma >= 1, "method.gamma", ">= 1", self.gamma)
+        self.check_response_settings()
         require(
             self.steering_lr_multiplier > 0,
             "method.steering_lr_multiplier",

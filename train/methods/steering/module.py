@@ -51,11 +51,9 @@ import lightning as L
 import torch
 
 from train.decoding.metrics import positional_block_efficiency
-from train.decoding.sampling import SamplingParams
 from train.losses import acceptance_from_logits, divergence
 from train.methods.steering import finish as finish_step
 from train.methods.steering.config import BASELINE_ARM, MAIN_ARM, SteeringConfig, log
-from train.models.loading import eos_token_ids, output_vocab_size
 from train.models.lora import apply_lora
 from train.models.steering_module import (
     SteeringModule,
@@ -71,7 +69,7 @@ from train.training.optim import (
     weights_dtype,
 )
 from train.training.responses import ResponseCache, continuation_logits
-from train.training.rollout import Rollout, position_ids_from_mask, rollout
+from train.training.rollout import ResponseSampler, Rollout, position_ids_from_mask
 from train.training.seeding import mix_seed, seeded_generator
 
 
@@ -127,15 +125,10 @@ class SteeringTrainingModule(L.LightningModule):
         float32_trainables(self.drafters)  # float32 master weights for all that trains (docs/scale.md)
         float32_trainables(self.steering)
         self.layers = list(self.steering_of(MAIN_ARM).verifier_layers)
-        self.params = SamplingParams(temperature=float(cfg.temperature))
-        first = next(iter(self.drafters.values()))
-        self.eos_token_id = eos_token_ids(tokenizer, verifier, first)
-        pad = tokenizer.pad_token_id
-        self.pad_token_id = int(pad if pad is not None else self.eos_token_id[0])
-        self.vocab_size = min(
-            output_vocab_size(verifier), *(output_vocab_size(d) for d in self.drafters.values())
+        self.sampler = ResponseSampler.for_models(
+            tokenizer, cfg.max_new_tokens, cfg.temperature, verifier, *self.drafters.values()
         )
-        self.responses = ResponseCache(self._generate, self.pad_token_id)
+        self.responses = ResponseCache(self._generate, self.sampler.pad_token_id)
         self._val_cache: dict[int, Rollout] = {}
         self._val_sums: dict[tuple[str, int], list[float]] = {}
         self._val_stale: dict[tuple[str, int], list[float]] = {}  # (arm, staleness) -> [sum of ea, count]
@@ -196,17 +189,7 @@ class SteeringTrainingModule(L.LightningModule):
         return seeded_generator(self.device, self.seed, *salt)
 
     def _generate(self, ids: torch.Tensor, attn: torch.Tensor, gen: torch.Generator) -> Rollout:
-        return rollout(
-            self.verifier,
-            ids,
-            attn,
-            self.cfg.max_new_tokens,
-            self.params,
-            eos_token_id=self.eos_token_id,
-            pad_token_id=self.pad_token_id,
-            generator=gen,
-            vocab_size=self.vocab_size,
-        )
+        return self.sampler.sample(self.verifier, ids, attn, gen)
 
     def offset_for(self, step: int) -> int:
         """The guide staleness o in 1..gamma of a training step (reproducible on resume)."""
