@@ -57,7 +57,47 @@ def _val_split(splits: Splits) -> Dataset | None:
     return None
 
 
-class LMDataModule(L.LightningDataModule):
+class _SplitDataModule(L.LightningDataModule):
+    """What both data modules share: one stateful, seeded-shuffle loader per split (resumable mid-epoch).
+    A subclass sets ``batch_size``, ``num_workers``, ``seed``, ``shuffle`` and the datasets in ``setup``."""
+
+    batch_size: int
+    num_workers: int
+    seed: int
+    shuffle: bool
+    train_dataset: Dataset | None
+    val_dataset: Dataset | None
+
+    def setup(self, stage: str | None = None) -> None:
+        """Build the datasets (once)."""
+        raise NotImplementedError
+
+    def _loader_options(self, train: bool) -> dict[str, Any]:
+        """Extra ``StatefulDataLoader`` arguments (a collate function, drop_last)."""
+        return {}
+
+    def _loader(self, ds: Dataset | None, train: bool) -> StatefulDataLoader:
+        if ds is None:
+            raise RuntimeError("this split is not available")
+        return StatefulDataLoader(
+            ds,  # type: ignore[arg-type]
+            batch_size=self.batch_size,
+            sampler=_shuffler(ds, self.seed) if train and self.shuffle else None,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+            **self._loader_options(train),
+        )
+
+    def train_dataloader(self) -> StatefulDataLoader:
+        self.setup()
+        return self._loader(self.train_dataset, train=True)
+
+    def val_dataloader(self) -> StatefulDataLoader:
+        self.setup()
+        return self._loader(self.val_dataset, train=False)
+
+
+class LMDataModule(_SplitDataModule):
     """Packed ``seq_len`` blocks: batches are ``{"input_ids": LongTensor [B, seq_len]}``."""
 
     def __init__(
@@ -99,25 +139,8 @@ class LMDataModule(L.LightningDataModule):
         self.val_dataset = pack(val) if val is not None else None
         self.test_dataset = pack(splits["test"]) if "test" in splits else None
 
-    def _loader(self, ds: Dataset | None, train: bool) -> StatefulDataLoader:
-        if ds is None:
-            raise RuntimeError("this split is not available")
-        return StatefulDataLoader(
-            ds,  # type: ignore[arg-type]
-            batch_size=self.batch_size,
-            sampler=_shuffler(ds, self.seed) if train and self.shuffle else None,
-            num_workers=self.num_workers,
-            drop_last=train and self.drop_last,
-            persistent_workers=self.num_workers > 0,
-        )
-
-    def train_dataloader(self) -> StatefulDataLoader:
-        self.setup()
-        return self._loader(self.train_dataset, train=True)
-
-    def val_dataloader(self) -> StatefulDataLoader:
-        self.setup()
-        return self._loader(self.val_dataset, train=False)
+    def _loader_options(self, train: bool) -> dict[str, Any]:
+        return {"drop_last": train and self.drop_last}
 
     def test_dataloader(self) -> StatefulDataLoader:
         self.setup()
@@ -137,7 +160,7 @@ def packed_corpus(source: Any, tokenizer: Any, seq_len: int, batch_size: int, se
     )
 
 
-class PromptDataModule(L.LightningDataModule):
+class PromptDataModule(_SplitDataModule):
     """Prompts for rollouts/evaluation: batches from :func:`train.data.lm.collate_left_pad`
     (``input_ids``/``attention_mask`` left-padded ``[B, T]``, ``continuation_ids``/``continuation_mask``
     right-padded ``[B, C]``)."""
@@ -202,22 +225,5 @@ class PromptDataModule(L.LightningDataModule):
         val = _val_split(splits)
         self.val_dataset = self._prompts(val, self.max_val_prompts) if val is not None else None
 
-    def _loader(self, ds: Dataset | None, train: bool) -> StatefulDataLoader:
-        if ds is None:
-            raise RuntimeError("this split is not available")
-        return StatefulDataLoader(
-            ds,  # type: ignore[arg-type]
-            batch_size=self.batch_size,
-            sampler=_shuffler(ds, self.seed) if train and self.shuffle else None,
-            num_workers=self.num_workers,
-            collate_fn=partial(collate_left_pad, pad_id=self.pad_id),
-            persistent_workers=self.num_workers > 0,
-        )
-
-    def train_dataloader(self) -> StatefulDataLoader:
-        self.setup()
-        return self._loader(self.train_dataset, train=True)
-
-    def val_dataloader(self) -> StatefulDataLoader:
-        self.setup()
-        return self._loader(self.val_dataset, train=False)
+    def _loader_options(self, train: bool) -> dict[str, Any]:
+        return {"collate_fn": partial(collate_left_pad, pad_id=self.pad_id)}
