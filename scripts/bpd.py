@@ -30,7 +30,7 @@ import torch
 from train.cli.console import add_device_arguments
 from train.data.lm import document_token_ids
 from train.data.sources import DataSourceConfig, load_text_dataset
-from train.decoding import MedusaDecoder
+from train.decoding import HeadsDecoder
 from train.decoding.refine import LocalNeuralRefiner, PBestRefiner
 from train.evaluation import EvalConfig, build_prompts, evaluate_drafters, results_table
 from train.models.heads import MedusaHeads
@@ -92,7 +92,7 @@ def analyse(verifier: Any, heads: MedusaHeads, blocks: torch.Tensor) -> str:
 
 
 def greedy_tau(verifier: Any, heads: Any, refiner: Any, prompts: list[torch.Tensor], tokens: int) -> float:
-    decoder = MedusaDecoder(
+    decoder = HeadsDecoder(
         verifier, heads, tree=None if refiner is not None else _chain(heads), refiner=refiner
     )
     made = calls = 0
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     print("## Final (test prompts, used once)\n")
     test_prompts = build_prompts(tokenizer, data, args.prompts, 64, seed=0, split="test")
     decoders = [
-        {"name": "heads' own draft", "_target_": "train.decoding.MedusaDecoder", "tree": _chain(heads)}
+        {"name": "heads' own draft", "_target_": "train.decoding.HeadsDecoder", "tree": _chain(heads)}
     ]
     for method, (settings, _) in chosen.items():
         refiner: dict[str, Any] = {"_target_": "train.decoding.refine.PBestRefiner", "p": args.p, **settings}
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
             }
         else:
             refiner.update(lm=None, alpha=0.0)
-        decoders.append({"name": method, "_target_": "train.decoding.MedusaDecoder", "refiner": refiner})
+        decoders.append({"name": method, "_target_": "train.decoding.HeadsDecoder", "refiner": refiner})
     cfg = EvalConfig(
         temperatures=[0.0, 1.0],
         seeds=[0, 1],

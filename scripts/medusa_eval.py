@@ -1,4 +1,4 @@
-"""Tree sizes for trained Medusa heads: MedusaDecoder with trees of N nodes built from the heads'
+"""Tree sizes for trained Medusa heads: HeadsDecoder with trees of N nodes built from the heads'
 measured per-rank accuracies, and the blockwise top-1 chain, against autoregressive decoding
 (docs/medusa.md). Reports tau and the paired wall-clock speedup of each size on this machine.
 
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     verifier = load_model(verifier_dir, device=args.device).eval()
     heads = MedusaHeads.from_pretrained(heads_dir).eval().to(args.device)
     prompts = build_prompts(tokenizer, num_prompts=args.prompts, prompt_len=64)
-    medusa = {"_target_": "train.decoding.MedusaDecoder"}
+    medusa = {"_target_": "train.decoding.HeadsDecoder"}
     decoders = [{"name": f"tree {n}", **medusa, "tree_nodes": n} for n in args.sizes]
     decoders.append(
         {

@@ -134,3 +134,10 @@ def test_renamed_targets_point_at_what_exists_and_old_configs_still_build():
     from train.training.callbacks import NonFiniteLossGuard
 
     assert isinstance(guard, NonFiniteLossGuard)
+
+
+def test_the_old_decoder_name_still_imports_with_a_deprecation_line():
+    import train.decoding as decoding
+
+    with pytest.warns(DeprecationWarning, match="MedusaDecoder is deprecated; it is now HeadsDecoder"):
+        assert decoding.MedusaDecoder is decoding.HeadsDecoder

@@ -151,7 +151,7 @@ def test_main_job_meets_its_targets(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_medusa_main_job_meets_its_block_efficiency_target(tmp_path: Path) -> None:
     """`python train.py experiment=medusa` with the cached pair: heads trained, exported in both layouts
-    with their measured tree, MedusaDecoder evaluated; tau >= 2.0 at T = 0 (issue 10's target)."""
+    with their measured tree, HeadsDecoder evaluated; tau >= 2.0 at T = 0 (issue 10's target)."""
     tiny_dir = REPO_ROOT / "checkpoints" / "tiny"
     env = os.environ | {"DRAFTSMITH_ROOT": str(tmp_path)}
     cmd = [sys.executable, "train.py", "experiment=medusa", f"paths.tiny_dir={tiny_dir}"]

@@ -1,4 +1,4 @@
-"""Decoding with prediction heads (MedusaDecoder): greedy equality with HF ``generate`` for random
+"""Decoding with prediction heads (HeadsDecoder): greedy equality with HF ``generate`` for random
 and for oracle heads (long accepted paths through the sparse tree, EOS and limits), and the exact
 output law at T > 0 (deterministic candidates verified by sampling p without replacement)."""
 
@@ -10,7 +10,7 @@ import itertools
 import pytest
 import torch
 
-from train.decoding import Draft, MedusaDecoder, SamplingParams, chain_choices, warp
+from train.decoding import Draft, HeadsDecoder, SamplingParams, chain_choices, warp
 from train.decoding.proposers.heads_proposer import DEFAULT_CHOICES, tree_from_accuracies
 from train.decoding.rules.typical import TypicalAcceptance, typical_bound, verify_typical
 from train.models.heads import MedusaHeads
@@ -57,7 +57,7 @@ class OracleHeads(torch.nn.Module):
 @pytest.mark.parametrize("tree", ["default", "chain"])
 def test_greedy_equals_hf_generate_with_random_heads(arch, tree, tiny_pairs):
     verifier, _ = tiny_pairs[arch]
-    decoder = MedusaDecoder(verifier, random_heads(verifier), None if tree == "default" else chain_choices(3))
+    decoder = HeadsDecoder(verifier, random_heads(verifier), None if tree == "default" else chain_choices(3))
     for prompt, n in (([0, 5, 9, 3, 7], 25), ([0, 44], 6)):
         ids = torch.tensor([prompt])
         assert decoder.generate(ids, n).tokens.tolist() == hf_greedy(verifier, ids, n)
@@ -69,7 +69,7 @@ def test_oracle_heads_accept_long_paths_eos_and_limits(arch, tiny_pairs):
     prompt = [0, 5, 9, 3, 7]
     ids = torch.tensor([prompt])
     reference = hf_greedy(verifier, ids, 40)
-    decoder = MedusaDecoder(verifier, OracleHeads(verifier, prompt, reference))
+    decoder = HeadsDecoder(verifier, OracleHeads(verifier, prompt, reference))
     result = decoder.generate(ids, 40)
     assert result.tokens.tolist() == reference
     assert result.stats.verifier_calls <= 40 // 4 + 2  # about depth + 1 = 5 tokens per call
@@ -87,21 +87,21 @@ def test_bad_trees_are_rejected(tiny_pairs):
     heads = random_heads(verifier)
     for tree in ([], [[0], [0]], [[0, 1]], [[-1]]):
         with pytest.raises(ValueError):
-            MedusaDecoder(verifier, heads, tree)
-    assert len(MedusaDecoder(verifier, heads).tree) == len(DEFAULT_CHOICES)
+            HeadsDecoder(verifier, heads, tree)
+    assert len(HeadsDecoder(verifier, heads).tree) == len(DEFAULT_CHOICES)
 
 
 @pytest.mark.parametrize("num_heads", [1, 2, 3])
 def test_the_default_tree_fits_fewer_heads(num_heads, tiny_pairs):
     verifier, _ = tiny_pairs["qwen3"]
     heads = MedusaHeads.from_verifier(verifier, num_heads, 1)
-    decoder = MedusaDecoder(verifier, heads)
+    decoder = HeadsDecoder(verifier, heads)
     assert decoder.depth == num_heads
     assert decoder.tree == [p for p in DEFAULT_CHOICES if len(p) <= num_heads]
     ids = torch.tensor([[0, 5, 9, 3, 7]])
     assert decoder.generate(ids, 12).tokens.tolist() == hf_greedy(verifier, ids, 12)
     with pytest.raises(ValueError, match="deep but the heads number"):  # a tree given is never cut
-        MedusaDecoder(verifier, heads, chain_choices(num_heads + 1))
+        HeadsDecoder(verifier, heads, chain_choices(num_heads + 1))
 
 
 VOCAB = 6
@@ -134,7 +134,7 @@ def test_sampled_output_law_is_the_verifiers(small_verifier, params):
     prompt, n_new, runs = [1, 2], 3, 3000
     law = exact_law(small_verifier, prompt, n_new, params)
     heads = random_heads(small_verifier, seed=3)
-    decoder = MedusaDecoder(small_verifier, heads, [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
+    decoder = HeadsDecoder(small_verifier, heads, [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
     result = run_many(decoder, prompt, n_new, params, runs, seed=0)
     stat, df = chi_square(result.counts, law, runs)
     assert stat < chi2_critical(df), (stat, df)
@@ -155,7 +155,7 @@ def test_sampling_test_catches_a_residual_drawn_from_p(small_verifier, monkeypat
     params = SamplingParams(1.0)
     prompt, n_new, runs = [1, 2], 3, 3000
     law = exact_law(small_verifier, prompt, n_new, params)
-    decoder = MedusaDecoder(
+    decoder = HeadsDecoder(
         small_verifier,
         random_heads(small_verifier, seed=3),
         [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]],
@@ -242,15 +242,15 @@ def test_decoder_takes_the_tree_the_heads_carry_and_refuses_other_verifiers(tiny
     heads.save_pretrained(tmp_path / "heads")
     loaded = MedusaHeads.from_pretrained(tmp_path / "heads")
     assert loaded.tree == [[0], [1], [0, 0]]
-    assert MedusaDecoder(verifier, loaded).tree == [(0,), (1,), (0, 0)]
-    assert MedusaDecoder(verifier, loaded, chain_choices(2)).tree == [(0,), (0, 0)]
+    assert HeadsDecoder(verifier, loaded).tree == [(0,), (1,), (0, 0)]
+    assert HeadsDecoder(verifier, loaded, chain_choices(2)).tree == [(0,), (0, 0)]
     other, _ = tiny_pairs["qwen3"]
     if other.config.hidden_size == verifier.config.hidden_size:
         other = build(tiny_config("llama", hidden=verifier.config.hidden_size * 2), 1)
     with pytest.raises(ValueError, match="another verifier"):
-        MedusaDecoder(other, heads)
+        HeadsDecoder(other, heads)
     with pytest.raises(ValueError, match="5 deep"):
-        MedusaDecoder(verifier, heads, chain_choices(5))
+        HeadsDecoder(verifier, heads, chain_choices(5))
 
 
 # ----------------------------------------------------------------------------- typical acceptance (lossy)
@@ -282,12 +282,12 @@ def test_typical_bound_and_rule_by_hand():
 
 def test_typical_acceptance_is_greedy_at_t0_and_marked_lossy(tiny_pairs):
     verifier, _ = tiny_pairs["llama"]
-    decoder = MedusaDecoder(verifier, random_heads(verifier), acceptance="typical")
-    assert not decoder.lossless and MedusaDecoder(verifier, random_heads(verifier)).lossless
+    decoder = HeadsDecoder(verifier, random_heads(verifier), acceptance="typical")
+    assert not decoder.lossless and HeadsDecoder(verifier, random_heads(verifier)).lossless
     ids = torch.tensor([[0, 5, 9, 3, 7]])
     assert decoder.generate(ids, 20).tokens.tolist() == hf_greedy(verifier, ids, 20)
     with pytest.raises(ValueError, match="acceptance"):
-        MedusaDecoder(verifier, random_heads(verifier), acceptance="greedy")
+        HeadsDecoder(verifier, random_heads(verifier), acceptance="greedy")
 
 
 @pytest.mark.slow
@@ -297,7 +297,7 @@ def test_typical_acceptance_changes_the_output_law(small_verifier):
     params = SamplingParams(1.0)
     prompt, n_new, runs = [1, 2], 3, 3000
     law = exact_law(small_verifier, prompt, n_new, params)
-    decoder = MedusaDecoder(
+    decoder = HeadsDecoder(
         small_verifier,
         random_heads(small_verifier, seed=3),
         [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]],
@@ -314,10 +314,10 @@ def test_tree_nodes_builds_a_tree_from_the_heads_measured_accuracies(tiny_pairs)
     accuracy = [[0.5, 0.2, 0.1], [0.4, 0.1, 0.05], [0.3, 0.1, 0.0], [0.2, 0.1, 0.0]]
     heads = random_heads(verifier).with_tree(None, accuracy)
     for n in (1, 4, 9):
-        assert MedusaDecoder(verifier, heads, tree_nodes=n).tree == list(tree_from_accuracies(accuracy, n))
+        assert HeadsDecoder(verifier, heads, tree_nodes=n).tree == list(tree_from_accuracies(accuracy, n))
     ids = torch.tensor([[0, 5, 9, 3, 7]])
-    assert MedusaDecoder(verifier, heads, tree_nodes=9).generate(ids, 12).tokens.tolist() == hf_greedy(
+    assert HeadsDecoder(verifier, heads, tree_nodes=9).generate(ids, 12).tokens.tolist() == hf_greedy(
         verifier, ids, 12
     )
     with pytest.raises(ValueError, match="rank accuracies"):
-        MedusaDecoder(verifier, random_heads(verifier), tree_nodes=4)
+        HeadsDecoder(verifier, random_heads(verifier), tree_nodes=4)

@@ -12,7 +12,7 @@ import torch
 from train.decoding import (
     AsyncSpeculativeDecoder,
     AutoregressiveDecoder,
-    MedusaDecoder,
+    HeadsDecoder,
     SamplingParams,
     SpeculativeDecoder,
     TimedModel,
@@ -110,7 +110,7 @@ def test_models_are_called_the_way_the_installed_transformers_wants(arch, tiny_p
         TreeSpeculativeDecoder(verifier, drafter, method="rsd_c", branching=(2, 2)),
         TreeSpeculativeDecoder(verifier, drafter, method="rsd_s", depth=2, beam_width=2),
         AsyncSpeculativeDecoder(verifier, drafter, max_block=3),
-        MedusaDecoder(verifier, MedusaHeads.from_verifier(verifier, 2, 1)),
+        HeadsDecoder(verifier, MedusaHeads.from_verifier(verifier, 2, 1)),
     ]
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)

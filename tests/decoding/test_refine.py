@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from train.decoding import MedusaDecoder, SamplingParams
+from train.decoding import HeadsDecoder, SamplingParams
 from train.decoding.proposers.heads_proposer import trie_draft
 from train.decoding.refine import LocalNeuralRefiner, PBestRefiner, p_best_paths
 from train.models.ngram import NGramLM
@@ -93,7 +93,7 @@ def test_refined_drafting_keeps_greedy_output(refiner, tiny_pairs, bigram):
         "2-gram": lambda: PBestRefiner(bigram, k=3, p=3, alpha=0.5),
         "neural": lambda: LocalNeuralRefiner(drafter, k=3, alpha=0.5),
     }[refiner]()
-    decoder = MedusaDecoder(verifier, random_heads(verifier), refiner=made)
+    decoder = HeadsDecoder(verifier, random_heads(verifier), refiner=made)
     for prompt, n in (([0, 5, 9, 3, 7], 25), ([0, 44], 6)):
         ids = torch.tensor([prompt])
         result = decoder.generate(ids, n)
@@ -106,7 +106,7 @@ def test_refined_sampling_law_is_the_verifiers(small_verifier):  # noqa: F811 --
     prompt, n_new, runs = [1, 2], 3, 3000
     law = exact_law(small_verifier, prompt, n_new, params)
     lm = NGramLM(2, V).fit([np.random.default_rng(1).integers(0, V, 100)])
-    decoder = MedusaDecoder(
+    decoder = HeadsDecoder(
         small_verifier,
         random_heads(small_verifier, seed=3),
         refiner=PBestRefiner(lm, k=3, p=3, alpha=0.5, depth=2),

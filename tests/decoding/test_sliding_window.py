@@ -16,7 +16,7 @@ from transformers import MistralConfig, Qwen3Config
 from train.decoding import (
     AsyncSpeculativeDecoder,
     AutoregressiveDecoder,
-    MedusaDecoder,
+    HeadsDecoder,
     SpeculativeDecoder,
     TimedModel,
     TreeSpeculativeDecoder,
@@ -130,7 +130,7 @@ def decoders(verifier, drafter):
         "rsd_c": TreeSpeculativeDecoder(verifier, drafter, method="rsd_c", branching=(2, 2, 1)),
         "rsd_s": TreeSpeculativeDecoder(verifier, drafter, method="rsd_s", depth=3, beam_width=3),
         "async": AsyncSpeculativeDecoder(verifier, drafter, max_block=4),
-        "medusa": MedusaDecoder(verifier, heads),
+        "medusa": HeadsDecoder(verifier, heads),
     }
 
 

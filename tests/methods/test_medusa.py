@@ -315,7 +315,7 @@ def test_finish_exports_heads_with_their_tree_and_evaluates_medusa(tmp_path, mon
         seeds=[0],
         decoders=[
             "medusa",
-            {"name": "chain2", "_target_": "train.decoding.MedusaDecoder", "tree": [[0], [0, 0]]},
+            {"name": "chain2", "_target_": "train.decoding.HeadsDecoder", "tree": [[0], [0, 0]]},
             "medusa_typical",
         ],
         max_new_tokens=6,

@@ -8,10 +8,13 @@ share), ``proposers/`` (the drafting side; ``protocol.Proposer`` names all the l
 ``refine`` (BPD). The names below are the engine's public face.
 """
 
+import warnings
+from typing import Any
+
 from train.decoding.cache import cache_length, crop_cache, keep_positions
 from train.decoding.decoders.async_decoder import AsyncSpeculativeDecoder
 from train.decoding.decoders.autoregressive import AutoregressiveDecoder
-from train.decoding.decoders.medusa_decoder import MedusaDecoder
+from train.decoding.decoders.heads_decoder import HeadsDecoder
 from train.decoding.decoders.speculative import SpeculativeDecoder
 from train.decoding.decoders.tree_decoder import TreeSpeculativeDecoder
 from train.decoding.draft import Draft
@@ -51,7 +54,7 @@ __all__ = [
     "DecodeResult",
     "DecodeStats",
     "HeadsProposer",
-    "MedusaDecoder",
+    "HeadsDecoder",
     "Draft",
     "ModelProposer",
     "Proposer",
@@ -90,3 +93,16 @@ __all__ = [
     "verifier_tokens_per_call",
     "warp",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Old names that keep working, with a deprecation line: ``MedusaDecoder`` is :class:`HeadsDecoder`
+    (it runs Medusa, blockwise decoding and BPD alike)."""
+    if name == "MedusaDecoder":
+        warnings.warn(
+            "train.decoding.MedusaDecoder is deprecated; it is now HeadsDecoder",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return HeadsDecoder
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -52,13 +52,13 @@ class MedusaHeads(
     """K prediction heads: ``forward(hidden) -> (K, *hidden.shape[:-1], vocab_size)`` logits.
 
     ``tree``: the sparse tree (paths of ranks, Medusa's "choices") these heads were measured to suit,
-    saved in ``config.json``; :class:`train.decoding.MedusaDecoder` uses it when given no tree.
+    saved in ``config.json``; :class:`train.decoding.HeadsDecoder` uses it when given no tree.
     ``rank_accuracy[k][r]``: how often head k's rank-r guess was the verifier's token on validation data
-    (saved too), from which ``MedusaDecoder(tree_nodes=N)`` builds a tree of another size.
+    (saved too), from which ``HeadsDecoder(tree_nodes=N)`` builds a tree of another size.
     """
 
     drafter_kind: ClassVar[str] = "heads"
-    """What decoders take this drafter (:class:`train.decoding.MedusaDecoder`), not a second model."""
+    """What decoders take this drafter (:class:`train.decoding.HeadsDecoder`), not a second model."""
 
     def __init__(
         self,

@@ -25,11 +25,11 @@ Validation logs per head top-1 and top-5 accuracy against the corpus (``val/head
 each head's rank-r candidate is the verifier's token (r < ``tree_top``); the finish step builds the
 sparse tree of ``tree_nodes`` paths with the largest expected accepted length from those accuracies
 (:func:`train.decoding.proposers.heads_proposer.tree_from_accuracies`) and saves it with the heads, so
-:class:`train.decoding.MedusaDecoder` uses it by default.
+:class:`train.decoding.HeadsDecoder` uses it by default.
 
 The finish step (:func:`train.report.finish`) exports ``heads/`` (with the tree and, with
 ``ngram_orders``, n-gram models of the training split for BPD), vLLM's layout
-``heads_vllm/`` and, for Medusa-2, the merged ``verifier/``; then evaluates ``MedusaDecoder`` under the
+``heads_vllm/`` and, for Medusa-2, the merged ``verifier/``; then evaluates ``HeadsDecoder`` under the
 run's ``eval`` config (against the merged verifier for Medusa-2) and writes ``report.json`` / ``.md``.
 """
 

@@ -1,4 +1,4 @@
-"""``MedusaDecoder``: prediction heads on the verifier, a sparse tree of their candidates, one
+"""``HeadsDecoder``: prediction heads on the verifier, a sparse tree of their candidates, one
 verifier forward per step (Medusa; blockwise parallel decoding with a chain; BPD with a refiner).
 
 The drafting side is :class:`~train.decoding.proposers.heads_proposer.HeadsProposer`; verification is
@@ -22,13 +22,13 @@ from train.decoding.refine import Refiner
 from train.decoding.rules.typical import TypicalAcceptance
 from train.decoding.sampling import SamplingParams
 
-__all__ = ["ACCEPTANCES", "MedusaDecoder", "check_heads"]
+__all__ = ["ACCEPTANCES", "HeadsDecoder", "check_heads"]
 
 #: ``rejection``: lossless (the recursive rule with point-mass candidates); ``typical``: Medusa's lossy rule.
 ACCEPTANCES: tuple[str, ...] = ("rejection", "typical")
 
 
-class MedusaDecoder(Decoder):
+class HeadsDecoder(Decoder):
     """Speculative decoding with prediction heads: ``heads(hidden) -> (K, V)`` on the verifier's last
     hidden state (e.g. :class:`train.models.heads.MedusaHeads`), a sparse tree of their top candidates
     verified in one verifier forward per step. Same ``generate`` as the other decoders.
