@@ -128,3 +128,30 @@ def test_best_dtype_is_one_the_machine_computes_natively() -> None:
     expected = "bfloat16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "float32"
     if not torch.cuda.is_available():
         assert best_dtype() == expected
+
+
+def test_a_pair_built_on_another_chat_prompt_set_is_rebuilt(tmp_path: Path, monkeypatch) -> None:
+    """Answers and drafter derive from the chat prompts: a changed prompt set (another split of sources,
+    new records) makes the cached pair stale; a manifest from before the fingerprint is reused."""
+    import train.pairs.smollm2_pair as smol
+
+    monkeypatch.setattr(smol, "chat_set_fingerprint", lambda: "set-a")
+    cfg = SmolPairConfig(out_dir=str(tmp_path), drafter=SmolDrafterSpec())
+    for role in ("verifier", "drafter"):
+        (tmp_path / role).mkdir()
+        (tmp_path / role / "config.json").write_text("{}")
+    (tmp_path / "pair.json").write_text(json.dumps({"recipe_hash": cfg.recipe_hash(), "chat_set": "set-a"}))
+    assert stale_reason(cfg) is None
+    monkeypatch.setattr(smol, "chat_set_fingerprint", lambda: "set-b")
+    assert "another version of the chat prompt set" in str(stale_reason(cfg))
+    (tmp_path / "pair.json").write_text(json.dumps({"recipe_hash": cfg.recipe_hash()}))
+    assert stale_reason(cfg) is None
+
+
+def test_the_chat_set_fingerprint_follows_its_records(monkeypatch) -> None:
+    import train.data.chat as chat
+
+    first = chat.chat_set_fingerprint()
+    assert first == chat.chat_set_fingerprint() and len(first) == 16
+    monkeypatch.setattr(chat, "_cached_records", lambda: '[{"source": "x"}]')
+    assert chat.chat_set_fingerprint() != first

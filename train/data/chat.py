@@ -311,6 +311,12 @@ def _cached_records() -> str:
     return json.dumps(build_records(), ensure_ascii=False)
 
 
+def chat_set_fingerprint() -> str:
+    """A digest of the whole set as built here (its records and their sources, hence their splits): a
+    cache of anything derived from the prompts (the SmolLM2 pair's answers) is stale when it changes."""
+    return hashlib.sha256(_cached_records().encode("utf-8")).hexdigest()[:16]
+
+
 def chat_records(
     validation_fraction: float = 0.05, test_fraction: float = 0.05
 ) -> dict[str, list[dict[str, Any]]]:

@@ -37,6 +37,7 @@ from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from train.config import require
+from train.data.chat import chat_set_fingerprint
 from train.data.lm import make_prompts
 from train.data.sources import DataSourceConfig, load_text_dataset
 from train.hardware import best_dtype
@@ -136,6 +137,18 @@ def stale_reason(cfg: SmolPairConfig) -> str | None:
     for role in ("verifier", "drafter"):
         if not (Path(cfg.out_dir) / role / "config.json").is_file():
             return f"the pair under {cfg.out_dir} lacks its {role}"
+    built_on = manifest.get("chat_set")
+    if built_on is None:
+        log.warning(
+            "the pair under %s predates the prompt-set fingerprint: it is used as it is (delete the folder "
+            "to rebuild it on the current chat prompt set)",
+            cfg.out_dir,
+        )
+    elif built_on != chat_set_fingerprint():
+        return (
+            f"the pair under {cfg.out_dir} was built on another version of the chat prompt set (its drafter "
+            "saw other training prompts, and may have seen today's test prompts)"
+        )
     return None
 
 
@@ -163,7 +176,7 @@ def progress_bar() -> Progress:
 def ensure_answers(cfg: SmolPairConfig, verifier: Any, tokenizer: Any) -> dict[str, list[Answer]]:
     """The verifier's greedy answers to the train / validation prompts, generated once and cached."""
     folder = Path(cfg.out_dir) / "answers"
-    recipe = cfg.answers_recipe()
+    recipe = {**cfg.answers_recipe(), "chat_set": chat_set_fingerprint()}
     meta = read_json(folder / "answers.json")
     if meta is not None and meta.get("recipe") == recipe:
         return {split: load_answers(str(folder / f"{split}.pt")) for split in ("train", "validation")}
@@ -342,6 +355,7 @@ def build_smol_pair(cfg: SmolPairConfig) -> dict[str, Any]:
     t_drafter = time.perf_counter()
     manifest = {
         "recipe_hash": cfg.recipe_hash(),
+        "chat_set": chat_set_fingerprint(),
         "recipe": {k: v for k, v in asdict(cfg).items() if k != "out_dir"},
         "verifier": conversion,
         "drafter_parameters": sum(p.numel() for p in drafter.parameters()),
