@@ -170,7 +170,7 @@ def test_medusa_main_job_meets_its_block_efficiency_target(tmp_path: Path) -> No
                 f"speedup {metrics['speedup']['mean']:.2f}x"
             )
     assert report["drafters"]["medusa-1"]["medusa"]["0"]["block_efficiency"]["mean"] >= 2.0
-    from train.export.medusa_layout import load_vllm_medusa
+    from tests.methods.vllm_medusa_reference import load_vllm_medusa
     from train.models.heads import MedusaHeads
 
     heads = MedusaHeads.from_pretrained(run_dir / "heads")

@@ -13,9 +13,10 @@ from datasets import Dataset
 
 from tests.conftest import make_tokenizer, tiny_llama
 from tests.fsdp import RecordingRoot, fake_fsdp_trainer
+from tests.methods.vllm_medusa_reference import load_vllm_medusa
 from train.config import ConfigError
 from train.data.datamodule import LMDataModule
-from train.export.medusa_layout import export_heads, load_vllm_medusa
+from train.export.medusa_layout import export_vllm_medusa
 from train.methods.medusa.config import MedusaConfig
 from train.methods.medusa.module import MedusaModule, head_metrics
 from train.models.heads import MedusaHeads, medusa_loss
@@ -89,7 +90,9 @@ def test_both_export_layouts_reload_to_the_same_logits(tmp_path):
     with torch.no_grad():
         for p in heads.parameters():
             p.normal_()
-    mixin_dir = export_heads(heads, tmp_path)
+    heads.save_pretrained(tmp_path / "heads")
+    export_vllm_medusa(heads, tmp_path / "heads_vllm")
+    mixin_dir = tmp_path / "heads"
     hidden = torch.randn(2, 5, 16)
     expected = heads(hidden)
     torch.testing.assert_close(MedusaHeads.from_pretrained(mixin_dir)(hidden), expected)
