@@ -10,6 +10,7 @@ import argparse
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # the benchmarks load torch and transformers: only when a subcommand runs, not for --help
     from train.benchmarks import decoders_bench as decoding
     from train.benchmarks import distill_bench as distill
     from train.benchmarks import draft_vocab_bench as draft_vocab

@@ -16,6 +16,7 @@ CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="export")
 def main(cfg: DictConfig) -> None:
+    # the package (torch, transformers) loads only after Hydra has composed the config: typos fail fast
     from train.cli.console import run_command
     from train.cli.export_command import main as export_main
 
@@ -23,6 +24,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    # checking overrides needs no model code: a typo is reported before torch loads
     from train.cli.console import check_overrides
 
     check_overrides(CONF_DIR, "export", sys.argv[1:])

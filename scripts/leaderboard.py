@@ -15,6 +15,7 @@ CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="leaderboard")
 def main(cfg: DictConfig) -> None:
+    # the package (torch, transformers) loads only after Hydra has composed the config: typos fail fast
     from train.cli.console import run_command
     from train.cli.leaderboard_command import main as leaderboard_main
 
@@ -22,6 +23,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    # checking overrides needs no model code: a typo is reported before torch loads
     from train.cli.console import check_overrides
 
     check_overrides(CONF_DIR, "leaderboard", sys.argv[1:])

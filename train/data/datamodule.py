@@ -24,6 +24,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from train.data.lm import collate_left_pad, make_prompts, pack_sequences
 from train.data.samplers import EpochShuffleSampler
 from train.data.sources import load_text_dataset
+from train.data.tokenizer import load_tokenizer_file
 
 __all__ = ["LMDataModule", "PromptDataModule", "packed_corpus"]
 
@@ -33,8 +34,6 @@ SplitsArg = Splits | Callable[[], Splits]
 
 def _resolve_tokenizer(tokenizer: Any) -> Any:
     if isinstance(tokenizer, str | os.PathLike):
-        from train.data.tokenizer import load_tokenizer_file
-
         return load_tokenizer_file(tokenizer)
     return tokenizer
 
