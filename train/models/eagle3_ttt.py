@@ -1,0 +1,169 @@
+"""EAGLE-3's training-time test: K drafting steps unrolled over every position at once (docs/eagle3.md).
+
+For a sequence t_0 .. t_{T-1} with fused verifier features f_p (the verifier's state at p, which has
+read t_0 .. t_p):
+
+- step 0 at position p reads f_p and token t_{p+1} and predicts the verifier's distribution at p + 1
+  (its logits row p + 1, which predicts t_{p+2});
+- step k reads step k-1's ``hidden`` at the same position and token t_{p+1+k}; its target is the
+  verifier's distribution at p + 1 + k;
+- step k's query at p attends step 0's keys at 0 .. p (causal) and, for each step j in 1 .. k, step j's
+  key at p only (the same-position diagonal): exactly what a real draft of depth k from position p has
+  in its cache;
+- step k's RoPE position is p + k (queries and keys).
+
+The steps run one after another, each over all T positions, with the keys of all steps so far
+concatenated in one cache and an explicit boolean mask (:func:`ttt_mask`). Positions whose target lies
+past the sequence read a padding token; their keys are seen only by themselves (the diagonal) or by
+later, equally invalid, positions (causal), so they never reach a kept position.
+
+Loss of step k: forward KL from the verifier's softmax over the draft vocabulary (its logits at the
+draft ids, renormalised) to the drafter's, averaged over kept positions: inside the loss mask, inside
+the sequence, and whose verifier argmax (over the full vocabulary) is in the draft vocabulary. Total:
+``sum_k decay**k * loss_k`` (decay 0.8). Accuracy of step k: the drafter's argmax, mapped to target
+ids, equals the verifier's argmax, over the same kept positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from train.models.eagle3 import Eagle3Drafter
+
+__all__ = ["TTTResult", "step_inputs", "step_loss", "step_positions", "ttt_loss", "ttt_mask", "ttt_unroll"]
+
+
+def step_positions(position_ids: torch.Tensor, step: int) -> torch.Tensor:
+    """Step ``step``'s RoPE positions: the base positions (B, T) plus ``step``."""
+    return position_ids + step
+
+
+def step_inputs(input_ids: torch.Tensor, step: int, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step``'s tokens at every position p: t_{p+1+step} (B, T), ``pad_id`` past the end; and
+    ``inside`` (B, T) bool, True where p + 1 + step < T (the token and the target exist)."""
+    shift = step + 1
+    tokens = torch.full_like(input_ids, pad_id)
+    inside = torch.zeros_like(input_ids, dtype=torch.bool)
+    length = input_ids.shape[-1]
+    if shift < length:
+        tokens[:, : length - shift] = input_ids[:, shift:]
+        inside[:, : length - shift] = True
+    return tokens, inside
+
+
+def ttt_mask(length: int, step: int, device: torch.device | None = None) -> torch.Tensor:
+    """(1, 1, T, (step + 1) T) bool: step ``step``'s queries over the keys of steps 0 .. step, in that
+    order. Step 0's block is causal; each later step's block is the identity (the same position)."""
+    causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    eye = torch.eye(length, dtype=torch.bool, device=device)
+    return torch.cat([causal] + [eye] * step, dim=-1)[None, None]
+
+
+def ttt_unroll(
+    drafter: Eagle3Drafter,
+    features: torch.Tensor,
+    input_ids: torch.Tensor,
+    steps: int = 7,
+    position_ids: torch.Tensor | None = None,
+) -> list[torch.Tensor]:
+    """The drafter's logits (B, T, N) at each of ``steps`` steps (see the module docstring).
+
+    features: (B, T, h) fused verifier features (:meth:`Eagle3Drafter.fuse`); input_ids: (B, T);
+    position_ids: (B, T) base positions (default ``arange(T)``). Entry k at position p is the drafter's
+    prediction of t_{p+2+k}."""
+    batch, length = input_ids.shape
+    if position_ids is None:
+        position_ids = torch.arange(length, device=input_ids.device).expand(batch, length)
+    cache = DynamicCache()
+    hidden, out = features, []
+    for k in range(steps):
+        tokens, _ = step_inputs(input_ids, k)
+        result = drafter(
+            tokens,
+            hidden,
+            step_positions(position_ids, k),
+            attention_mask=ttt_mask(length, k, input_ids.device),
+            past_key_values=cache,
+        )
+        out.append(result.logits)
+        hidden = result.hidden
+    return out
+
+
+def step_loss(
+    logits: torch.Tensor,
+    verifier_logits: torch.Tensor,
+    keep: torch.Tensor,
+    draft_ids: torch.Tensor,
+    t2d: torch.Tensor,
+    step: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Step ``step``'s loss and accuracy against the verifier.
+
+    logits: (B, T, N) the drafter's at this step; verifier_logits: (B, T, V); keep: (B, T) bool, the
+    positions allowed by the loss mask and the sequence end (:func:`step_inputs`); draft_ids: (N,) target
+    ids; t2d: (V,) bool. Position p's target is the verifier's row p + 1 + step. Returns (loss: mean
+    forward KL over kept positions, 0 if none; accuracy over kept positions, 0 if none; kept: (B, T)
+    the positions counted: ``keep`` and the verifier's argmax in the draft vocabulary)."""
+    length = logits.shape[1]
+    shift = step + 1
+    target = torch.zeros_like(verifier_logits)
+    target[:, : max(length - shift, 0)] = verifier_logits[:, shift:]
+    argmax = target.argmax(dim=-1)
+    kept = keep & t2d.to(argmax.device)[argmax]
+    if not bool(kept.any()):
+        zero = logits.new_zeros((), dtype=torch.float32)
+        return zero + 0.0 * logits.sum(), zero.detach(), kept
+    teacher = target[kept].index_select(-1, draft_ids.to(target.device)).float().log_softmax(-1)
+    student = logits[kept].float().log_softmax(-1)
+    loss = F.kl_div(student, teacher, log_target=True, reduction="batchmean")
+    predicted = draft_ids.to(logits.device)[logits[kept].argmax(dim=-1)]
+    accuracy = (predicted == argmax[kept]).float().mean()
+    return loss, accuracy.detach(), kept
+
+
+@dataclass
+class TTTResult:
+    """``loss``: ``sum_k decay**k * losses[k]``; ``losses`` / ``accuracies``: per step (scalars; the
+    losses carry gradients); ``counts``: kept positions per step."""
+
+    loss: torch.Tensor
+    losses: list[torch.Tensor] = field(default_factory=list)
+    accuracies: list[torch.Tensor] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+
+
+def ttt_loss(
+    drafter: Eagle3Drafter,
+    aux_states: torch.Tensor,
+    input_ids: torch.Tensor,
+    verifier_logits: torch.Tensor,
+    loss_mask: torch.Tensor | None = None,
+    steps: int = 7,
+    decay: float = 0.8,
+) -> TTTResult:
+    """The training-time test's losses and accuracies (see the module docstring).
+
+    aux_states: (B, T, 3h), the verifier's concatenated auxiliary states (fused here with ``fc``);
+    input_ids: (B, T); verifier_logits: (B, T, V); loss_mask: (B, T), position j counts as a target
+    (the verifier's row j) where it is true (None: everywhere); steps: K."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    mask = torch.ones_like(input_ids, dtype=torch.bool) if loss_mask is None else loss_mask.bool()
+    all_logits = ttt_unroll(drafter, drafter.fuse(aux_states), input_ids, steps)
+    draft_ids = drafter.draft_ids
+    result = TTTResult(loss=all_logits[0].new_zeros((), dtype=torch.float32))
+    for k, logits in enumerate(all_logits):
+        _, inside = step_inputs(input_ids, k)
+        target_mask, _ = step_inputs(mask.long(), k)  # the mask at p + 1 + k
+        keep = inside & target_mask.bool()
+        loss, accuracy, kept = step_loss(logits, verifier_logits, keep, draft_ids, drafter.t2d, k)
+        result.losses.append(loss)
+        result.accuracies.append(accuracy)
+        result.counts.append(int(kept.sum()))
+        result.loss = result.loss + (decay**k) * loss
+    return result
