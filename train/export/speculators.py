@@ -1,0 +1,115 @@
+"""Exporting an EAGLE-3 drafter in vLLM's speculators format (docs/eagle3.md#export-the-speculators-format).
+
+vLLM loads a folder with ``config.json`` (``speculators_model_type: "eagle3"``, the draft layer as a
+Llama ``transformer_layer_config``, ``draft_vocab_size``, ``eagle_aux_hidden_state_layer_ids``, ...)
+and ``model.safetensors`` with speculators' tensor names (vllm-project/speculators,
+``src/speculators/models/eagle3/core.py`` and ``model_definitions.py``): ``fc.weight``,
+``layers.0.self_attn.{q,k,v,o}_proj.weight``, ``layers.0.mlp.{gate,up,down}_proj.weight``,
+``layers.0.{input_layernorm,hidden_norm,post_attention_layernorm}.weight``, ``norm.weight``,
+``lm_head.weight`` (N, h), ``d2t`` (int64, N), ``t2d`` (bool, V) and, optionally,
+``embed_tokens.weight``. :class:`~train.models.eagle3.Eagle3Drafter` uses these names itself, so its
+state dict is written as it is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from safetensors.torch import save_file
+
+from train.models.eagle3 import Eagle3Drafter
+
+__all__ = [
+    "export_speculators",
+    "from_speculators_layer_ids",
+    "speculators_config",
+    "to_speculators_layer_ids",
+]
+
+
+def to_speculators_layer_ids(hf_indices: Sequence[int]) -> list[int]:
+    """Our aux layers (Hugging Face ``hidden_states`` indices) as ``eagle_aux_hidden_state_layer_ids``.
+
+    The same numbers. vLLM's models capture ``hidden_states + residual`` inside the layer loop *before*
+    running layer ``idx`` when ``idx in aux_hidden_state_layers`` (e.g. ``vllm/model_executor/models/
+    llama.py``): the stream entering layer idx, which is Hugging Face's ``hidden_states[idx]``
+    (``hidden_states[0]`` is the embeddings). speculators agrees: its default is ``[2, L//2, L-3]``
+    (``resolve_target_layer_ids``) and its ``launch_vllm.py`` appends ``num_hidden_layers`` for the
+    last layer's output. SGLang / SpecForge number the output of layer i, one less; never those here.
+    ``tests/models/test_eagle3.py`` checks the exported ids against the inputs of the verifier's layers."""
+    return [int(i) for i in hf_indices]
+
+
+def from_speculators_layer_ids(ids: Sequence[int]) -> list[int]:
+    """``eagle_aux_hidden_state_layer_ids`` back to ``hidden_states`` indices (the same numbers; see
+    :func:`to_speculators_layer_ids`)."""
+    return [int(i) for i in ids]
+
+
+def speculators_config(
+    drafter: Eagle3Drafter,
+    verifier_name_or_path: str,
+    speculative_tokens: int = 3,
+    verifier_architectures: Sequence[str] = (),
+) -> dict[str, Any]:
+    """The ``config.json`` dictionary of the export (see the module docstring)."""
+    if speculative_tokens < 1:
+        raise ValueError(f"speculative_tokens must be >= 1, got {speculative_tokens}")
+    layer = drafter.layer_config.to_dict()
+    layer["architectures"] = ["LlamaForCausalLM"]
+    for key in ("_name_or_path", "transformers_version", "id2label", "label2id"):
+        layer.pop(key, None)
+    # older readers (vLLM / transformers before rope_parameters) read rope_theta at the top level
+    layer.setdefault("rope_theta", drafter.rope_parameters["rope_theta"])
+    weight = drafter.fc.weight
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(speculative_tokens)}],
+            "default_proposal_method": "greedy",
+            "verifier": {
+                "name_or_path": verifier_name_or_path,
+                "architectures": list(verifier_architectures),
+            },
+        },
+        "transformer_layer_config": layer,
+        "draft_vocab_size": drafter.draft_vocab_size,
+        # written even at its default: tools disagree on the default when it is absent. Ours takes the
+        # residual from the feature before hidden_norm.
+        "norm_before_residual": False,
+        "target_hidden_size": drafter.hidden_size,
+        "eagle_aux_hidden_state_layer_ids": to_speculators_layer_ids(drafter.aux_layers),
+        "dtype": str(weight.dtype).removeprefix("torch."),
+    }
+
+
+def export_speculators(
+    drafter: Eagle3Drafter,
+    out_dir: str | os.PathLike[str],
+    verifier_name_or_path: str,
+    speculative_tokens: int = 3,
+    verifier_architectures: Sequence[str] = (),
+    include_embeddings: bool = True,
+) -> Path:
+    """Write ``drafter`` to ``out_dir`` in the speculators format and return the folder.
+
+    speculative_tokens: the chain length vLLM drafts by default; include_embeddings: also write the
+    (frozen, verifier's) ``embed_tokens.weight`` (speculators writes it; without it a reader must take
+    the verifier's)."""
+    path = Path(out_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    config = speculators_config(drafter, verifier_name_or_path, speculative_tokens, verifier_architectures)
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tensors = {
+        name: tensor.detach().to("cpu").contiguous()
+        for name, tensor in drafter.state_dict().items()
+        if include_embeddings or name != "embed_tokens.weight"
+    }
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
