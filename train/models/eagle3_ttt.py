@@ -145,16 +145,18 @@ def ttt_loss(
     loss_mask: torch.Tensor | None = None,
     steps: int = 7,
     decay: float = 0.8,
+    position_ids: torch.Tensor | None = None,
 ) -> TTTResult:
     """The training-time test's losses and accuracies (see the module docstring).
 
     aux_states: (B, T, 3h), the verifier's concatenated auxiliary states (fused here with ``fc``);
     input_ids: (B, T); verifier_logits: (B, T, V); loss_mask: (B, T), position j counts as a target
-    (the verifier's row j) where it is true (None: everywhere); steps: K."""
+    (the verifier's row j) where it is true (None: everywhere); steps: K; position_ids: (B, T) base RoPE
+    positions (default ``arange(T)``; step k adds k)."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     mask = torch.ones_like(input_ids, dtype=torch.bool) if loss_mask is None else loss_mask.bool()
-    all_logits = ttt_unroll(drafter, drafter.fuse(aux_states), input_ids, steps)
+    all_logits = ttt_unroll(drafter, drafter.fuse(aux_states), input_ids, steps, position_ids)
     draft_ids = drafter.draft_ids
     result = TTTResult(loss=all_logits[0].new_zeros((), dtype=torch.float32))
     for k, logits in enumerate(all_logits):
