@@ -222,6 +222,9 @@ def test_cache_gives_the_same_output_as_one_forward():
     torch.testing.assert_close(last.logits, full.logits[:, 6:], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(last.hidden, full.hidden[:, 6:], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(masked.logits, full.logits, atol=1e-5, rtol=1e-5)
+    additive = torch.full((7, 7), float("-inf")).triu(diagonal=1)[None, None]  # the same mask, added
+    with torch.no_grad():
+        torch.testing.assert_close(drafter(ids, feats, pos, attention_mask=additive).logits, full.logits)
     assert first.past_key_values.get_seq_length() == 7
 
 
