@@ -18,9 +18,10 @@ is plain autoregressive decoding.
 A tree draft (:mod:`train.decoding.tree_attention`) goes through the same block: the verifier scores every node
 in one forward with a tree mask, :func:`~train.decoding.rules.tree_walk.verify_tree` walks it, and both caches
 keep the committed prefix plus the accepted path, compacted (``keep_positions``). ``max_draft`` is then
-the tree's depth (a chain's is its gamma). A proposer with ``hidden_layers`` (prediction heads, a steered drafter) gets those layers' hidden states
-at the last accepted position of every verifier forward (``observe``), at no extra forward; so does
-a steered drafter (SD^2), whose guide comes from several layers.
+the tree's depth (a chain's is its gamma). A proposer with ``hidden_layers`` (prediction heads, a steered
+drafter, EAGLE-3) gets those layers' hidden states at every position a verifier forward fed and
+committed (``observe``: the context tokens, then the accepted path's nodes, in order; at the prefill the
+whole prompt), at no extra forward; nothing is gathered when ``hidden_layers`` is unset.
 
 The asynchronous schedule (AMUSD) replaces this loop and reuses the proposers and rules unchanged.
 """
@@ -161,9 +162,10 @@ def run_synchronous(
             v_len = keep
         if proposer is not None:
             proposer.commit(keep, path)
-            if layers and out.hidden is not None:  # the states at the last accepted position: (L, d)
-                last = len(context) + path[-1] if path else len(context) - 1
-                proposer.observe(torch.stack([out.hidden[i][last] for i in layers]))
+            if layers and out.hidden is not None:  # the committed positions of this forward: (P, L, d)
+                fed = [*range(len(context)), *(len(context) + i for i in path)]
+                rows = torch.tensor(fed, device=out.hidden[layers[0]].device)
+                proposer.observe(torch.stack([out.hidden[i].index_select(0, rows) for i in layers], dim=1))
     stats.new_tokens = len(seq) - len(prompt)
     stats.wall_time = time.perf_counter() - t_start
     return DecodeResult(torch.tensor(seq[len(prompt) :], dtype=torch.long), stats)

@@ -152,8 +152,9 @@ class HeadsProposer:
         self._hidden = None
 
     def observe(self, states: torch.Tensor) -> None:
-        """The verifier's states (1, d) at the last accepted position, from the loop."""
-        self._hidden = states[-1]
+        """The verifier's states (P, 1, d) at the positions just committed, from the loop; the heads read
+        the last one's (d,)."""
+        self._hidden = states[-1, -1]
 
     def propose(
         self,

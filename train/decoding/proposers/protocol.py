@@ -4,8 +4,9 @@ A proposer is given the committed sequence and a budget, returns a :class:`~trai
 and is told afterwards how much of the sequence is final (:meth:`Proposer.commit`), so it can drop
 whatever it cached past that point. It records its own calls and time into the
 :class:`~train.decoding.metrics.DecodeStats` it is handed. A proposer that reads the verifier's
-hidden states (prediction heads, a steered drafter) names the layers in ``hidden_layers`` and receives
-them in ``observe``; the others return None and ignore ``observe``.
+hidden states (prediction heads, a steered drafter, EAGLE-3) names the layers in ``hidden_layers`` and
+receives them in ``observe``, at every position a verifier forward committed; the others return None and
+ignore ``observe``.
 """
 
 from __future__ import annotations
@@ -47,9 +48,12 @@ class Proposer(Protocol):
     @property
     def hidden_layers(self) -> tuple[int, ...] | None:
         """Indices into the verifier's ``hidden_states`` this proposer reads (None: none). When set, the
-        loop asks the verifier's forward for them and passes their rows at the last committed position
+        loop asks the verifier's forward for them and passes their rows at the positions it committed
         to :meth:`observe` after every verification, at no extra forward."""
         ...
 
     def observe(self, states: torch.Tensor) -> None:
-        """The verifier's hidden states (len(hidden_layers), hidden) at the last committed position."""
+        """The verifier's hidden states (P, len(hidden_layers), hidden) at the P positions the last verifier
+        forward fed that are now committed, in order: the context tokens fed (at the prefill, the whole
+        prompt), then the accepted draft path's nodes. Called after :meth:`commit`. ``states[-1]`` is the
+        position that produced the last committed token (the correction or bonus)."""

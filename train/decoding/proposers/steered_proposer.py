@@ -61,9 +61,11 @@ class SteeredProposer:
         self._observed_at = length - 1
 
     def observe(self, states: torch.Tensor) -> None:
-        """The verifier's states (S, d) at the position that produced the last committed token (called
-        by the loop after :meth:`commit`, inside ``generate``'s inference mode)."""
+        """The verifier's states (P, S, d) at the positions just committed (called by the loop after
+        :meth:`commit`, inside ``generate``'s inference mode); the guide reads the last one's (S, d), the
+        position that produced the last committed token."""
         start = time.perf_counter()
+        states = states[-1]
         if states.device != self._device or states.dtype != self._dtype:
             states = states.to(self._device, self._dtype)
         deltas = self.steering(states)
