@@ -14,6 +14,7 @@ from typing import Any
 from train.decoding.cache import cache_length, crop_cache, keep_positions
 from train.decoding.decoders.async_decoder import AsyncSpeculativeDecoder
 from train.decoding.decoders.autoregressive import AutoregressiveDecoder
+from train.decoding.decoders.eagle3_decoder import Eagle3Decoder
 from train.decoding.decoders.heads_decoder import HeadsDecoder
 from train.decoding.decoders.speculative import SpeculativeDecoder
 from train.decoding.decoders.tree_decoder import TreeSpeculativeDecoder
@@ -55,6 +56,7 @@ __all__ = [
     "DecodeStats",
     "HeadsProposer",
     "HeadsDecoder",
+    "Eagle3Decoder",
     "Draft",
     "ModelProposer",
     "Proposer",

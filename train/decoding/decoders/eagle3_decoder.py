@@ -1,0 +1,87 @@
+"""``Eagle3Decoder``: an EAGLE-3 drafter on the verifier's fused features, EAGLE-2's dynamic tree,
+one verifier forward per step (docs/eagle3.md).
+
+The drafting side is :class:`~train.decoding.proposers.eagle3_proposer.Eagle3Proposer`; verification is
+:func:`~train.decoding.rules.tree_walk.verify_tree` in the synchronous loop (greedy at T = 0, the
+recursive rule with point-mass proposals at T > 0): lossless at every temperature.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from train.decoding.decoders.base import Decoder
+from train.decoding.loop import run_synchronous
+from train.decoding.metrics import DecodeResult
+from train.decoding.model_call import TimedModel
+from train.decoding.proposers.eagle3_proposer import Eagle3Proposer
+from train.decoding.sampling import SamplingParams
+from train.models.eagle3 import Eagle3Drafter
+
+__all__ = ["Eagle3Decoder", "check_eagle3"]
+
+
+class Eagle3Decoder(Decoder):
+    """Speculative decoding with an :class:`~train.models.eagle3.Eagle3Drafter`: trees of at most
+    ``total_tokens`` nodes and ``depth`` levels, each expanded level its ``top_k`` best nodes, each node
+    its ``top_k`` best children (``top_k=1``: a chain of ``depth`` tokens). Same ``generate`` as the
+    other decoders."""
+
+    accepts: ClassVar[tuple[str, ...]] = ("eagle3",)
+
+    def __init__(
+        self,
+        verifier: torch.nn.Module,
+        drafter: Eagle3Drafter,
+        depth: int = 5,
+        top_k: int = 8,
+        total_tokens: int = 32,
+    ) -> None:
+        self.verifier = verifier
+        self.drafter = drafter
+        self._verifier = TimedModel(verifier)
+        check_eagle3(verifier, drafter, self._verifier.vocab_size)
+        self._proposer = Eagle3Proposer(drafter, self._verifier.vocab_size, depth, top_k, total_tokens)
+        self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
+
+    def models(self) -> tuple[torch.nn.Module, ...]:
+        return (self.verifier,)
+
+    def decode(
+        self,
+        prompt: list[int],
+        max_new_tokens: int,
+        params: SamplingParams,
+        eos: frozenset[int],
+        generator: torch.Generator | None,
+    ) -> DecodeResult:
+        return run_synchronous(
+            self._verifier, self._proposer, prompt, max_new_tokens, self.depth, params, eos, generator
+        )
+
+
+def check_eagle3(verifier: torch.nn.Module, drafter: torch.nn.Module, vocab_size: int) -> None:
+    """Refuse a drafter made for another verifier: its hidden size and vocabulary must be the verifier's,
+    and the layers it reads must exist (``hidden_states`` indices below the verifier's layer count)."""
+    if not isinstance(drafter, Eagle3Drafter):
+        raise ValueError(f"Eagle3Decoder takes an Eagle3Drafter, got {type(drafter).__name__}")
+    config = getattr(verifier, "config", None)
+    hidden = getattr(config, "hidden_size", None)
+    if hidden is not None and int(hidden) != drafter.hidden_size:
+        raise ValueError(
+            f"the EAGLE-3 drafter reads hidden states of size {drafter.hidden_size}, but the verifier's are "
+            f"{hidden}: it was made for another verifier"
+        )
+    if drafter.vocab_size != vocab_size:
+        raise ValueError(
+            f"the EAGLE-3 drafter's vocabulary has {drafter.vocab_size} tokens, but the verifier's has "
+            f"{vocab_size}: it was made for another verifier"
+        )
+    layers = getattr(config, "num_hidden_layers", None)
+    if layers is not None and not all(0 <= i < int(layers) for i in drafter.aux_layers):
+        raise ValueError(
+            f"the EAGLE-3 drafter reads layers {drafter.aux_layers}, but the verifier has {layers}: "
+            "it was made for another verifier"
+        )

@@ -1,0 +1,200 @@
+"""Drafting with an EAGLE-3 drafter: EAGLE-2's dynamic tree over the verifier's fused features.
+
+:class:`Eagle3Proposer` reads the verifier's hidden states at the drafter's auxiliary layers
+(``hidden_layers``), which the synchronous loop hands it for every position a verifier forward
+committed (``observe``; no extra forward). The drafter's input at position p is the pair (feature of
+position p, token at p + 1) at RoPE position p (:mod:`train.models.eagle3`, docs/eagle3.md), so its KV
+cache always holds one entry per committed position but the last one: before drafting, the pairs of the
+newly committed positions are fed (the catch-up forward), and the output at the last of them is the root
+of the tree.
+
+The tree (EAGLE-2, Li et al. 2024): the root's top ``top_k`` draft tokens are the first level; a node's
+score is its path's cumulative log-probability under the drafter; at every further level the ``top_k``
+best nodes of the level are expanded in one batched drafter forward (each node's token at its parent's
+position + 1, its feature the parent's ``hidden`` output, a tree attention mask over the cache and the
+node's ancestors), their ``top_k`` children each forming the next level. Finally the ``total_tokens``
+best nodes overall (ties: the older node) form the draft; a child never scores above its parent, so a
+kept node's ancestors are kept. Tree nodes never stay in the drafter's cache: it is cropped back to the
+committed positions after every draft.
+
+``depth`` is the tree's maximum depth (the most draft tokens one block can accept; ``depth - 1``
+batched forwards after the catch-up). The authors' code counts its ``depth`` in forwards, one less
+than the tree's depth. The candidates are deterministic (``q = None``; ranks by score among siblings),
+so :func:`~train.decoding.rules.tree_walk.verify_tree` verifies them losslessly at every temperature.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+from transformers import DynamicCache
+
+from train.decoding.cache import cache_length, crop_cache
+from train.decoding.draft import Draft
+from train.decoding.metrics import DecodeStats
+from train.decoding.sampling import SamplingParams
+from train.models.eagle3 import Eagle3Drafter
+
+__all__ = ["Eagle3Proposer", "node_mask", "select_nodes"]
+
+
+def select_nodes(scores: Sequence[float], parents: Sequence[int], total: int) -> list[int]:
+    """The ``total`` best nodes by score (ties: the lower index), closed under ancestors, in index
+    order. Nodes are numbered parents first (``parents[i] < i``, -1 for the root's children)."""
+    order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
+    kept: set[int] = set()
+    for i in order:
+        if len(kept) >= total:
+            break
+        if parents[i] < 0 or parents[i] in kept:
+            kept.add(i)
+    return sorted(kept)
+
+
+def node_mask(cached: int, width: int, seen: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
+    """Boolean (1, 1, n, cached + width) mask of n tree nodes fed after ``cached`` committed positions
+    and the tree's ``width`` expanded slots (these n included, last): node r sees every committed
+    position and the slots ``seen[r]`` (its ancestors and itself), nothing else (True: attend)."""
+    mask = torch.zeros(1, 1, len(seen), cached + width, dtype=torch.bool, device=device)
+    mask[..., :cached] = True
+    for row, slots in enumerate(seen):
+        mask[0, 0, row, [cached + j for j in slots]] = True
+    return mask
+
+
+class Eagle3Proposer:
+    """Deterministic EAGLE-2 draft trees from an EAGLE-3 drafter (see the module docstring)."""
+
+    def __init__(
+        self,
+        drafter: Eagle3Drafter,
+        vocab_size: int,
+        depth: int = 5,
+        top_k: int = 8,
+        total_tokens: int = 32,
+    ) -> None:
+        for name, value in (("depth", depth), ("top_k", top_k), ("total_tokens", total_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        self.drafter = drafter
+        self.vocab_size = vocab_size
+        self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
+        self.hidden_layers: tuple[int, ...] = tuple(int(i) for i in drafter.aux_layers)
+        param = drafter.fc.weight
+        self._device, self._dtype = param.device, param.dtype
+        self._d2t = drafter.d2t.to(self._device)
+        self._cache: DynamicCache | None = None
+        self._fed = 0  # drafter cache length: positions 0 .. fed - 1 hold their (feature, next token) pair
+        self._pending: list[torch.Tensor] = []  # fused features (P, h) of positions fed, fed + 1, ...
+
+    def start(self) -> None:
+        self._cache = None
+        self._fed = 0
+        self._pending = []
+
+    def observe(self, states: torch.Tensor) -> None:
+        """The verifier's states (P, len(aux_layers), d) at the positions just committed, in order; kept
+        fused, (P, h), until the next draft feeds them."""
+        flat = states.reshape(states.shape[0], -1).to(self._device, self._dtype)  # cat over the layers
+        self._pending.append(self.drafter.fuse(flat))
+
+    def commit(self, length: int, path: Sequence[int] | None = None) -> None:
+        """The first ``length`` tokens are final; the drafter's cache never holds more than
+        ``length`` (tree nodes are cropped after every draft), so this only guards that."""
+        if self._cache is not None and self._fed > length:
+            crop_cache(self._cache, length, self._fed)
+            self._fed = length
+
+    @property
+    def cache_length(self) -> int:
+        """Positions in the drafter's KV cache (committed positions only between drafts)."""
+        return cache_length(self._cache)
+
+    def propose(
+        self,
+        sequence: list[int],
+        budget: int,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        eos: frozenset[int],
+        stats: DecodeStats,
+    ) -> Draft:
+        features = torch.cat(self._pending) if self._pending else None
+        n_new = len(sequence) - 1 - self._fed  # positions whose pair the drafter has not read
+        if features is None or n_new < 1 or budget < 1:
+            return Draft()
+        if features.shape[0] != n_new:
+            raise RuntimeError(
+                f"{features.shape[0]} verifier features pending for {n_new} uncached positions: "
+                "observe must follow every verifier forward"
+            )
+        start = time.perf_counter()
+        first = self._fed
+        tokens = torch.tensor([sequence[first + 1 : first + 1 + n_new]], device=self._device)
+        positions = torch.arange(first, first + n_new, device=self._device)[None]
+        out = self.drafter(tokens, features[None], positions, past_key_values=self._cache, use_cache=True)
+        self._cache = out.past_key_values
+        self._fed += n_new
+        self._pending = []
+        draft, forwards = self._grow(out.logits[0, -1], out.hidden[0, -1], min(self.depth, budget))
+        crop_cache(self._cache, self._fed)  # the tree nodes leave the cache
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        stats.drafter_calls += 1 + forwards
+        stats.drafter_time += time.perf_counter() - start
+        return draft
+
+    def _grow(self, root_logits: torch.Tensor, root_hidden: torch.Tensor, depth: int) -> tuple[Draft, int]:
+        """EAGLE-2's tree from the root's logits (N,) and hidden output (h,), at most ``depth`` deep, and
+        the number of drafter forwards it took.
+
+        Node lists grow level by level (parents before children); the drafter's cache gains one entry
+        per expanded node, at slots ``self._fed + j`` in the order they were expanded."""
+        k = min(self.top_k, root_logits.shape[-1])
+        logp = root_logits.float().log_softmax(-1).clamp(max=0.0)
+        top = logp.topk(k)
+        ids: list[int] = top.indices.tolist()  # draft-vocabulary indices
+        scores: list[float] = top.values.tolist()
+        parents: list[int] = [-1] * k
+        level = list(range(k))  # the nodes of the deepest level
+        hidden_of: dict[int, torch.Tensor] = {-1: root_hidden}  # node -> its parent's feature for it
+        slot: dict[int, int] = {}  # expanded node -> its cache slot (index among expanded nodes)
+        ancestors: dict[int, list[int]] = {i: [] for i in level}
+        base = self._fed
+        for d in range(1, depth):
+            frontier = sorted(level, key=lambda i: (-scores[i], i))[: self.top_k]
+            for i in frontier:
+                slot[i] = len(slot)
+            seen = [[slot[a] for a in (*ancestors[i], i)] for i in frontier]
+            mask = node_mask(base, len(slot), seen, self._device)
+            node_ids = torch.tensor([ids[i] for i in frontier], device=self._device)
+            out = self.drafter(  # the nodes' kv enter the cache, cropped after the draft
+                (node_ids + self._d2t[node_ids])[None],
+                torch.stack([hidden_of[parents[i]] for i in frontier])[None],
+                torch.full((1, len(frontier)), base - 1 + d, device=self._device),
+                attention_mask=mask,
+                past_key_values=self._cache,
+            )
+            child = out.logits[0].float().log_softmax(-1).clamp(max=0.0).topk(k)
+            level = []
+            for row, i in enumerate(frontier):
+                hidden_of[i] = out.hidden[0, row]
+                for j in range(k):
+                    node = len(ids)
+                    ids.append(int(child.indices[row, j]))
+                    scores.append(scores[i] + float(child.values[row, j]))
+                    parents.append(i)
+                    ancestors[node] = [*ancestors[i], i]
+                    level.append(node)
+        kept = select_nodes(scores, parents, self.total_tokens)
+        index = {old: new for new, old in enumerate(kept)}
+        draft_ids = torch.tensor([ids[i] for i in kept], device=self._device)
+        target = (draft_ids + self._d2t[draft_ids]).tolist()
+        new_parents = [index[parents[i]] if parents[i] >= 0 else -1 for i in kept]
+        ranks: list[int] = []
+        for i in kept:  # rank among kept siblings by score (ties: the older node)
+            siblings = [s for s in kept if parents[s] == parents[i]]
+            ranks.append(sorted(siblings, key=lambda s: (-scores[s], s)).index(i))
+        return Draft([int(t) for t in target], new_parents, None, ranks), depth - 1
