@@ -17,6 +17,7 @@ from train.decoding import SpeculativeDecoder
 from train.decoding.decoders.tree_decoder import tree_size
 from train.evaluation import EvalConfig, build_decoders, build_eval_config, known_decoder_configs
 from train.evaluation.decoder_build import accepted_kinds
+from train.models.eagle3 import Eagle3Drafter
 from train.models.heads import MedusaHeads
 from train.models.ngram import NGramLM
 from train.models.steering_module import SteeringModule
@@ -88,15 +89,21 @@ def test_decoder_configs_build_as_partials(tmp_path):
         )
     drafter.save_pretrained(tmp_path / "drafter")
     SteeringModule.for_pair(verifier, drafter).save_pretrained(tmp_path / "steering")
+    eagle3 = Eagle3Drafter.from_verifier(verifier, aux_layers=[0, 1, 1])  # tiny_llama has 2 layers
+    eagle3.save_pretrained(tmp_path / "eagle3")
+    eagle3 = Eagle3Drafter.from_pretrained(tmp_path / "eagle3")
     overrides = [
         f"heads={tmp_path / 'heads'}",
+        f"eagle3={tmp_path / 'eagle3'}",
         f"model.drafter={tmp_path / 'drafter'}",
         f"steering={tmp_path / 'steering'}",
     ]
     for name in known_decoder_configs():
         factory = instantiate(_compose("eval", [f"decoding={name}", *overrides]).decoding)
-        second = heads if "heads" in accepted_kinds(factory.func) else drafter
+        kinds = accepted_kinds(factory.func)
+        second = heads if "heads" in kinds else eagle3 if "eagle3" in kinds else drafter
         assert factory(verifier, second).verifier is verifier, name
+    assert "eagle3" in known_decoder_configs()
 
 
 @pytest.mark.parametrize(

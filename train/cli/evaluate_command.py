@@ -2,8 +2,9 @@
 
 Top-level shortcuts of conf/eval.yaml: ``drafter=PATH`` replaces ``model.drafter``; ``heads=PATH``
 (a folder or Hub id of :class:`~train.models.heads.MedusaHeads`) adds prediction heads, which the
-decoders that take heads (``decoding=medusa``) run while the others run the drafter; ``decoding=<name>``
-picks the decoder config that ``eval.decoders`` holds by default (labelled by that name);
+decoders that take heads (``decoding=medusa``) run while the others run the drafter;
+``eagle3=PATH`` (an :class:`~train.models.eagle3.Eagle3Drafter`) adds an EAGLE-3 drafter for
+``decoding=eagle3``; ``decoding=<name>`` picks the decoder config that ``eval.decoders`` holds by default (labelled by that name);
 ``gamma=N`` sets that config's draft length; ``gammas=[...]`` is ``eval.gammas``.
 """
 
@@ -27,6 +28,7 @@ from train.evaluation.eval_config import (
 from train.evaluation.prompts import build_prompts
 from train.evaluation.results import results_table
 from train.evaluation.runner import evaluate_drafters
+from train.models.eagle3 import Eagle3Drafter
 from train.models.heads import MedusaHeads
 from train.models.loading import eos_token_ids, load_pair, place_pair, resolve_devices
 from train.pairs.built import ensure_built_pair
@@ -148,6 +150,13 @@ def validate(cfg: DictConfig) -> EvalRun:
         )
     if heads_source is not None:
         check_model_source("heads", str(heads_source))
+    eagle3_source = cfg.get("eagle3")
+    if "eagle3" in kinds and eagle3_source is None:
+        raise ConfigError("eagle3: the decoders include one that takes an EAGLE-3 drafter; pass eagle3=PATH")
+    if eagle3_source is not None and "eagle3" not in kinds:
+        raise ConfigError("eagle3: given, but no decoder in eval.decoders takes it; add decoding=eagle3")
+    if eagle3_source is not None:
+        check_model_source("eagle3", str(eagle3_source))
     return run
 
 
@@ -170,6 +179,12 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         heads = MedusaHeads.from_pretrained(str(heads_source)).eval()
         heads.to(next(pair.verifier.parameters()).device)
         drafters[_drafter_label(str(heads_source))] = heads
+    eagle3_source = cfg.get("eagle3")
+    if eagle3_source is not None:
+        verifier_weight = next(pair.verifier.parameters())
+        eagle3 = Eagle3Drafter.from_pretrained(str(eagle3_source)).eval()
+        eagle3.to(verifier_weight.device, verifier_weight.dtype)
+        drafters[_drafter_label(str(eagle3_source))] = eagle3
     prompts = build_prompts(
         pair.tokenizer, run.data, eval_cfg.num_prompts, eval_cfg.prompt_len, seed=int(cfg.get("seed", 0))
     )
