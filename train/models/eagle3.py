@@ -170,7 +170,7 @@ class Eagle3Drafter(
     verifier's (``rope_theta``, ``rope_type``, scaling)."""
 
     drafter_kind: ClassVar[str] = "eagle3"
-    """What decoders take this drafter (an EAGLE-3 proposer; not built yet)."""
+    """What decoders take this drafter (:class:`train.decoding.Eagle3Decoder`)."""
 
     def __init__(
         self,
