@@ -13,7 +13,11 @@ from typing import Any, ClassVar
 
 import torch
 
+from train.decoding.loop import run_synchronous
 from train.decoding.metrics import DecodeResult
+from train.decoding.model_call import TimedModel
+from train.decoding.proposers.protocol import Proposer
+from train.decoding.rules.typical import TypicalAcceptance
 from train.decoding.sampling import SamplingParams
 
 
@@ -120,3 +124,34 @@ class Decoder:
         """
         prompt = validate_request(input_ids, max_new_tokens, params, self.models())
         return self.decode(prompt, max_new_tokens, params, eos_set(eos_token_id), generator)
+
+
+class DraftTreeDecoder(Decoder):
+    """A decoder whose proposer drafts up to ``depth`` tokens a block (a tree, or a chain as a one-child
+    tree) under the synchronous schedule, verified by the loop's rules (``_typical``: Medusa's lossy
+    rule instead). Subclasses set ``_verifier``, ``_proposer`` and ``depth``."""
+
+    _verifier: TimedModel
+    _proposer: Proposer
+    depth: int
+    _typical: TypicalAcceptance | None = None
+
+    def decode(
+        self,
+        prompt: list[int],
+        max_new_tokens: int,
+        params: SamplingParams,
+        eos: frozenset[int],
+        generator: torch.Generator | None,
+    ) -> DecodeResult:
+        return run_synchronous(
+            self._verifier,
+            self._proposer,
+            prompt,
+            max_new_tokens,
+            self.depth,
+            params,
+            eos,
+            generator,
+            typical=self._typical,
+        )

@@ -12,18 +12,15 @@ from typing import ClassVar
 
 import torch
 
-from train.decoding.decoders.base import Decoder
-from train.decoding.loop import run_synchronous
-from train.decoding.metrics import DecodeResult
+from train.decoding.decoders.base import DraftTreeDecoder
 from train.decoding.model_call import TimedModel
 from train.decoding.proposers.eagle3_proposer import Eagle3Proposer
-from train.decoding.sampling import SamplingParams
 from train.models.eagle3 import Eagle3Drafter
 
 __all__ = ["Eagle3Decoder", "check_eagle3"]
 
 
-class Eagle3Decoder(Decoder):
+class Eagle3Decoder(DraftTreeDecoder):
     """Speculative decoding with an :class:`~train.models.eagle3.Eagle3Drafter`: trees of at most
     ``total_tokens`` nodes and ``depth`` levels, each expanded level its ``top_k`` best nodes, each node
     its ``top_k`` best children (``top_k=1``: a chain of ``depth`` tokens). Same ``generate`` as the
@@ -48,18 +45,6 @@ class Eagle3Decoder(Decoder):
 
     def models(self) -> tuple[torch.nn.Module, ...]:
         return (self.verifier,)
-
-    def decode(
-        self,
-        prompt: list[int],
-        max_new_tokens: int,
-        params: SamplingParams,
-        eos: frozenset[int],
-        generator: torch.Generator | None,
-    ) -> DecodeResult:
-        return run_synchronous(
-            self._verifier, self._proposer, prompt, max_new_tokens, self.depth, params, eos, generator
-        )
 
 
 def check_eagle3(verifier: torch.nn.Module, drafter: torch.nn.Module, vocab_size: int) -> None:

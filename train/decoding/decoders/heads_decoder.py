@@ -13,14 +13,11 @@ from typing import ClassVar
 
 import torch
 
-from train.decoding.decoders.base import Decoder
-from train.decoding.loop import run_synchronous
-from train.decoding.metrics import DecodeResult
+from train.decoding.decoders.base import DraftTreeDecoder
 from train.decoding.model_call import TimedModel
 from train.decoding.proposers.heads_proposer import DEFAULT_CHOICES, HeadsProposer, tree_from_accuracies
 from train.decoding.refine import Refiner
 from train.decoding.rules.typical import TypicalAcceptance
-from train.decoding.sampling import SamplingParams
 
 __all__ = ["ACCEPTANCES", "HeadsDecoder", "check_heads"]
 
@@ -28,7 +25,7 @@ __all__ = ["ACCEPTANCES", "HeadsDecoder", "check_heads"]
 ACCEPTANCES: tuple[str, ...] = ("rejection", "typical")
 
 
-class HeadsDecoder(Decoder):
+class HeadsDecoder(DraftTreeDecoder):
     """Speculative decoding with prediction heads: ``heads(hidden) -> (K, V)`` on the verifier's last
     hidden state (e.g. :class:`train.models.heads.MedusaHeads`), a sparse tree of their top candidates
     verified in one verifier forward per step. Same ``generate`` as the other decoders.
@@ -94,26 +91,6 @@ class HeadsDecoder(Decoder):
 
     def models(self) -> tuple[torch.nn.Module, ...]:
         return (self.verifier,)
-
-    def decode(
-        self,
-        prompt: list[int],
-        max_new_tokens: int,
-        params: SamplingParams,
-        eos: frozenset[int],
-        generator: torch.Generator | None,
-    ) -> DecodeResult:
-        return run_synchronous(
-            self._verifier,
-            self._proposer,
-            prompt,
-            max_new_tokens,
-            self.depth,
-            params,
-            eos,
-            generator,
-            typical=self._typical,
-        )
 
 
 def check_heads(verifier: torch.nn.Module, heads: torch.nn.Module, vocab_size: int) -> None:

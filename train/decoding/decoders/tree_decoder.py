@@ -15,12 +15,9 @@ from collections.abc import Sequence
 
 import torch
 
-from train.decoding.decoders.base import Decoder
-from train.decoding.loop import run_synchronous
-from train.decoding.metrics import DecodeResult
+from train.decoding.decoders.base import DraftTreeDecoder
 from train.decoding.model_call import TimedModel
 from train.decoding.proposers.tree_proposers import TREE_METHODS, TreeProposer
-from train.decoding.sampling import SamplingParams
 
 __all__ = ["TreeSpeculativeDecoder", "tree_size"]
 
@@ -34,7 +31,7 @@ def tree_size(branching: Sequence[int]) -> int:
     return total
 
 
-class TreeSpeculativeDecoder(Decoder):
+class TreeSpeculativeDecoder(DraftTreeDecoder):
     """Speculative decoding of ``verifier`` with a draft tree from ``drafter``.
 
     ``method="specinfer"`` or ``"rsd_c"`` with ``branching`` (children of every depth-d node, so depth
@@ -88,22 +85,3 @@ class TreeSpeculativeDecoder(Decoder):
 
     def models(self) -> tuple[torch.nn.Module, ...]:
         return (self.verifier, self.drafter)
-
-    def decode(
-        self,
-        prompt: list[int],
-        max_new_tokens: int,
-        params: SamplingParams,
-        eos: frozenset[int],
-        generator: torch.Generator | None,
-    ) -> DecodeResult:
-        return run_synchronous(
-            self._verifier,
-            self._proposer,
-            prompt,
-            max_new_tokens,
-            self.depth,
-            params,
-            eos,
-            generator,
-        )

@@ -131,6 +131,7 @@ class Eagle3Proposer:
                 "observe must follow every verifier forward"
             )
         start = time.perf_counter()
+        prefill = self._cache is None  # the first catch-up reads the whole prompt
         first = self._fed
         tokens = torch.tensor([sequence[first + 1 : first + 1 + n_new]], device=self._device)
         positions = torch.arange(first, first + n_new, device=self._device)[None]
@@ -138,13 +139,21 @@ class Eagle3Proposer:
         self._cache = out.past_key_values
         self._fed += n_new
         self._pending = []
+        if prefill:  # kept apart, as for every drafter, so the cost ratio compares decoding steps only
+            self._synchronize()
+            stats.drafter_prefill_calls += 1
+            stats.drafter_prefill_time += time.perf_counter() - start
         draft, forwards = self._grow(out.logits[0, -1], out.hidden[0, -1], min(self.depth, budget))
         crop_cache(self._cache, self._fed)  # the tree nodes leave the cache
-        if self._device.type == "cuda":
-            torch.cuda.synchronize(self._device)
+        self._synchronize()
         stats.drafter_calls += 1 + forwards
         stats.drafter_time += time.perf_counter() - start
         return draft
+
+    def _synchronize(self) -> None:
+        """Wait for the drafter's own device, so the clock measures its work."""
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
 
     def _grow(self, root_logits: torch.Tensor, root_hidden: torch.Tensor, depth: int) -> tuple[Draft, int]:
         """EAGLE-2's tree from the root's logits (N,) and hidden output (h,), at most ``depth`` deep, and
