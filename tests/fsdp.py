@@ -8,6 +8,7 @@ gets past both, so Lightning's own FSDP strategy and precision plugin run in CPU
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -73,13 +74,20 @@ def gloo_rank(rank: int, world_size: int, folder: str | os.PathLike[str]) -> Ite
     """Inside, this process is rank ``rank`` of a one-node gloo group: it has the environment a launcher
     gives (Lightning reads it and starts no processes of its own) and the process group, met through a
     file in ``folder`` rather than a TCP port another test on the machine could take first (Lightning
-    uses a group that is already there). The group is destroyed on the way out: a process that exits
-    with its group alive may abort."""
+    uses a group that is already there). On the way out the ranks meet once more and the group is
+    destroyed (a process that exits with its group alive may abort); a rank whose work finished then
+    leaves at once with ``os._exit(0)``: the interpreter's shutdown runs gloo's and FSDP's native
+    destructors, which now and then abort ("terminate called without an active exception", SIGABRT
+    after a finished run, seen in CI) and would fail a test whose results were already written."""
     os.environ.update(WORLD_SIZE=str(world_size), RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0")
     torch.set_num_threads(1)
     store = Path(folder).resolve() / "rendezvous"
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
     try:
         yield
+        dist.barrier()
     finally:
         dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
