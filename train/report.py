@@ -230,8 +230,10 @@ def build_report(results: Mapping[str, Any], reference: str | None = None) -> di
     runs = results["runs"]
     names = list(dict.fromkeys(r["drafter"] for r in runs))
     labels = list(dict.fromkeys(r["decoder"] for r in runs))
+    ran = {name: list(dict.fromkeys(r["decoder"] for r in runs if r["drafter"] == name)) for name in names}
+    # a drafter runs the decoders that take its kind (an EAGLE-3 drafter and a drafter model share none)
     per: dict[str, dict[str, dict[str, Any]]] = {
-        name: {label: by_temperature(results, name, decoder=label) for label in labels} for name in names
+        name: {label: by_temperature(results, name, decoder=label) for label in ran[name]} for name in names
     }
     best: dict[str, dict[str, Any]] = {}
     for name, by_decoder in per.items():
@@ -265,7 +267,8 @@ def build_report(results: Mapping[str, Any], reference: str | None = None) -> di
                     }
                     for t, metrics in per[name][label].items()
                 }
-                for label in labels
+                for label in ran[name]
+                if label in per[reference]
             }
     return {
         "reference": reference,

@@ -282,9 +282,11 @@ class Eagle3Drafter(
             hidden_act=str(getattr(cfg, "hidden_act", "silu")),
             verifier_name=getattr(cfg, "_name_or_path", None) or None,
         )
-        if max(drafter.aux_layers) > int(cfg.num_hidden_layers) or min(drafter.aux_layers) < 0:
+        if max(drafter.aux_layers) >= int(cfg.num_hidden_layers) or min(drafter.aux_layers) < 0:
+            # index L would be the final, normed output (Hugging Face), not the stream entering a layer
             raise ValueError(
-                f"aux_layers {drafter.aux_layers} out of range for {cfg.num_hidden_layers} layers"
+                f"aux_layers {drafter.aux_layers} out of range for {cfg.num_hidden_layers} layers: "
+                f"each must be in [0, {cfg.num_hidden_layers})"
             )
         drafter.set_draft_ids(ids)
         embed = verifier.get_input_embeddings().weight  # type: ignore[operator]

@@ -34,7 +34,17 @@ from transformers import DynamicCache
 
 from train.models.eagle3 import Eagle3Drafter
 
-__all__ = ["TTTResult", "step_inputs", "step_loss", "step_positions", "ttt_loss", "ttt_mask", "ttt_unroll"]
+__all__ = [
+    "TTTResult",
+    "chain_counts",
+    "step_hits",
+    "step_inputs",
+    "step_loss",
+    "step_positions",
+    "ttt_loss",
+    "ttt_mask",
+    "ttt_unroll",
+]
 
 
 def step_positions(position_ids: torch.Tensor, step: int) -> torch.Tensor:
@@ -126,15 +136,54 @@ def step_loss(
     return loss, accuracy.detach(), kept
 
 
+def step_hits(
+    logits: torch.Tensor, verifier_logits: torch.Tensor, draft_ids: torch.Tensor, step: int
+) -> torch.Tensor:
+    """(B, T) bool: at position p, step ``step``'s argmax (mapped to a target id) is the verifier's argmax
+    of row p + 1 + step (False where that row lies past the sequence)."""
+    length, shift = logits.shape[1], step + 1
+    hits = torch.zeros(logits.shape[:2], dtype=torch.bool, device=logits.device)
+    if shift < length:
+        predicted = draft_ids.to(logits.device)[logits[:, : length - shift].argmax(dim=-1)]
+        hits[:, : length - shift] = predicted == verifier_logits[:, shift:].argmax(dim=-1).to(logits.device)
+    return hits
+
+
+def chain_counts(hits: list[torch.Tensor], eligible: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Teacher-forced chain statistics from the per-step ``hits`` and ``eligible`` masks ((B, T) bool
+    each; eligible: the target row is inside the loss mask and the sequence, whatever the vocabulary).
+
+    From every position eligible at step 0, the chain accepts steps 0, 1, ... while each is eligible and
+    a hit (a target outside the draft vocabulary is a miss). Under greedy decoding of greedy answers this
+    is the chain the decoder would accept, cut at the answer's end. Returns ``run`` (sum of accepted lengths), ``starts`` (positions counted) and, per
+    step k, ``cond_hit_k`` / ``cond_n_k``: hits at step k among the chains that reached step k."""
+    alive = eligible[0].clone()
+    starts = alive.sum()
+    run = torch.zeros_like(alive, dtype=torch.long)
+    out: dict[str, torch.Tensor] = {"starts": starts}
+    for k, (hit, keep) in enumerate(zip(hits, eligible, strict=True)):
+        reached = alive & keep
+        alive = reached & hit
+        out[f"cond_n_{k}"] = reached.sum()
+        out[f"cond_hit_{k}"] = alive.sum()
+        run += alive.long()
+    out["run"] = run.sum()
+    return out
+
+
 @dataclass
 class TTTResult:
     """``loss``: ``sum_k decay**k * losses[k]``; ``losses`` / ``accuracies``: per step (scalars; the
-    losses carry gradients); ``counts``: kept positions per step."""
+    losses carry gradients); ``counts``: kept positions per step; per step, (B, T) bool: ``eligible``,
+    the positions whose target row is inside the loss mask and the sequence, and ``hits``, the kept ones
+    (eligible, the verifier's argmax in the draft vocabulary) where the drafter's argmax is the verifier's."""
 
     loss: torch.Tensor
     losses: list[torch.Tensor] = field(default_factory=list)
     accuracies: list[torch.Tensor] = field(default_factory=list)
     counts: list[int] = field(default_factory=list)
+    eligible: list[torch.Tensor] = field(default_factory=list)
+    hits: list[torch.Tensor] = field(default_factory=list)
 
 
 def ttt_loss(
@@ -167,5 +216,7 @@ def ttt_loss(
         result.losses.append(loss)
         result.accuracies.append(accuracy)
         result.counts.append(int(kept.sum()))
+        result.eligible.append(keep)
+        result.hits.append(step_hits(logits.detach(), verifier_logits, draft_ids, k) & kept)
         result.loss = result.loss + (decay**k) * loss
     return result

@@ -1,0 +1,140 @@
+"""The eagle3 method's settings (conf/method/eagle3.yaml) and how they build its module."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import lightning as L
+
+from train.config import require
+from train.models.draft_vocab import frequent_tokens
+from train.models.eagle3 import Eagle3Drafter
+from train.training.answer_data import AnswerDataModule, cached_answers, eos_token_ids, generated_answers
+from train.training.optim import check_optimizer
+
+__all__ = ["Eagle3Config"]
+
+if TYPE_CHECKING:
+    from train.methods.eagle3.module import Eagle3Module
+
+
+@dataclass
+class Eagle3Config:
+    """Hyperparameters of EAGLE-3 training (``method=eagle3``); validated before any model loads."""
+
+    optimizer: Any
+    scheduler: Any = None
+    answers: str | None = None
+    """A folder of the verifier's answers (``train.pt`` / ``validation.pt``, e.g. the real pair's
+    ``checkpoints/smollm2/answers``); None: generate them from the run's data (greedy)."""
+    num_prompts: int = 1024
+    """Answers generated for training when ``answers`` is None (the cached ones are all used)."""
+    num_val_prompts: int = 32
+    prompt_len: int = 256
+    """Generated answers: the prompt's tokens at most."""
+    answer_tokens: int = 128
+    """Generated answers: their tokens at most."""
+    answer_batch: int = 16
+    max_len: int = 512
+    """Prompt + answer tokens per training row (longer rows lose prompt tokens from the left)."""
+    batch_size: int = 8
+    ttt_steps: int = 7
+    """Training-time test: drafting steps unrolled per sequence (the authors' 7)."""
+    decay: float = 0.8
+    """Weight of step k's loss: decay**k."""
+    draft_vocab_size: int | None = 8192
+    """Rows of the drafter's head: the most frequent tokens of the training answers (d2t / t2d);
+    None or >= the verifier's vocabulary: the full vocabulary."""
+    aux_layers: list[int] | None = None
+    """The verifier's ``hidden_states`` indices fused by ``fc``; None: EAGLE-3's [2, L//2, L-3]."""
+    init: str | None = None
+    """Start from an exported drafter (an Eagle3Drafter folder or Hub id) instead of a fresh one."""
+    speculative_tokens: int = 3
+    """The chain length the speculators export advertises to vLLM (its ``num_speculative_tokens``)."""
+    compare_pair_drafter: bool = True
+    """The finish step also measures the pair's own drafter (chain SD), when the pair has one."""
+
+    def __post_init__(self) -> None:
+        check_optimizer("method", self.optimizer, self.scheduler)
+        for key in ("num_prompts", "num_val_prompts", "answer_batch", "batch_size", "ttt_steps"):
+            require(getattr(self, key) >= 1, f"method.{key}", ">= 1", getattr(self, key))
+        require(self.prompt_len >= 2, "method.prompt_len", ">= 2", self.prompt_len)
+        require(self.answer_tokens >= 2, "method.answer_tokens", ">= 2", self.answer_tokens)
+        require(
+            self.max_len > self.ttt_steps + 2,
+            "method.max_len",
+            f"> ttt_steps + 2 ({self.ttt_steps + 2})",
+            self.max_len,
+        )
+        require(
+            isinstance(self.decay, int | float) and 0 < self.decay <= 1,
+            "method.decay",
+            "in (0, 1]",
+            self.decay,
+        )
+        require(
+            self.draft_vocab_size is None or self.draft_vocab_size >= 1,
+            "method.draft_vocab_size",
+            ">= 1 or null (the full vocabulary)",
+            self.draft_vocab_size,
+        )
+        require(
+            self.aux_layers is None or (len(self.aux_layers) >= 1 and min(self.aux_layers) >= 0),
+            "method.aux_layers",
+            "null or a non-empty list of hidden_states indices",
+            self.aux_layers,
+        )
+        require(self.speculative_tokens >= 1, "method.speculative_tokens", ">= 1", self.speculative_tokens)
+
+    def build(self, pair: Any, spec: Any) -> tuple[Eagle3Module, L.LightningDataModule]:
+        """The verifier's answers (cached or generated), the draft vocabulary counted on the training
+        answers, a fresh drafter on the pair's verifier (or ``init``), and the answers' batches."""
+        from train.methods.eagle3.module import Eagle3Module  # noqa: I001 -- the module imports this config (a cycle)
+
+        verifier, tokenizer = pair.verifier, pair.tokenizer
+        if self.answers is not None:
+            answers = cached_answers(self.answers)
+        else:
+            counts = {"train": self.num_prompts, "validation": self.num_val_prompts}
+            answers = generated_answers(
+                verifier,
+                tokenizer,
+                spec.data,
+                counts,
+                self.prompt_len,
+                self.answer_tokens,
+                self.answer_batch,
+                spec.seed,
+            )
+        drafter = self.drafter(verifier, tokenizer, answers["train"])
+        pad = (
+            tokenizer.pad_token_id
+            if tokenizer.pad_token_id is not None
+            else eos_token_ids(verifier, tokenizer)[0]
+        )
+        data = AnswerDataModule(answers, int(pad), self.batch_size, self.max_len, spec.seed)
+        comparison = pair.drafter if self.compare_pair_drafter else None
+        return Eagle3Module(verifier, drafter, self, tokenizer, comparison=comparison), data
+
+    def drafter(self, verifier: Any, tokenizer: Any, train_answers: list[Any]) -> Eagle3Drafter:
+        """``init`` loaded, or a fresh drafter over the ``draft_vocab_size`` most frequent answer tokens
+        (the eos ids always among them)."""
+        if self.init is not None:
+            drafter = Eagle3Drafter.from_pretrained(self.init)
+            require(
+                drafter.vocab_size == int(verifier.config.vocab_size),
+                "method.init",
+                f"a drafter for a vocabulary of {verifier.config.vocab_size}",
+                f"{self.init} (vocab_size={drafter.vocab_size})",
+            )
+            return drafter
+        vocab = int(verifier.config.vocab_size)
+        if self.draft_vocab_size is None or self.draft_vocab_size >= vocab:
+            return Eagle3Drafter.from_verifier(verifier, aux_layers=self.aux_layers)
+        ids = frequent_tokens(
+            (a.answer for a in train_answers),
+            self.draft_vocab_size,
+            always=eos_token_ids(verifier, tokenizer),
+        )
+        return Eagle3Drafter.from_verifier(verifier, aux_layers=self.aux_layers, draft_ids=ids)

@@ -1,0 +1,185 @@
+"""EAGLE-3: a one-layer drafter on the verifier's fused hidden states, trained online with the
+training-time test (docs/eagle3.md).
+
+Each step runs the frozen verifier over a batch of its own answers (prompt + answer,
+:mod:`train.training.answer_data`) with ``output_hidden_states``; the drafter reads the states entering
+its ``aux_layers`` (concatenated, fused by ``fc``) and unrolls ``ttt_steps`` drafting steps over every
+position at once (:func:`train.models.eagle3_ttt.ttt_loss`): step k's loss is the forward KL from the
+verifier's distribution k + 1 rows ahead, renormalised over the draft vocabulary, weighted
+``decay**k``; only rows that predict an answer token count. No feature is stored: the verifier's
+forward is part of the step (online, as SpecForge's online mode and speculators do).
+
+The verifier is frozen and stays outside the module's children (never checkpointed, optimised or
+sharded). The drafter is a child and trains in float32 whatever ``model.dtype`` is (its frozen
+embedding, a copy of the verifier's, too: FSDP flattens a module's parameters into one tensor of one
+dtype); the export is written back in ``model.dtype``.
+
+Logged: ``train/loss``, ``train/acc_k`` and ``train/loss_k`` per step; validation ``val/acc_k`` (the
+drafter's argmax is the verifier's at step k, over positions whose verifier argmax is in the draft
+vocabulary), ``val/cond_acc_k`` (the same among the chains still alive at step k) and
+``val/simulated_block_efficiency`` (1 + the mean teacher-forced chain length over ``ttt_steps`` steps;
+:func:`train.models.eagle3_ttt.chain_counts`).
+
+The finish step (:mod:`train.methods.eagle3.finish`) exports ``eagle3/`` (``save_pretrained``) and the
+speculators layout vLLM loads (``eagle3_speculators/``), then evaluates :class:`train.decoding.Eagle3Decoder`
+(and, with ``compare_pair_drafter``, the pair's own drafter under chain SD) against autoregressive
+decoding.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+
+from train.methods.eagle3 import finish as finish_step
+from train.methods.eagle3.config import Eagle3Config
+from train.models.eagle3 import Eagle3Drafter
+from train.models.eagle3_ttt import TTTResult, chain_counts, ttt_loss
+from train.training.optim import clip_gradients, configure_optimizers, weights_dtype
+
+
+class Eagle3Module(L.LightningModule):
+    """Trains ``drafter`` on ``verifier``'s features (see the module docstring)."""
+
+    reference_drafter: str | None = None
+    artifact_dir = "eagle3"
+    card_base = "verifier"
+    verifier: Any
+    comparison: torch.nn.Module | None
+
+    def __init__(
+        self,
+        verifier: torch.nn.Module,
+        drafter: Eagle3Drafter,
+        cfg: Eagle3Config,
+        tokenizer: Any = None,
+        comparison: torch.nn.Module | None = None,
+    ) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.export_dtype = weights_dtype(verifier)  # the drafter is served beside this verifier
+        self.drafter = drafter.float()  # float32 master weights (see the module docstring)
+        object.__setattr__(self, "verifier", verifier)  # not a child: never checkpointed or optimised
+        object.__setattr__(self, "comparison", comparison)  # the pair's drafter, for the finish step
+        verifier.eval()
+        verifier.requires_grad_(False)
+        self._sums: dict[str, float] = {}
+        self.last_validation: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ training
+
+    def setup(self, stage: str) -> None:
+        self.verifier.to(self.device)
+
+    def on_fit_start(self) -> None:
+        self.verifier.to(self.device)
+
+    def configure_optimizers(self) -> Any:
+        params = [p for p in self.drafter.parameters() if p.requires_grad]
+        return configure_optimizers(params, self.cfg.optimizer, self.cfg.scheduler)
+
+    def configure_gradient_clipping(
+        self,
+        optimizer: Any,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
+        """Lightning's clipping, with the norm taken over everything sharded under FSDP."""
+        clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+    def verifier_features(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The verifier's concatenated auxiliary states (B, T, len(aux_layers) h) and logits (B, T, V)."""
+        with torch.no_grad():
+            out = self.verifier(
+                input_ids=batch["input_ids"],
+                attention_mask=batch["attention_mask"],
+                output_hidden_states=True,
+                use_cache=False,
+            )
+        return torch.cat(self.drafter.aux_features(out.hidden_states), dim=-1), out.logits
+
+    def ttt(self, batch: dict[str, torch.Tensor]) -> TTTResult:
+        aux, logits = self.verifier_features(batch)
+        return ttt_loss(
+            self.drafter,
+            aux,
+            batch["input_ids"],
+            logits,
+            batch["loss_mask"],
+            steps=self.cfg.ttt_steps,
+            decay=self.cfg.decay,
+        )
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        result = self.ttt(batch)
+        if not torch.isfinite(result.loss):
+            raise FloatingPointError(
+                f"the EAGLE-3 loss is {float(result.loss)} at step {self.global_step}; lower method.optimizer.lr"
+            )
+        bs = batch["input_ids"].shape[0]
+        self.log("train/loss", result.loss, prog_bar=True, batch_size=bs)
+        for k, (loss, accuracy) in enumerate(zip(result.losses, result.accuracies, strict=True)):
+            self.log(f"train/acc_{k}", accuracy, prog_bar=k == 0, batch_size=bs)
+            self.log(f"train/loss_{k}", loss.detach(), batch_size=bs)
+        return result.loss
+
+    # ------------------------------------------------------------------ validation
+
+    def on_validation_epoch_start(self) -> None:
+        self._sums = {}
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        result = self.ttt(batch)
+        counts: dict[str, float] = {"loss": float(result.loss) * batch["input_ids"].shape[0]}
+        counts["batches"] = batch["input_ids"].shape[0]
+        for k, (accuracy, n) in enumerate(zip(result.accuracies, result.counts, strict=True)):
+            counts[f"hit_{k}"] = float(accuracy) * n
+            counts[f"n_{k}"] = n
+        counts.update({key: float(v) for key, v in chain_counts(result.hits, result.eligible).items()})
+        for key, value in counts.items():
+            self._sums[key] = self._sums.get(key, 0.0) + value
+
+    def on_validation_epoch_end(self) -> None:
+        metrics = validation_metrics(self._sums, self.cfg.ttt_steps)
+        for key, value in metrics.items():
+            prog = key in ("val/acc_0", "val/simulated_block_efficiency")
+            self.log(key, value, prog_bar=prog, sync_dist=True)
+        if metrics:
+            self.last_validation = metrics
+
+    # ---- the finish step (finish.py): what the run exports, evaluates and reports
+
+    def trained_drafter(self) -> Eagle3Drafter:
+        return finish_step.trained_drafter(self)
+
+    def evaluation_verifier(self, verifier: torch.nn.Module) -> torch.nn.Module:
+        return finish_step.evaluation_verifier(self, verifier)
+
+    def drafters_to_evaluate(self) -> dict[str, torch.nn.Module]:
+        return finish_step.drafters_to_evaluate(self)
+
+    def export(self, out_dir: str) -> Path:
+        return finish_step.export(self, out_dir)
+
+    def report_summary(self) -> dict[str, Any]:
+        return finish_step.report_summary(self)
+
+    def report_sections(self) -> list[str]:
+        return finish_step.report_sections(self)
+
+
+def validation_metrics(sums: dict[str, float], steps: int) -> dict[str, float]:
+    """``val/loss``, ``val/acc_k``, ``val/cond_acc_k`` and ``val/simulated_block_efficiency`` from the
+    summed counts of an epoch (empty when no batch was seen)."""
+    if not sums.get("batches"):
+        return {}
+    metrics = {"val/loss": sums["loss"] / sums["batches"]}
+    for k in range(steps):
+        metrics[f"val/acc_{k}"] = sums.get(f"hit_{k}", 0.0) / max(sums.get(f"n_{k}", 0.0), 1.0)
+        metrics[f"val/cond_acc_{k}"] = sums.get(f"cond_hit_{k}", 0.0) / max(sums.get(f"cond_n_{k}", 0.0), 1.0)
+    metrics["val/simulated_block_efficiency"] = 1.0 + sums.get("run", 0.0) / max(sums.get("starts", 0.0), 1.0)
+    return metrics

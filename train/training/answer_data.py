@@ -1,0 +1,160 @@
+"""The verifier's own answers as training data: where they come from and how they are batched.
+
+A method that trains on the verifier's outputs (EAGLE-3) reads prompt + answer sequences. The answers
+are either a cached folder (``train.pt`` / ``validation.pt`` of :func:`train.models.answers.save_answers`,
+e.g. the real pair's ``checkpoints/smollm2/answers``, generated once by the pair build) or generated
+here, greedily, by the verifier from prompts of the run's data config.
+
+A batch (:func:`collate_answers`) holds right-padded ``input_ids`` / ``attention_mask`` and
+``loss_mask``: True on the rows whose next token is an answer token (row ``len(prompt) - 1`` predicts the
+answer's first token), so a loss on the verifier's row j counts only what the drafter will be asked to
+guess.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from train.config import ConfigError
+from train.data.lm import make_prompts
+from train.data.sources import load_text_dataset
+from train.models.answers import Answer, generate_answers, load_answers
+
+__all__ = [
+    "AnswerDataModule",
+    "answer_row",
+    "cached_answers",
+    "collate_answers",
+    "eos_token_ids",
+    "generated_answers",
+]
+
+SPLITS = ("train", "validation")
+
+
+def answer_row(answer: Answer, max_len: int) -> dict[str, torch.Tensor] | None:
+    """``input_ids`` (prompt + answer; a sequence longer than ``max_len`` loses prompt tokens from the
+    left) and ``loss_mask`` (True on the rows that predict an answer token). None for an empty answer or
+    one that alone does not fit ``max_len``."""
+    if not answer.answer or len(answer.answer) >= max_len:
+        return None
+    ids = list(answer.prompt) + list(answer.answer)
+    mask = torch.zeros(len(ids), dtype=torch.bool)
+    mask[len(answer.prompt) - 1 : len(ids) - 1] = True
+    cut = max(0, len(ids) - max_len)
+    return {"input_ids": torch.tensor(ids[cut:], dtype=torch.long), "loss_mask": mask[cut:]}
+
+
+def collate_answers(rows: Sequence[dict[str, torch.Tensor]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded ``input_ids`` (``pad_id``), ``attention_mask`` (long) and ``loss_mask`` (bool), (B, T)."""
+    width = max(len(r["input_ids"]) for r in rows)
+    batch = {
+        "input_ids": torch.full((len(rows), width), pad_id, dtype=torch.long),
+        "attention_mask": torch.zeros((len(rows), width), dtype=torch.long),
+        "loss_mask": torch.zeros((len(rows), width), dtype=torch.bool),
+    }
+    for i, row in enumerate(rows):
+        n = len(row["input_ids"])
+        batch["input_ids"][i, :n] = row["input_ids"]
+        batch["attention_mask"][i, :n] = 1
+        batch["loss_mask"][i, :n] = row["loss_mask"]
+    return batch
+
+
+def cached_answers(folder: str | os.PathLike[str], key: str = "method.answers") -> dict[str, list[Answer]]:
+    """``{"train": [...], "validation": [...]}`` from ``folder``; a ConfigError naming ``key`` when a
+    split's file is missing."""
+    root = Path(folder)
+    missing = [s for s in SPLITS if not (root / f"{s}.pt").is_file()]
+    if missing:
+        raise ConfigError(
+            f"{key}: {root} has no {', '.join(f'{s}.pt' for s in missing)} (a folder of the verifier's "
+            "answers, e.g. checkpoints/smollm2/answers, written by the pair build); or set it to null to "
+            "generate answers from the run's data"
+        )
+    return {s: load_answers(str(root / f"{s}.pt")) for s in SPLITS}
+
+
+def eos_token_ids(verifier: Any, tokenizer: Any) -> list[int]:
+    """The ids that end an answer: the verifier's generation config's, else the tokenizer's eos."""
+    configured = getattr(getattr(verifier, "generation_config", None), "eos_token_id", None)
+    listed = configured if isinstance(configured, list) else [configured]
+    ids = [int(i) for i in listed if i is not None]
+    if not ids and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids = [int(tokenizer.eos_token_id)]
+    if not ids:
+        raise ValueError("neither the verifier's generation config nor the tokenizer names an eos token")
+    return ids
+
+
+def generated_answers(
+    verifier: Any,
+    tokenizer: Any,
+    data: Any,
+    counts: dict[str, int],
+    prompt_len: int,
+    answer_tokens: int,
+    batch_size: int,
+    seed: int,
+) -> dict[str, list[Answer]]:
+    """The verifier's greedy answers (``answer_tokens`` at most) to ``counts[split]`` prompts of each
+    split of ``data`` (a data config), each prompt at most ``prompt_len`` tokens."""
+    splits = load_text_dataset(data, tokenizer)
+    eos = eos_token_ids(verifier, tokenizer)
+    out: dict[str, list[Answer]] = {}
+    for split, count in counts.items():
+        prompts = make_prompts(splits[split], tokenizer, prompt_len, count, seed, continuation_len=0)
+        rows = [list(ids) for ids in prompts["input_ids"]]
+        out[split] = generate_answers(verifier, rows, eos, answer_tokens, batch_size=batch_size, top_k=1)
+    return out
+
+
+class AnswerDataModule(L.LightningDataModule):
+    """Batches of :func:`collate_answers` over the train / validation answers (train shuffled with a
+    seeded generator, the last incomplete batch dropped; under DDP / FSDP Lightning shards them)."""
+
+    def __init__(
+        self,
+        answers: dict[str, list[Answer]],
+        pad_id: int,
+        batch_size: int,
+        max_len: int,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.pad_id, self.batch_size, self.seed = pad_id, batch_size, seed
+        self.rows = {
+            split: [r for a in answers.get(split, []) if (r := answer_row(a, max_len)) is not None]
+            for split in SPLITS
+        }
+        if len(self.rows["train"]) < batch_size:
+            raise ConfigError(
+                f"method.batch_size: {batch_size} is more than the {len(self.rows['train'])} usable "
+                f"training answers (non-empty, shorter than method.max_len = {max_len})"
+            )
+
+    def _loader(self, split: str, shuffle: bool) -> DataLoader:
+        return DataLoader(
+            self.rows[split],  # type: ignore[arg-type]
+            batch_size=self.batch_size,
+            shuffle=shuffle,
+            drop_last=shuffle,
+            collate_fn=self._collate,
+            generator=torch.Generator().manual_seed(self.seed),
+        )
+
+    def _collate(self, rows: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        return collate_answers(rows, self.pad_id)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train", shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("validation", shuffle=False)
