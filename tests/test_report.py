@@ -211,3 +211,67 @@ def test_report_names_the_best_gamma_and_the_ratios():
 def test_report_without_a_reference_has_no_ratios():
     report = build_report(_results(), reference=None)
     assert report["ratios"] == {} and set(report["best"]) == {"before", "after"}
+
+
+def _mixed_results() -> dict:
+    """An EAGLE-3 run's result: the trained drafter ran the ``eagle3`` decoder only, the pair's drafter
+    ``sd@g2`` only (no decoder takes both kinds)."""
+    runs = []
+    for name, decoder, gamma, speed, tau in (
+        ("eagle3", "eagle3", 3, 1.3, 2.5),
+        ("pair drafter", "sd@g2", 2, 0.9, 1.8),
+    ):
+        for t in (0.0, 1.0):
+            runs.append(
+                {
+                    "drafter": name,
+                    "decoder": decoder,
+                    "decoder_config": {"name": decoder.split("@")[0], "gamma": gamma},
+                    "gamma": gamma,
+                    "temperature": t,
+                    "n_prompts": 8,
+                    "seeds": [0, 1],
+                    "metrics": {
+                        "block_efficiency": {"mean": tau - 0.1 * t, "std": 0.0, "n": 2},
+                        "accepted_per_block": {"mean": tau - 1 - 0.1 * t, "std": 0.0, "n": 2},
+                        "speedup": {"mean": speed - 0.1 * t, "std": 0.0, "n": 2},
+                    },
+                    "greedy_match": True if t == 0.0 else None,
+                    "per_seed": [],
+                    "prompt_spread": {},
+                }
+            )
+    return {
+        "config": {"temperatures": [0.0, 1.0], "seeds": [0, 1], "max_new_tokens": 64},
+        "prompts": {"n": 8},
+        "baseline": [],
+        "runs": runs,
+        "elapsed_seconds": 1.0,
+    }
+
+
+@pytest.mark.parametrize("reference", [None, "pair drafter", "eagle3"])
+def test_report_of_drafters_that_ran_different_decoders(reference):
+    results = _mixed_results()
+    report = build_report(results, reference=reference)
+    assert report["decoders"] == ["eagle3", "sd@g2"]
+    assert {name: list(per) for name, per in report["drafters"].items()} == {
+        "eagle3": ["eagle3"],
+        "pair drafter": ["sd@g2"],
+    }
+    assert set(report["drafters"]["eagle3"]["eagle3"]) == {"0", "1"}
+    assert report["drafters"]["eagle3"]["eagle3"]["0"]["speedup"]["mean"] == pytest.approx(1.3)
+    assert report["drafters"]["pair drafter"]["sd@g2"]["1"]["block_efficiency"]["mean"] == pytest.approx(1.7)
+    assert (
+        report["best"]["eagle3"]["0"]["decoder"] == "eagle3" and report["best"]["eagle3"]["0"]["gamma"] == 3
+    )
+    assert report["best"]["pair drafter"]["1"]["decoder"] == "sd@g2"
+    # no decoder in common: nothing to take a ratio of
+    other = {"pair drafter": "eagle3", "eagle3": "pair drafter"}.get(reference or "")
+    assert report["ratios"] == ({other: {}} if reference else {})
+    text = report_markdown(
+        {"name": "x", "drafter_dir": "/d", "method": {"method": "eagle3"}, **report}, results
+    )
+    assert "| eagle3 | 0 | eagle3 | 3 | 1.30 ± 0.00 | 2.50 ± 0.00 |" in text
+    assert "| pair drafter | 1 | sd@g2 | 2 | 0.80 ± 0.00 | 1.70 ± 0.00 |" in text
+    assert "| eagle3 | sd@g2 |" not in text and "| pair drafter | eagle3 |" not in text

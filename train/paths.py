@@ -45,18 +45,27 @@ def fitting_dirname(name: str, limit: int = MAX_DIRNAME) -> str:
 
 
 def register_resolvers() -> None:
-    """Make ``${draftsmith_root:}``, ``${fitting_dirname:...}`` and ``${best_dtype:}`` available to every config (idempotent)."""
+    """Make ``${draftsmith_root:}``, ``${fitting_dirname:...}``, ``${best_dtype:}`` and ``${best_precision:}``
+    available to every config (idempotent)."""
     if not OmegaConf.has_resolver("draftsmith_root"):
         OmegaConf.register_new_resolver("draftsmith_root", project_root)
     if not OmegaConf.has_resolver("fitting_dirname"):
         OmegaConf.register_new_resolver("fitting_dirname", fitting_dirname)
     if not OmegaConf.has_resolver("best_dtype"):
         OmegaConf.register_new_resolver("best_dtype", _best_dtype)
+    if not OmegaConf.has_resolver("best_precision"):
+        OmegaConf.register_new_resolver("best_precision", _best_precision)
 
 
 def _best_dtype() -> str:
     """``${best_dtype:}``: bfloat16 where the machine computes it natively, else float32."""
     return best_dtype()
+
+
+def _best_precision() -> str:
+    """``${best_precision:}``: Lightning's ``bf16-mixed`` where bfloat16 is native (float32 weights, bf16
+    matrix products), else ``32-true``."""
+    return "bf16-mixed" if best_dtype() == "bfloat16" else "32-true"
 
 
 register_resolvers()

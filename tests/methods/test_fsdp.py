@@ -19,9 +19,13 @@ from tests.fsdp import CPUFSDPStrategy, gloo_rank
 from train.data.datamodule import PromptDataModule
 from train.methods.distillspec.config import DistillSpecConfig
 from train.methods.distillspec.module import DistillSpecModule
+from train.methods.eagle3.config import Eagle3Config
+from train.methods.eagle3.module import Eagle3Module
 from train.methods.steering.config import BASELINE_ARM, MAIN_ARM, SteeringConfig
 from train.methods.steering.module import SteeringTrainingModule
+from train.models.answers import Answer
 from train.models.draft_vocab import set_draft_vocab
+from train.training.answer_data import AnswerDataModule
 from train.training.optim import grad_norm
 
 CLIP = 1e-3  # tight enough to bite on every step
@@ -74,10 +78,30 @@ def _steering() -> tuple[L.LightningModule, PromptDataModule, list[list[str]]]:
     return module, _data(cfg), groups
 
 
+def _eagle3() -> tuple[L.LightningModule, AnswerDataModule, list[list[str]]]:
+    """The EAGLE-3 drafter (float32, its frozen embedding included) beside a frozen bfloat16 verifier that
+    stays outside the module, over a reduced draft vocabulary, on small hand-made answers."""
+    cfg = Eagle3Config(
+        optimizer=ADAMW, ttt_steps=2, max_len=24, batch_size=2, draft_vocab_size=32, aux_layers=[0, 1, 1]
+    )
+    verifier, tok = tiny_llama(hidden=64, seed=0).to(torch.bfloat16), make_tokenizer()
+
+    def answer(i: int) -> Answer:
+        tokens = [40 + (i + j) % 20 for j in range(5 + i % 3)] + [257]
+        return Answer(
+            [256, 10 + i, 11 + i, 12], tokens, torch.zeros(len(tokens), 1), torch.zeros(len(tokens), 1)
+        )
+
+    answers = {"train": [answer(i) for i in range(8)], "validation": [answer(i) for i in range(8, 10)]}
+    module = Eagle3Module(verifier, cfg.drafter(verifier, tok, answers["train"]), cfg, tok)
+    return module, AnswerDataModule(answers, 258, cfg.batch_size, cfg.max_len), [["drafter."]]
+
+
 METHODS = {
     "distillspec": _distillspec,
     "distillspec_draft_vocab": _distillspec_draft_vocab,
     "steering": _steering,
+    "eagle3": _eagle3,
 }
 
 

@@ -47,7 +47,7 @@ def answer_row(answer: Answer, max_len: int) -> dict[str, torch.Tensor] | None:
         return None
     ids = list(answer.prompt) + list(answer.answer)
     mask = torch.zeros(len(ids), dtype=torch.bool)
-    mask[len(answer.prompt) - 1 : len(ids) - 1] = True
+    mask[max(len(answer.prompt) - 1, 0) : len(ids) - 1] = True
     cut = max(0, len(ids) - max_len)
     return {"input_ids": torch.tensor(ids[cut:], dtype=torch.long), "loss_mask": mask[cut:]}
 

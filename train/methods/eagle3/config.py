@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import lightning as L
 
-from train.config import require
+from train.config import ConfigError, require
 from train.models.draft_vocab import frequent_tokens
 from train.models.eagle3 import Eagle3Drafter
 from train.training.answer_data import AnswerDataModule, cached_answers, eos_token_ids, generated_answers
@@ -68,7 +68,7 @@ class Eagle3Config:
             self.max_len,
         )
         require(
-            isinstance(self.decay, int | float) and 0 < self.decay <= 1,
+            isinstance(self.decay, int | float) and not isinstance(self.decay, bool) and 0 < self.decay <= 1,
             "method.decay",
             "in (0, 1]",
             self.decay,
@@ -130,11 +130,11 @@ class Eagle3Config:
             )
             return drafter
         vocab = int(verifier.config.vocab_size)
-        if self.draft_vocab_size is None or self.draft_vocab_size >= vocab:
-            return Eagle3Drafter.from_verifier(verifier, aux_layers=self.aux_layers)
-        ids = frequent_tokens(
-            (a.answer for a in train_answers),
-            self.draft_vocab_size,
-            always=eos_token_ids(verifier, tokenizer),
-        )
-        return Eagle3Drafter.from_verifier(verifier, aux_layers=self.aux_layers, draft_ids=ids)
+        ids = None
+        if self.draft_vocab_size is not None and self.draft_vocab_size < vocab:
+            always = eos_token_ids(verifier, tokenizer)
+            ids = frequent_tokens((a.answer for a in train_answers), self.draft_vocab_size, always=always)
+        try:
+            return Eagle3Drafter.from_verifier(verifier, aux_layers=self.aux_layers, draft_ids=ids)
+        except ValueError as err:  # the layers do not fit this verifier
+            raise ConfigError(f"method.aux_layers: {err}") from None

@@ -1,0 +1,201 @@
+"""The verifier's answers as training batches (train/training/answer_data.py): the loss mask of a row
+(exactly the rows that predict an answer token, kept aligned by the left cut), right padding, the cached
+answers folder, the eos ids, and the data module's batch-size check and loaders."""
+
+from __future__ import annotations
+
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.conftest import make_tokenizer
+from train.config import ConfigError
+from train.models.answers import Answer, save_answers
+from train.training.answer_data import (
+    AnswerDataModule,
+    answer_row,
+    cached_answers,
+    collate_answers,
+    eos_token_ids,
+)
+
+PAD = 258
+
+
+def _answer(prompt: list[int], answer: list[int]) -> Answer:
+    k = 2
+    return Answer(
+        prompt=list(prompt),
+        answer=list(answer),
+        top_ids=torch.arange(len(answer) * k, dtype=torch.int32).reshape(len(answer), k),
+        top_logprobs=torch.full((len(answer), k), -0.5, dtype=torch.float16),
+    )
+
+
+def _predicted(row: dict[str, torch.Tensor]) -> list[int]:
+    """The tokens the masked rows predict: row j predicts token j + 1."""
+    ids, mask = row["input_ids"], row["loss_mask"]
+    assert not bool(mask[-1])  # the last row predicts nothing inside the sequence
+    return ids[1:][mask[:-1]].tolist()
+
+
+# ------------------------------------------------------------------------------------------ answer_row
+
+
+def test_answer_row_masks_exactly_the_rows_that_predict_the_answer():
+    row = answer_row(_answer([10, 11, 12], [20, 21, 257]), max_len=16)
+    assert row is not None
+    assert row["input_ids"].tolist() == [10, 11, 12, 20, 21, 257]
+    assert row["input_ids"].dtype == torch.long and row["loss_mask"].dtype == torch.bool
+    # rows len(prompt) - 1 .. len(ids) - 2
+    assert row["loss_mask"].tolist() == [False, False, True, True, True, False]
+    assert _predicted(row) == [20, 21, 257]
+
+
+@pytest.mark.parametrize(("prompt_len", "answer_len"), [(1, 1), (1, 5), (7, 1), (4, 4), (9, 3)])
+def test_answer_row_mask_predicts_the_answer_for_any_lengths(prompt_len, answer_len):
+    prompt, answer = list(range(1, prompt_len + 1)), list(range(100, 100 + answer_len))
+    row = answer_row(_answer(prompt, answer), max_len=64)
+    assert row is not None and len(row["input_ids"]) == prompt_len + answer_len
+    assert int(row["loss_mask"].sum()) == answer_len
+    assert row["loss_mask"].nonzero().flatten().tolist() == list(
+        range(prompt_len - 1, prompt_len + answer_len - 1)
+    )
+    assert _predicted(row) == answer
+
+
+def test_a_long_row_loses_prompt_tokens_from_the_left_with_the_mask_aligned():
+    prompt, answer = [1, 2, 3, 4, 5, 6], [20, 21, 22]
+    row = answer_row(_answer(prompt, answer), max_len=5)
+    assert row is not None
+    assert row["input_ids"].tolist() == [5, 6, 20, 21, 22]  # the answer whole, the prompt's end
+    assert row["loss_mask"].tolist() == [False, True, True, True, False]
+    assert _predicted(row) == answer
+    # the longest answer that fits keeps exactly one prompt token: the row predicting its first token
+    row = answer_row(_answer(prompt, [30, 31, 32, 33]), max_len=5)
+    assert row is not None
+    assert row["input_ids"].tolist() == [6, 30, 31, 32, 33]
+    assert row["loss_mask"].tolist() == [True, True, True, True, False]
+
+
+@pytest.mark.parametrize(("answer", "max_len"), [([], 8), ([5] * 8, 8), ([5] * 9, 8)])
+def test_answer_row_is_none_for_empty_or_too_long_answers(answer, max_len):
+    assert answer_row(_answer([1, 2], answer), max_len) is None
+
+
+def test_answer_row_keeps_an_answer_one_shorter_than_max_len():
+    assert answer_row(_answer([1, 2], [5] * 7), max_len=8) is not None
+
+
+# ------------------------------------------------------------------------------------------ collate
+
+
+def test_collate_right_pads_ids_attention_and_loss_masks():
+    rows = [
+        answer_row(_answer([10, 11], [20, 21, 22]), 16),
+        answer_row(_answer([12], [23]), 16),
+    ]
+    batch = collate_answers(rows, PAD)
+    assert set(batch) == {"input_ids", "attention_mask", "loss_mask"}
+    assert batch["input_ids"].tolist() == [[10, 11, 20, 21, 22], [12, 23, PAD, PAD, PAD]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
+    assert batch["attention_mask"].dtype == torch.long
+    assert batch["loss_mask"].dtype == torch.bool
+    assert batch["loss_mask"].tolist() == [
+        [False, True, True, True, False],
+        [True, False, False, False, False],
+    ]
+
+
+# ------------------------------------------------------------------------------------------ cached answers
+
+
+def test_cached_answers_name_the_key_when_a_split_is_missing(tmp_path):
+    with pytest.raises(ConfigError, match=r"method\.answers.*train\.pt, validation\.pt"):
+        cached_answers(tmp_path)
+    save_answers([_answer([1], [2])], str(tmp_path / "train.pt"))
+    with pytest.raises(ConfigError, match=r"method\.answers") as err:
+        cached_answers(tmp_path)
+    assert "validation.pt" in str(err.value) and "train.pt" not in str(err.value)
+    with pytest.raises(ConfigError, match=re.escape("other.key")):
+        cached_answers(tmp_path / "nowhere", key="other.key")
+
+
+def test_cached_answers_load_what_save_answers_wrote(tmp_path):
+    written = {
+        "train": [_answer([1, 2, 3], [4, 5]), _answer([6], [7, 8, 257])],
+        "validation": [_answer([9, 9], [10])],
+    }
+    for split, answers in written.items():
+        save_answers(answers, str(tmp_path / f"{split}.pt"))
+    loaded = cached_answers(str(tmp_path))
+    assert set(loaded) == {"train", "validation"}
+    for split, answers in written.items():
+        assert len(loaded[split]) == len(answers)
+        for got, want in zip(loaded[split], answers, strict=True):
+            assert isinstance(got, Answer)
+            assert (got.prompt, got.answer) == (want.prompt, want.answer)
+            assert torch.equal(got.top_ids, want.top_ids) and got.top_ids.dtype == torch.int32
+            assert torch.equal(got.top_logprobs, want.top_logprobs)
+
+
+# ------------------------------------------------------------------------------------------ eos ids
+
+
+def _verifier(eos) -> SimpleNamespace:
+    return SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=eos))
+
+
+def test_eos_token_ids_from_the_generation_config_then_the_tokenizer():
+    tok = make_tokenizer()
+    assert tok.eos_token_id == 257
+    assert eos_token_ids(_verifier([3, 7]), tok) == [3, 7]
+    assert eos_token_ids(_verifier(5), tok) == [5]
+    assert eos_token_ids(_verifier(None), tok) == [257]  # the tokenizer's fallback
+    assert eos_token_ids(SimpleNamespace(), tok) == [257]  # no generation config at all
+    assert eos_token_ids(_verifier(None), SimpleNamespace(eos_token_id=9)) == [9]
+    with pytest.raises(ValueError, match="eos"):
+        eos_token_ids(_verifier(None), SimpleNamespace(eos_token_id=None))
+
+
+# ------------------------------------------------------------------------------------------ data module
+
+
+def _answers(n_train: int, n_val: int = 3) -> dict[str, list[Answer]]:
+    return {
+        "train": [_answer([1 + i, 2], [30 + i] * (1 + i % 4)) for i in range(n_train)],
+        "validation": [_answer([5], [40 + i, 41]) for i in range(n_val)],
+    }
+
+
+def test_data_module_needs_as_many_usable_rows_as_the_batch_size():
+    with pytest.raises(ConfigError, match=re.escape("method.batch_size")):
+        AnswerDataModule(_answers(3), PAD, batch_size=4, max_len=16)
+    # four answers, one empty and one longer than max_len: two usable rows only
+    answers = _answers(2)
+    answers["train"] += [_answer([1], []), _answer([1], [5] * 20)]
+    with pytest.raises(ConfigError, match=r"method\.batch_size: 3 is more than the 2 usable"):
+        AnswerDataModule(answers, PAD, batch_size=3, max_len=16)
+    assert len(AnswerDataModule(answers, PAD, batch_size=2, max_len=16).rows["train"]) == 2
+
+
+def test_train_loader_yields_full_batches_and_validation_every_row():
+    data = AnswerDataModule(_answers(10, 5), PAD, batch_size=4, max_len=16, seed=3)
+    batches = list(data.train_dataloader())
+    assert len(batches) == 2  # 10 rows, the incomplete last batch dropped
+    for batch in batches:
+        assert batch["input_ids"].shape[0] == 4
+        assert batch["input_ids"].shape == batch["attention_mask"].shape == batch["loss_mask"].shape
+        assert int(batch["loss_mask"].sum()) > 0
+        # a masked row is a real (attended) row whose next token is attended too
+        assert not (batch["loss_mask"] & (batch["attention_mask"] == 0)).any()
+        assert not (batch["loss_mask"][:, :-1] & (batch["attention_mask"][:, 1:] == 0)).any()
+    seen = [int(t) for b in batches for t in b["input_ids"][:, 0]]
+    assert len(set(seen)) == 8  # 8 distinct rows of the 10
+    again = list(AnswerDataModule(_answers(10, 5), PAD, batch_size=4, max_len=16, seed=3).train_dataloader())
+    assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(batches, again, strict=True))
+    val = list(data.val_dataloader())
+    assert [b["input_ids"].shape[0] for b in val] == [4, 1]  # not dropped, in order
+    assert val[0]["input_ids"][:, 1].tolist() == [40, 41, 42, 43]
