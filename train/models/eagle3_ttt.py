@@ -36,14 +36,18 @@ from train.models.eagle3 import Eagle3Drafter
 
 __all__ = [
     "TTTResult",
+    "VerifierTargets",
+    "argmax_hits",
     "chain_counts",
     "step_hits",
     "step_inputs",
     "step_loss",
     "step_positions",
+    "targets_loss",
     "ttt_loss",
     "ttt_mask",
     "ttt_unroll",
+    "verifier_targets",
 ]
 
 
@@ -104,6 +108,60 @@ def ttt_unroll(
     return out
 
 
+@dataclass
+class VerifierTargets:
+    """What the losses need of the verifier's logits (B, T, V), computed once per batch rather than once
+    per step: ``logprobs`` (B, T, N) float32, its log-softmax over the draft ids (renormalised there);
+    ``argmax`` (B, T), its argmax over the full vocabulary; ``in_vocab`` (B, T) bool, that argmax is a
+    draft id."""
+
+    logprobs: torch.Tensor
+    argmax: torch.Tensor
+    in_vocab: torch.Tensor
+
+
+def verifier_targets(
+    verifier_logits: torch.Tensor, draft_ids: torch.Tensor, t2d: torch.Tensor
+) -> VerifierTargets:
+    argmax = verifier_logits.argmax(dim=-1)
+    return VerifierTargets(
+        logprobs=verifier_logits.index_select(-1, draft_ids.to(verifier_logits.device))
+        .float()
+        .log_softmax(-1),
+        argmax=argmax,
+        in_vocab=t2d.to(argmax.device)[argmax],
+    )
+
+
+def shifted(x: torch.Tensor, shift: int, fill: float | bool = 0) -> torch.Tensor:
+    """(B, T, ...) -> row p holds ``x[:, p + shift]`` (``fill`` past the end)."""
+    out = torch.full_like(x, fill)
+    length = x.shape[1]
+    if shift < length:
+        out[:, : length - shift] = x[:, shift:]
+    return out
+
+
+def targets_loss(
+    logits: torch.Tensor, targets: VerifierTargets, keep: torch.Tensor, draft_ids: torch.Tensor, step: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`step_loss` from :func:`verifier_targets` (the same figures, without re-reading the (B, T, V)
+    logits each step)."""
+    shift = step + 1
+    argmax = shifted(targets.argmax, shift)
+    kept = keep & shifted(targets.in_vocab, shift, False)
+    if not bool(kept.any()):
+        zero = logits.new_zeros((), dtype=torch.float32)
+        return zero + 0.0 * logits.sum(), zero.detach(), kept
+    rows, cols = kept.nonzero(as_tuple=True)
+    teacher = targets.logprobs[rows, cols + shift]
+    student = logits[kept].float().log_softmax(-1)
+    loss = F.kl_div(student, teacher, log_target=True, reduction="batchmean")
+    predicted = draft_ids.to(logits.device)[logits[kept].argmax(dim=-1)]
+    accuracy = (predicted == argmax[kept]).float().mean()
+    return loss, accuracy.detach(), kept
+
+
 def step_loss(
     logits: torch.Tensor,
     verifier_logits: torch.Tensor,
@@ -119,21 +177,19 @@ def step_loss(
     ids; t2d: (V,) bool. Position p's target is the verifier's row p + 1 + step. Returns (loss: mean
     forward KL over kept positions, 0 if none; accuracy over kept positions, 0 if none; kept: (B, T)
     the positions counted: ``keep`` and the verifier's argmax in the draft vocabulary)."""
-    length = logits.shape[1]
-    shift = step + 1
-    target = torch.zeros_like(verifier_logits)
-    target[:, : max(length - shift, 0)] = verifier_logits[:, shift:]
-    argmax = target.argmax(dim=-1)
-    kept = keep & t2d.to(argmax.device)[argmax]
-    if not bool(kept.any()):
-        zero = logits.new_zeros((), dtype=torch.float32)
-        return zero + 0.0 * logits.sum(), zero.detach(), kept
-    teacher = target[kept].index_select(-1, draft_ids.to(target.device)).float().log_softmax(-1)
-    student = logits[kept].float().log_softmax(-1)
-    loss = F.kl_div(student, teacher, log_target=True, reduction="batchmean")
-    predicted = draft_ids.to(logits.device)[logits[kept].argmax(dim=-1)]
-    accuracy = (predicted == argmax[kept]).float().mean()
-    return loss, accuracy.detach(), kept
+    return targets_loss(logits, verifier_targets(verifier_logits, draft_ids, t2d), keep, draft_ids, step)
+
+
+def argmax_hits(
+    logits: torch.Tensor, verifier_argmax: torch.Tensor, draft_ids: torch.Tensor, step: int
+) -> torch.Tensor:
+    """:func:`step_hits` from the verifier's argmax (B, T)."""
+    length, shift = logits.shape[1], step + 1
+    hits = torch.zeros(logits.shape[:2], dtype=torch.bool, device=logits.device)
+    if shift < length:
+        predicted = draft_ids.to(logits.device)[logits[:, : length - shift].argmax(dim=-1)]
+        hits[:, : length - shift] = predicted == verifier_argmax[:, shift:].to(logits.device)
+    return hits
 
 
 def step_hits(
@@ -141,12 +197,7 @@ def step_hits(
 ) -> torch.Tensor:
     """(B, T) bool: at position p, step ``step``'s argmax (mapped to a target id) is the verifier's argmax
     of row p + 1 + step (False where that row lies past the sequence)."""
-    length, shift = logits.shape[1], step + 1
-    hits = torch.zeros(logits.shape[:2], dtype=torch.bool, device=logits.device)
-    if shift < length:
-        predicted = draft_ids.to(logits.device)[logits[:, : length - shift].argmax(dim=-1)]
-        hits[:, : length - shift] = predicted == verifier_logits[:, shift:].argmax(dim=-1).to(logits.device)
-    return hits
+    return argmax_hits(logits, verifier_logits.argmax(dim=-1), draft_ids, step)
 
 
 def chain_counts(hits: list[torch.Tensor], eligible: list[torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -207,16 +258,17 @@ def ttt_loss(
     mask = torch.ones_like(input_ids, dtype=torch.bool) if loss_mask is None else loss_mask.bool()
     all_logits = ttt_unroll(drafter, drafter.fuse(aux_states), input_ids, steps, position_ids)
     draft_ids = drafter.draft_ids
+    targets = verifier_targets(verifier_logits.detach(), draft_ids, drafter.t2d)
     result = TTTResult(loss=all_logits[0].new_zeros((), dtype=torch.float32))
     for k, logits in enumerate(all_logits):
         _, inside = step_inputs(input_ids, k)
         target_mask, _ = step_inputs(mask.long(), k)  # the mask at p + 1 + k
         keep = inside & target_mask.bool()
-        loss, accuracy, kept = step_loss(logits, verifier_logits, keep, draft_ids, drafter.t2d, k)
+        loss, accuracy, kept = targets_loss(logits, targets, keep, draft_ids, k)
         result.losses.append(loss)
         result.accuracies.append(accuracy)
         result.counts.append(int(kept.sum()))
         result.eligible.append(keep)
-        result.hits.append(step_hits(logits.detach(), verifier_logits, draft_ids, k) & kept)
+        result.hits.append(argmax_hits(logits.detach(), targets.argmax, draft_ids, k) & kept)
         result.loss = result.loss + (decay**k) * loss
     return result
