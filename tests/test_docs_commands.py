@@ -289,6 +289,14 @@ MICRO_TRAIN = [
     "~callbacks.progress_bar",
     "logger=csv",
 ]
+MICRO_EAGLE3 = [
+    "method.answers=null",
+    "method.aux_layers=[0,1,1]",
+    "method.num_prompts=8",
+    "method.num_val_prompts=2",
+    "method.answer_tokens=8",
+    "method.max_len=96",
+]
 ON_THE_TINY_PAIR = ["model=tiny", "data=stdlib", "method.prompt_len=64", "eval.prompt_len=64"]
 MICRO_TRAINING_RUNS = "train_overrides=[" + ",".join(f"'{o}'" for o in MICRO_TRAIN + MICRO_EVAL) + "]"
 MICRO_ARGS: dict[str, list[str]] = {
@@ -341,6 +349,7 @@ class Workspace:
                 "drafter": f"{self.run_dir('distillspec')}/drafter",
                 "heads": f"{self.run_dir('medusa')}/heads",
                 "steering": f"{self.run_dir('steering')}/steering",
+                "eagle3": f"{self.run_dir('eagle3')}/eagle3",
                 "run": self.run_dir("distillspec"),
             }[key]
         elif value.startswith("RUN/"):
@@ -380,6 +389,12 @@ class Workspace:
             # The main job's real pair is exercised by tests/test_main_job.py; here its commands run the
             # same recipe on the micro tiny pair, so the ~15 DistillSpec commands cost seconds each.
             extra = [*ON_THE_TINY_PAIR, *extra]
+        if command.entry == "train.py" and ("experiment=eagle3" in args or "experiment=eagle3_tiny" in args):
+            # the micro verifier has 2 layers (EAGLE-3's default reads 2, L//2, L-3); its answers are
+            # generated from the tiny pair's corpus, not read from the real pair's cache
+            if "experiment=eagle3" in args:
+                extra = [*ON_THE_TINY_PAIR, *extra]
+            extra += MICRO_EAGLE3
         if command.entry == "train.py" and any(a.startswith("ckpt_path=") for a in args):
             # Each resume continues the newest run (2 steps, then 4 after the first resume, ...) for
             # two more steps: a finished run is refused by design.
@@ -394,7 +409,12 @@ def _order(commands: list[DocCommand]) -> list[DocCommand]:
     """Training first (the tiny pair, then what later commands read), then everything else in
     document order; resumes and sweep tables after what they read."""
     rank = {"experiment=tiny_pair": 0, "experiment=distillspec": 1, "experiment=medusa": 2}
-    rank |= {"experiment=medusa2": 3, "experiment=steering": 4}
+    rank |= {
+        "experiment=medusa2": 3,
+        "experiment=steering": 4,
+        "experiment=eagle3": 4,
+        "experiment=eagle3_tiny": 4,
+    }
 
     def key(c: DocCommand) -> int:
         if c.entry == "train.py" and not c.multirun and len(c.args) == 1 and c.args[0] in rank:

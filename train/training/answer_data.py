@@ -1,7 +1,7 @@
 """The verifier's own answers as training data: where they come from and how they are batched.
 
 A method that trains on the verifier's outputs (EAGLE-3) reads prompt + answer sequences. The answers
-are either a cached folder (``train.pt`` / ``validation.pt`` of :func:`train.models.answers.save_answers`,
+are either a cached folder (one ``.pt`` file per split, validation and train, of :func:`train.models.answers.save_answers`,
 e.g. the real pair's ``checkpoints/smollm2/answers``, generated once by the pair build) or generated
 here, greedily, by the verifier from prompts of the run's data config.
 
@@ -39,15 +39,17 @@ __all__ = [
 SPLITS = ("train", "validation")
 
 
-def answer_row(answer: Answer, max_len: int) -> dict[str, torch.Tensor] | None:
+def answer_row(answer: Answer, max_len: int, prompt_loss: bool = False) -> dict[str, torch.Tensor] | None:
     """``input_ids`` (prompt + answer; a sequence longer than ``max_len`` loses prompt tokens from the
-    left) and ``loss_mask`` (True on the rows that predict an answer token). None for an empty answer or
-    one that alone does not fit ``max_len``."""
+    left) and ``loss_mask`` (True on the rows that predict an answer token; with ``prompt_loss``, on every
+    row that predicts a token of the sequence, prompt included). None for an empty answer or one that
+    alone does not fit ``max_len``."""
     if not answer.answer or len(answer.answer) >= max_len:
         return None
     ids = list(answer.prompt) + list(answer.answer)
     mask = torch.zeros(len(ids), dtype=torch.bool)
-    mask[max(len(answer.prompt) - 1, 0) : len(ids) - 1] = True
+    first = 0 if prompt_loss else max(len(answer.prompt) - 1, 0)
+    mask[first : len(ids) - 1] = True
     cut = max(0, len(ids) - max_len)
     return {"input_ids": torch.tensor(ids[cut:], dtype=torch.long), "loss_mask": mask[cut:]}
 
@@ -118,7 +120,8 @@ def generated_answers(
 
 class AnswerDataModule(L.LightningDataModule):
     """Batches of :func:`collate_answers` over the train / validation answers (train shuffled with a
-    seeded generator, the last incomplete batch dropped; under DDP / FSDP Lightning shards them)."""
+    seeded generator, the last incomplete batch dropped; under DDP / FSDP Lightning shards them).
+    ``prompt_loss``: training rows count the prompt's rows too (validation always the answers' only)."""
 
     def __init__(
         self,
@@ -127,11 +130,16 @@ class AnswerDataModule(L.LightningDataModule):
         batch_size: int,
         max_len: int,
         seed: int = 0,
+        prompt_loss: bool = False,
     ) -> None:
         super().__init__()
         self.pad_id, self.batch_size, self.seed = pad_id, batch_size, seed
         self.rows = {
-            split: [r for a in answers.get(split, []) if (r := answer_row(a, max_len)) is not None]
+            split: [
+                r
+                for a in answers.get(split, [])
+                if (r := answer_row(a, max_len, prompt_loss and split == "train")) is not None
+            ]
             for split in SPLITS
         }
         if len(self.rows["train"]) < batch_size:

@@ -26,7 +26,7 @@ class Eagle3Config:
     optimizer: Any
     scheduler: Any = None
     answers: str | None = None
-    """A folder of the verifier's answers (``train.pt`` / ``validation.pt``, e.g. the real pair's
+    """A folder of the verifier's answers (one ``.pt`` file per split, validation and train, e.g. the real pair's
     ``checkpoints/smollm2/answers``); None: generate them from the run's data (greedy)."""
     num_prompts: int = 1024
     """Answers generated for training when ``answers`` is None (the cached ones are all used)."""
@@ -39,6 +39,9 @@ class Eagle3Config:
     max_len: int = 512
     """Prompt + answer tokens per training row (longer rows lose prompt tokens from the left)."""
     batch_size: int = 8
+    prompt_loss: bool = False
+    """Train on the verifier's rows over the prompt too, not only the answer's (validation: the answer's):
+    the same verifier forward gives 2-3x the targets; the authors train on answers only, with far more of them."""
     ttt_steps: int = 7
     """Training-time test: drafting steps unrolled per sequence (the authors' 7)."""
     decay: float = 0.8
@@ -113,7 +116,7 @@ class Eagle3Config:
             if tokenizer.pad_token_id is not None
             else eos_token_ids(verifier, tokenizer)[0]
         )
-        data = AnswerDataModule(answers, int(pad), self.batch_size, self.max_len, spec.seed)
+        data = AnswerDataModule(answers, int(pad), self.batch_size, self.max_len, spec.seed, self.prompt_loss)
         comparison = pair.drafter if self.compare_pair_drafter else None
         return Eagle3Module(verifier, drafter, self, tokenizer, comparison=comparison), data
 
