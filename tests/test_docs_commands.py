@@ -133,7 +133,7 @@ def _hub_placeholders(arg: str) -> str:
     the shape of a model source, not that it exists)."""
     key, sep, value = arg.partition("=")
     if sep and re.search(r"PATH|RUN/|<\w+>|^/abs/", value):
-        if key in ("drafter", "heads", "steering", "model.drafter", "model.verifier"):
+        if key in ("drafter", "heads", "steering", "eagle3", "model.drafter", "model.verifier"):
             return f"{key}={PLACEHOLDER_HUB_ID}"
         return f"{key}=/placeholder/{key}"
     return arg
