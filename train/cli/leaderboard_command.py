@@ -1,6 +1,6 @@
 """The body of ``scripts/leaderboard.py`` (conf/leaderboard.yaml, docs/leaderboard.md).
 
-1. **Artifacts**: for each experiment of ``experiments`` (distillspec, steering, medusa, medusa2), the
+1. **Artifacts**: for each experiment of ``experiments`` (distillspec, steering, medusa, medusa2, eagle3), the
    newest finished run of it for this verifier (:func:`train.rundir.newest_artifact`); when there is
    none, or with ``retrain=true``, it is trained first, ``python train.py experiment=<name>`` with this
    command's model/data/paths overrides and ``train_overrides``, in that order (steering picks up the
@@ -31,6 +31,7 @@ from train.config import instantiate_group, require
 from train.evaluation import build_eval_config, build_prompts, evaluate_drafters, to_jsonable
 from train.evaluation.eval_config import DECODING_CONF_DIR, known_decoder_configs
 from train.evaluation.leaderboard import leaderboard_markdown, leaderboard_rows
+from train.models.eagle3 import Eagle3Drafter
 from train.models.heads import MedusaHeads
 from train.models.loading import (
     eos_token_ids,
@@ -55,6 +56,8 @@ ARTIFACTS: dict[str, str] = {
     "steering": "steering",
     "medusa": "heads",
     "medusa2": "heads",
+    "eagle3": "eagle3",
+    "eagle3_tiny": "eagle3",
 }
 """The folder each experiment's run exports and the leaderboard loads."""
 
@@ -166,8 +169,12 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         drafters["steered"] = SteeredDrafter(steered, SteeringModule.from_pretrained(steer_dir))
     if heads_dir is not None:
         drafters["medusa-1"] = MedusaHeads.from_pretrained(heads_dir).eval()
-    for model in drafters.values():  # heads read the verifier's states: they sit on its device
-        placed = device if isinstance(model, MedusaHeads) else (drafter_device or device)
+    eagle3_dir = artifacts.get("eagle3") or artifacts.get("eagle3_tiny")
+    if eagle3_dir:  # the real pair's recipe or its tiny-pair twin: one row, "eagle3"
+        weight = next(pair.verifier.parameters())
+        drafters["eagle3"] = Eagle3Drafter.from_pretrained(eagle3_dir).eval().to(dtype=weight.dtype)
+    for model in drafters.values():  # heads and EAGLE-3 read the verifier's states: they sit on its device
+        placed = device if isinstance(model, MedusaHeads | Eagle3Drafter) else (drafter_device or device)
         model.to(placed).requires_grad_(False)
     eos = eos_token_ids(pair.tokenizer, pair.verifier, pair.drafter)
     evaluations: dict[str, dict[str, Any]] = {}

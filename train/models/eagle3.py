@@ -48,12 +48,11 @@ __all__ = [
 
 def default_aux_layers(num_layers: int) -> list[int]:
     """EAGLE-3's three verifier layers for an ``num_layers``-layer verifier: ``[2, L//2, L-3]``, as
-    Hugging Face ``hidden_states`` indices (i = the residual stream entering layer i)."""
-    if num_layers < 4:
-        raise ValueError(
-            f"EAGLE-3 reads layers 2, L//2 and L-3: the verifier needs >= 4 layers, got {num_layers}"
-        )
-    return [2, num_layers // 2, num_layers - 3]
+    Hugging Face ``hidden_states`` indices (i = the residual stream entering layer i). A verifier of
+    fewer than 4 layers (micro test pairs) gets those indices clamped into ``[0, L)``."""
+    if num_layers < 1:
+        raise ValueError(f"the verifier needs at least one layer, got {num_layers}")
+    return [min(max(i, 0), num_layers - 1) for i in (2, num_layers // 2, num_layers - 3)]
 
 
 def draft_vocab_maps(
