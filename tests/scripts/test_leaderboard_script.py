@@ -51,7 +51,7 @@ def test_leaderboard_trains_what_is_missing_then_reuses_it(tmp_path):
     proc = _leaderboard(tmp_path, "first")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     board = json.loads((tmp_path / "first" / "leaderboard.json").read_text())
-    assert set(board["artifacts"]) == {"distillspec_tiny", "steering", "medusa", "medusa2"}
+    assert set(board["artifacts"]) == {"distillspec_tiny", "steering", "medusa", "medusa2", "eagle3_tiny"}
     seen = {(r["drafter"], r["decoder"].split("@")[0]) for r in board["rows"]}
     for pair in [
         ("-", "ar"),
@@ -65,6 +65,7 @@ def test_leaderboard_trains_what_is_missing_then_reuses_it(tmp_path):
         ("medusa-1", "medusa"),
         ("medusa-1", "bpd"),
         ("medusa-2", "medusa"),
+        ("eagle3", "eagle3_8"),
     ]:
         assert pair in seen, pair
     assert all(r["n"] == 2 for r in board["rows"]) and {r["temperature"] for r in board["rows"]} == {0.0, 1.0}
@@ -72,7 +73,7 @@ def test_leaderboard_trains_what_is_missing_then_reuses_it(tmp_path):
     text = (tmp_path / "first" / "leaderboard.md").read_text()
     assert "a model, not a measurement" in text and "medusa-2" in text
     assert (tmp_path / "first" / "eval_main" / "results.json").is_file()
-    assert proc.stdout.count("Training what the leaderboard needs") == 4
+    assert proc.stdout.count("Training what the leaderboard needs") == 5
 
     again = _leaderboard(tmp_path, "second")  # every artifact is found: nothing trains
     assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
