@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -326,3 +327,20 @@ def test_finish_without_evaluation_exports_and_reports_the_validation(tmp_path):
     text = (tmp_path / "run" / "report.md").read_text()
     assert "## EAGLE-3 drafter (last validation)" in text
     assert "| 2 | t+4 |" in text  # one row per step
+
+
+def test_the_speculators_export_names_a_local_verifier_without_this_machines_path(tmp_path):
+    """A verifier loaded from a local folder under the project is named relative to it in config.json
+    and the README (no absolute path of this machine leaves it); a Hub id is kept as it is."""
+    from train.paths import project_root
+
+    module, _ = _build(torch.float32)
+    local = str(Path(project_root()) / "checkpoints" / "smollm2" / "verifier")
+    for source, expected in ((local, "checkpoints/smollm2/verifier"), ("org/verifier", "org/verifier")):
+        module.verifier.config._name_or_path = source
+        module.export(str(tmp_path / expected.replace("/", "_") / "eagle3"))
+        folder = tmp_path / expected.replace("/", "_") / "eagle3_speculators"
+        config = json.loads((folder / "config.json").read_text())
+        assert config["speculators_config"]["verifier"]["name_or_path"] == expected
+        readme = (folder / "README.md").read_text()
+        assert f"vllm serve {expected} " in readme and str(project_root()) not in readme

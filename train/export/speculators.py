@@ -130,7 +130,7 @@ def serving_card(verifier_name_or_path: str, folder: str, speculative_tokens: in
             "",
             "```bash",
             f"vllm serve ./{folder}",
-            "# or, naming the verifier and the draft length yourself:",
+            "# or, naming the verifier (a Hub id or your copy of the folder above) and the draft length:",
             f"vllm serve {verifier_name_or_path} --speculative-config '{config}'",
             "```",
             "",

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from train.export.redaction import path_roots, portable_path
 from train.export.speculators import export_speculators, serving_card
 from train.models.eagle3 import Eagle3Drafter
 from train.tables import format_value, markdown_table
@@ -40,9 +41,12 @@ def drafters_to_evaluate(module: Eagle3Module) -> dict[str, torch.nn.Module]:
     return drafters
 
 
-def verifier_name(module: Eagle3Module) -> str:
+def verifier_name(module: Eagle3Module, out_dir: str | None = None) -> str:
+    """The verifier as the export names it: its Hub id, or its local folder made portable (relative to
+    the project, ``checkpoints/smollm2/verifier``): no absolute path of this machine leaves it."""
     config = getattr(module.verifier, "config", None)
-    return str(getattr(config, "_name_or_path", "") or module.drafter.verifier_name or "verifier")
+    name = str(getattr(config, "_name_or_path", "") or module.drafter.verifier_name or "verifier")
+    return portable_path(name, path_roots(None, out_dir))
 
 
 def export(module: Eagle3Module, out_dir: str) -> Path:
@@ -53,7 +57,7 @@ def export(module: Eagle3Module, out_dir: str) -> Path:
     drafter = module.trained_drafter()
     drafter.save_pretrained(out)
     architectures = list(getattr(getattr(module.verifier, "config", None), "architectures", None) or [])
-    name = verifier_name(module)
+    name = verifier_name(module, str(out))
     speculators = export_speculators(
         drafter,
         out.parent / f"{out.name}{SPECULATORS_SUFFIX}",
