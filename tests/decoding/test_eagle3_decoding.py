@@ -13,7 +13,7 @@ import train.decoding.proposers.eagle3_proposer as proposer_module
 from train.decoding import Draft, Eagle3Decoder, SamplingParams
 from train.decoding.proposers.eagle3_proposer import Eagle3Proposer, select_nodes
 from train.decoding.rules.tree_walk import verify_tree
-from train.models.eagle3 import Eagle3Drafter
+from train.models.eagle3_drafter import Eagle3Drafter
 
 from .decoding_helpers import build, hf_greedy, tiny_config
 from .spec_reference import chi2_critical, chi2_power, chi_square, noncentrality, pooled_cells, run_many

@@ -17,7 +17,7 @@ from train.decoding import SpeculativeDecoder
 from train.decoding.decoders.tree_decoder import tree_size
 from train.evaluation import EvalConfig, build_decoders, build_eval_config, known_decoder_configs
 from train.evaluation.decoder_build import accepted_kinds
-from train.models.eagle3 import Eagle3Drafter
+from train.models.eagle3_drafter import Eagle3Drafter
 from train.models.heads import MedusaHeads
 from train.models.ngram import NGramLM
 from train.models.steering_module import SteeringModule

@@ -20,7 +20,7 @@ from train.config import ConfigError
 from train.methods.eagle3.config import Eagle3Config
 from train.methods.eagle3.module import Eagle3Module
 from train.models.answers import Answer, generate_answers
-from train.models.eagle3 import Eagle3Drafter
+from train.models.eagle3_drafter import Eagle3Drafter
 from train.models.eagle3_ttt import chain_counts
 from train.report import Finishable, finish
 from train.training.answer_data import AnswerDataModule

@@ -1,6 +1,6 @@
 """A test-side reader of the speculators EAGLE-3 layout: it knows only the format (config.json keys and
 tensor names as vllm-project/speculators writes them), not our exporter, and rebuilds an
-:class:`~train.models.eagle3.Eagle3Drafter` from them."""
+:class:`~train.models.eagle3_drafter.Eagle3Drafter` from them."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from train.models.eagle3 import Eagle3Drafter
+from train.models.eagle3_drafter import Eagle3Drafter
 
 LAYER = "layers.0."
 EXPECTED = {

@@ -11,12 +11,12 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 import train.export.speculators as speculators_module
-import train.models.eagle3 as eagle3_module
+import train.models.eagle3_drafter as eagle3_module
 import train.models.eagle3_ttt as ttt_module
 from tests.models.speculators_reference import load_speculators, read_config
 from train.export.speculators import export_speculators
 from train.models.draft_vocab import frequent_tokens
-from train.models.eagle3 import Eagle3Drafter, default_aux_layers, draft_ids_of, draft_vocab_maps
+from train.models.eagle3_drafter import Eagle3Drafter, default_aux_layers, draft_ids_of, draft_vocab_maps
 from train.models.eagle3_ttt import step_loss, ttt_loss, ttt_unroll
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread (tests/conftest.py)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from train.models.eagle3 import Eagle3Drafter
+from train.models.eagle3_drafter import Eagle3Drafter
 from train.models.eagle3_ttt import chain_counts, step_hits, ttt_loss, ttt_unroll
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread (tests/conftest.py)

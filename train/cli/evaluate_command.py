@@ -3,7 +3,7 @@
 Top-level shortcuts of conf/eval.yaml: ``drafter=PATH`` replaces ``model.drafter``; ``heads=PATH``
 (a folder or Hub id of :class:`~train.models.heads.MedusaHeads`) adds prediction heads, which the
 decoders that take heads (``decoding=medusa``) run while the others run the drafter;
-``eagle3=PATH`` (an :class:`~train.models.eagle3.Eagle3Drafter`) adds an EAGLE-3 drafter for
+``eagle3=PATH`` (an :class:`~train.models.eagle3_drafter.Eagle3Drafter`) adds an EAGLE-3 drafter for
 ``decoding=eagle3``; ``decoding=<name>`` picks the decoder config that ``eval.decoders`` holds by default (labelled by that name);
 ``gamma=N`` sets that config's draft length; ``gammas=[...]`` is ``eval.gammas``.
 """
@@ -28,7 +28,7 @@ from train.evaluation.eval_config import (
 from train.evaluation.prompts import build_prompts
 from train.evaluation.results import results_table
 from train.evaluation.runner import evaluate_drafters
-from train.models.eagle3 import Eagle3Drafter
+from train.models.eagle3_drafter import Eagle3Drafter
 from train.models.heads import MedusaHeads
 from train.models.loading import eos_token_ids, load_pair, place_pair, resolve_devices
 from train.pairs.built import ensure_built_pair

@@ -31,7 +31,7 @@ from train.config import instantiate_group, require
 from train.evaluation import build_eval_config, build_prompts, evaluate_drafters, to_jsonable
 from train.evaluation.eval_config import DECODING_CONF_DIR, known_decoder_configs
 from train.evaluation.leaderboard import leaderboard_markdown, leaderboard_rows
-from train.models.eagle3 import Eagle3Drafter
+from train.models.eagle3_drafter import Eagle3Drafter
 from train.models.heads import MedusaHeads
 from train.models.loading import (
     eos_token_ids,

@@ -7,7 +7,7 @@ and ``model.safetensors`` with speculators' tensor names (vllm-project/speculato
 ``layers.0.self_attn.{q,k,v,o}_proj.weight``, ``layers.0.mlp.{gate,up,down}_proj.weight``,
 ``layers.0.{input_layernorm,hidden_norm,post_attention_layernorm}.weight``, ``norm.weight``,
 ``lm_head.weight`` (N, h), ``d2t`` (int64, N), ``t2d`` (bool, V) and, optionally,
-``embed_tokens.weight``. :class:`~train.models.eagle3.Eagle3Drafter` uses these names itself, so its
+``embed_tokens.weight``. :class:`~train.models.eagle3_drafter.Eagle3Drafter` uses these names itself, so its
 state dict is written as it is.
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 
 from safetensors.torch import save_file
 
-from train.models.eagle3 import Eagle3Drafter
+from train.models.eagle3_drafter import Eagle3Drafter
 
 __all__ = [
     "export_speculators",

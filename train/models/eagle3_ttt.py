@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from train.models.eagle3 import Eagle3Drafter
+from train.models.eagle3_drafter import Eagle3Drafter
 
 __all__ = [
     "TTTResult",

@@ -15,13 +15,13 @@ import torch
 from train.decoding.decoders.base import DraftTreeDecoder
 from train.decoding.model_call import TimedModel
 from train.decoding.proposers.eagle3_proposer import Eagle3Proposer
-from train.models.eagle3 import Eagle3Drafter
+from train.models.eagle3_drafter import Eagle3Drafter
 
 __all__ = ["Eagle3Decoder", "check_eagle3"]
 
 
 class Eagle3Decoder(DraftTreeDecoder):
-    """Speculative decoding with an :class:`~train.models.eagle3.Eagle3Drafter`: trees of at most
+    """Speculative decoding with an :class:`~train.models.eagle3_drafter.Eagle3Drafter`: trees of at most
     ``total_tokens`` nodes and ``depth`` levels, each expanded level its ``top_k`` best nodes, each node
     its ``top_k`` best children (``top_k=1``: a chain of ``depth`` tokens). Same ``generate`` as the
     other decoders."""

@@ -3,7 +3,7 @@
 :class:`Eagle3Proposer` reads the verifier's hidden states at the drafter's auxiliary layers
 (``hidden_layers``), which the synchronous loop hands it for every position a verifier forward
 committed (``observe``; no extra forward). The drafter's input at position p is the pair (feature of
-position p, token at p + 1) at RoPE position p (:mod:`train.models.eagle3`, docs/eagle3.md), so its KV
+position p, token at p + 1) at RoPE position p (:mod:`train.models.eagle3_drafter`, docs/eagle3.md), so its KV
 cache always holds one entry per committed position but the last one: before drafting, the pairs of the
 newly committed positions are fed (the catch-up forward), and the output at the last of them is the root
 of the tree.
@@ -35,7 +35,7 @@ from train.decoding.cache import cache_length, crop_cache
 from train.decoding.draft import Draft
 from train.decoding.metrics import DecodeStats
 from train.decoding.sampling import SamplingParams
-from train.models.eagle3 import Eagle3Drafter
+from train.models.eagle3_drafter import Eagle3Drafter
 
 __all__ = ["Eagle3Proposer", "node_mask", "select_nodes"]
 

@@ -9,7 +9,7 @@ import lightning as L
 
 from train.config import ConfigError, require
 from train.models.draft_vocab import frequent_tokens
-from train.models.eagle3 import Eagle3Drafter
+from train.models.eagle3_drafter import Eagle3Drafter
 from train.training.answer_data import AnswerDataModule, cached_answers, eos_token_ids, generated_answers
 from train.training.optim import check_optimizer
 

@@ -12,7 +12,7 @@ import torch
 
 from train.export.redaction import path_roots, portable_path
 from train.export.speculators import export_speculators, serving_card
-from train.models.eagle3 import Eagle3Drafter
+from train.models.eagle3_drafter import Eagle3Drafter
 from train.tables import format_value, markdown_table
 
 if TYPE_CHECKING:

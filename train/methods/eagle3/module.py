@@ -36,7 +36,7 @@ import torch
 
 from train.methods.eagle3 import finish as finish_step
 from train.methods.eagle3.config import Eagle3Config
-from train.models.eagle3 import Eagle3Drafter
+from train.models.eagle3_drafter import Eagle3Drafter
 from train.models.eagle3_ttt import TTTResult, chain_counts, ttt_loss
 from train.training.optim import clip_gradients, configure_optimizers, weights_dtype
 
