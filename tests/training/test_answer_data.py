@@ -15,10 +15,10 @@ from train.config import ConfigError
 from train.models.answers import Answer, save_answers
 from train.training.answer_data import (
     AnswerDataModule,
+    answer_eos_ids,
     answer_row,
     cached_answers,
     collate_answers,
-    eos_token_ids,
 )
 
 PAD = 258
@@ -148,16 +148,17 @@ def _verifier(eos) -> SimpleNamespace:
     return SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=eos))
 
 
-def test_eos_token_ids_from_the_generation_config_then_the_tokenizer():
+def test_answer_eos_ids_are_the_tokenizers_then_the_generation_configs():
+    """The project's eos rule (train.models.loading.eos_token_ids), and an error when nothing names one."""
     tok = make_tokenizer()
     assert tok.eos_token_id == 257
-    assert eos_token_ids(_verifier([3, 7]), tok) == [3, 7]
-    assert eos_token_ids(_verifier(5), tok) == [5]
-    assert eos_token_ids(_verifier(None), tok) == [257]  # the tokenizer's fallback
-    assert eos_token_ids(SimpleNamespace(), tok) == [257]  # no generation config at all
-    assert eos_token_ids(_verifier(None), SimpleNamespace(eos_token_id=9)) == [9]
+    assert answer_eos_ids(_verifier([3, 7]), tok) == [257, 3, 7]
+    assert answer_eos_ids(_verifier(5), tok) == [257, 5]
+    assert answer_eos_ids(_verifier(None), tok) == [257]
+    assert answer_eos_ids(SimpleNamespace(), tok) == [257]  # no generation config at all
+    assert answer_eos_ids(_verifier(None), SimpleNamespace(eos_token_id=9)) == [9]
     with pytest.raises(ValueError, match="eos"):
-        eos_token_ids(_verifier(None), SimpleNamespace(eos_token_id=None))
+        answer_eos_ids(_verifier(None), SimpleNamespace(eos_token_id=None))
 
 
 # ------------------------------------------------------------------------------------------ data module

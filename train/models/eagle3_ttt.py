@@ -246,13 +246,15 @@ def ttt_loss(
     steps: int = 7,
     decay: float = 0.8,
     position_ids: torch.Tensor | None = None,
+    chain_stats: bool = True,
 ) -> TTTResult:
     """The training-time test's losses and accuracies (see the module docstring).
 
     aux_states: (B, T, 3h), the verifier's concatenated auxiliary states (fused here with ``fc``);
     input_ids: (B, T); verifier_logits: (B, T, V); loss_mask: (B, T), position j counts as a target
     (the verifier's row j) where it is true (None: everywhere); steps: K; position_ids: (B, T) base RoPE
-    positions (default ``arange(T)``; step k adds k)."""
+    positions (default ``arange(T)``; step k adds k); chain_stats: also fill ``eligible`` / ``hits`` (what
+    :func:`chain_counts` reads; validation needs them, a training step does not)."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     mask = torch.ones_like(input_ids, dtype=torch.bool) if loss_mask is None else loss_mask.bool()
@@ -268,7 +270,8 @@ def ttt_loss(
         result.losses.append(loss)
         result.accuracies.append(accuracy)
         result.counts.append(int(kept.sum()))
-        result.eligible.append(keep)
-        result.hits.append(argmax_hits(logits.detach(), targets.argmax, draft_ids, k) & kept)
+        if chain_stats:
+            result.eligible.append(keep)
+            result.hits.append(argmax_hits(logits.detach(), targets.argmax, draft_ids, k) & kept)
         result.loss = result.loss + (decay**k) * loss
     return result

@@ -26,13 +26,14 @@ from train.config import ConfigError
 from train.data.lm import make_prompts
 from train.data.sources import load_text_dataset
 from train.models.answers import Answer, generate_answers, load_answers
+from train.models.loading import eos_token_ids
 
 __all__ = [
     "AnswerDataModule",
     "answer_row",
     "cached_answers",
     "collate_answers",
-    "eos_token_ids",
+    "answer_eos_ids",
     "generated_answers",
 ]
 
@@ -84,13 +85,10 @@ def cached_answers(folder: str | os.PathLike[str], key: str = "method.answers") 
     return {s: load_answers(str(root / f"{s}.pt")) for s in SPLITS}
 
 
-def eos_token_ids(verifier: Any, tokenizer: Any) -> list[int]:
-    """The ids that end an answer: the verifier's generation config's, else the tokenizer's eos."""
-    configured = getattr(getattr(verifier, "generation_config", None), "eos_token_id", None)
-    listed = configured if isinstance(configured, list) else [configured]
-    ids = [int(i) for i in listed if i is not None]
-    if not ids and getattr(tokenizer, "eos_token_id", None) is not None:
-        ids = [int(tokenizer.eos_token_id)]
+def answer_eos_ids(verifier: Any, tokenizer: Any) -> list[int]:
+    """The ids that end an answer (:func:`train.models.loading.eos_token_ids`: the tokenizer's eos,
+    then the verifier's generation config's); ValueError when neither names one."""
+    ids = eos_token_ids(tokenizer, verifier)
     if not ids:
         raise ValueError("neither the verifier's generation config nor the tokenizer names an eos token")
     return ids
@@ -109,7 +107,7 @@ def generated_answers(
     """The verifier's greedy answers (``answer_tokens`` at most) to ``counts[split]`` prompts of each
     split of ``data`` (a data config), each prompt at most ``prompt_len`` tokens."""
     splits = load_text_dataset(data, tokenizer)
-    eos = eos_token_ids(verifier, tokenizer)
+    eos = answer_eos_ids(verifier, tokenizer)
     out: dict[str, list[Answer]] = {}
     for split, count in counts.items():
         prompts = make_prompts(splits[split], tokenizer, prompt_len, count, seed, continuation_len=0)

@@ -10,7 +10,7 @@ import lightning as L
 from train.config import ConfigError, require
 from train.models.draft_vocab import frequent_tokens
 from train.models.eagle3_drafter import Eagle3Drafter
-from train.training.answer_data import AnswerDataModule, cached_answers, eos_token_ids, generated_answers
+from train.training.answer_data import AnswerDataModule, answer_eos_ids, cached_answers, generated_answers
 from train.training.optim import check_optimizer
 
 __all__ = ["Eagle3Config"]
@@ -114,7 +114,7 @@ class Eagle3Config:
         pad = (
             tokenizer.pad_token_id
             if tokenizer.pad_token_id is not None
-            else eos_token_ids(verifier, tokenizer)[0]
+            else answer_eos_ids(verifier, tokenizer)[0]
         )
         data = AnswerDataModule(answers, int(pad), self.batch_size, self.max_len, spec.seed, self.prompt_loss)
         comparison = pair.drafter if self.compare_pair_drafter else None
@@ -135,7 +135,7 @@ class Eagle3Config:
         vocab = int(verifier.config.vocab_size)
         ids = None
         if self.draft_vocab_size is not None and self.draft_vocab_size < vocab:
-            always = eos_token_ids(verifier, tokenizer)
+            always = answer_eos_ids(verifier, tokenizer)
             ids = frequent_tokens((a.answer for a in train_answers), self.draft_vocab_size, always=always)
         try:
             return Eagle3Drafter.from_verifier(verifier, aux_layers=self.aux_layers, draft_ids=ids)

@@ -102,7 +102,8 @@ class Eagle3Module(L.LightningModule):
             )
         return torch.cat(self.drafter.aux_features(out.hidden_states), dim=-1), out.logits
 
-    def ttt(self, batch: dict[str, torch.Tensor]) -> TTTResult:
+    def ttt(self, batch: dict[str, torch.Tensor], chain_stats: bool = True) -> TTTResult:
+        """The training-time test on ``batch``; ``chain_stats``: with the per-position hits validation reads."""
         aux, logits = self.verifier_features(batch)
         return ttt_loss(
             self.drafter,
@@ -112,10 +113,11 @@ class Eagle3Module(L.LightningModule):
             batch["loss_mask"],
             steps=self.cfg.ttt_steps,
             decay=self.cfg.decay,
+            chain_stats=chain_stats,
         )
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        result = self.ttt(batch)
+        result = self.ttt(batch, chain_stats=False)
         if not torch.isfinite(result.loss):
             raise FloatingPointError(
                 f"the EAGLE-3 loss is {float(result.loss)} at step {self.global_step}; lower method.optimizer.lr"
