@@ -297,6 +297,14 @@ MICRO_EAGLE3 = [
     "method.answer_tokens=8",
     "method.max_len=96",
 ]
+MICRO_MEDUSA = [  # answers generated from the tiny pair's corpus (the real pair's cache is not read)
+    "method.num_prompts=8",
+    "method.num_val_prompts=2",
+    "method.answer_tokens=8",
+    "method.answer_prompt_len=32",
+    "method.max_len=96",
+    "method.draft_vocab_size=64",
+]
 ON_THE_TINY_PAIR = ["model=tiny", "data=stdlib", "method.prompt_len=64", "eval.prompt_len=64"]
 MICRO_TRAINING_RUNS = "train_overrides=[" + ",".join(f"'{o}'" for o in MICRO_TRAIN + MICRO_EVAL) + "]"
 MICRO_ARGS: dict[str, list[str]] = {
@@ -395,6 +403,10 @@ class Workspace:
             if "experiment=eagle3" in args:
                 extra = [*ON_THE_TINY_PAIR, *extra]
             extra += MICRO_EAGLE3
+        if command.entry == "train.py" and ("experiment=medusa" in args or "experiment=medusa2" in args):
+            if not any(a.startswith("model=") for a in args):
+                extra = ["model=tiny", "data=stdlib", "eval.prompt_len=64", *extra]
+            extra += MICRO_MEDUSA
         if command.entry == "train.py" and any(a.startswith("ckpt_path=") for a in args):
             # Each resume continues the newest run (2 steps, then 4 after the first resume, ...) for
             # two more steps: a finished run is refused by design.
@@ -410,7 +422,9 @@ def _order(commands: list[DocCommand]) -> list[DocCommand]:
     document order; resumes and sweep tables after what they read."""
     rank = {"experiment=tiny_pair": 0, "experiment=distillspec": 1, "experiment=medusa": 2}
     rank |= {
+        "experiment=medusa_tiny": 2,
         "experiment=medusa2": 3,
+        "experiment=medusa2_tiny": 3,
         "experiment=steering": 4,
         "experiment=eagle3": 4,
         "experiment=eagle3_tiny": 4,

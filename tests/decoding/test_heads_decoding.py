@@ -19,8 +19,9 @@ from .decoding_helpers import build, hf_greedy, tiny_config
 from .spec_reference import chi2_critical, chi_square, run_many
 
 
-def random_heads(verifier, seed: int = 0) -> MedusaHeads:
-    heads = MedusaHeads.from_verifier(verifier, 4, 1)
+def random_heads(verifier, seed: int = 0, draft_vocab: list[int] | None = None) -> MedusaHeads:
+    """Heads from the verifier's lm_head (over ``draft_vocab``'s rows only when given), blocks perturbed."""
+    heads = MedusaHeads.from_verifier(verifier, 4, 1, draft_vocab=draft_vocab)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in heads.blocks.parameters():
@@ -61,6 +62,19 @@ def test_greedy_equals_hf_generate_with_random_heads(arch, tree, tiny_pairs):
     for prompt, n in (([0, 5, 9, 3, 7], 25), ([0, 44], 6)):
         ids = torch.tensor([prompt])
         assert decoder.generate(ids, n).tokens.tolist() == hf_greedy(verifier, ids, n)
+
+
+@pytest.mark.parametrize("tree", ["default", "chain"])
+def test_greedy_equals_hf_generate_with_heads_over_a_draft_vocabulary(tree, tiny_pairs):
+    """Heads projecting onto every third id (the rest -inf): candidates from the draft rows only, output
+    unchanged."""
+    verifier, _ = tiny_pairs["llama"]
+    heads = random_heads(verifier, draft_vocab=list(range(0, int(verifier.config.vocab_size), 3)))
+    decoder = HeadsDecoder(verifier, heads, None if tree == "default" else chain_choices(3))
+    for prompt, n in (([0, 5, 9, 3, 7], 25), ([0, 44], 6)):
+        ids = torch.tensor([prompt])
+        result = decoder.generate(ids, n)
+        assert result.tokens.tolist() == hf_greedy(verifier, ids, n)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
@@ -128,12 +142,14 @@ def exact_law(model, prompt: list[int], n: int, params: SamplingParams) -> dict[
 
 
 @pytest.mark.parametrize(
-    "params", [SamplingParams(1.0), SamplingParams(0.7, top_k=4)], ids=["T1", "T0.7-top_k4"]
+    ("params", "draft_vocab"),
+    [(SamplingParams(1.0), None), (SamplingParams(0.7, top_k=4), None), (SamplingParams(1.0), [0, 2, 3, 5])],
+    ids=["T1", "T0.7-top_k4", "T1-draft-vocab"],
 )
-def test_sampled_output_law_is_the_verifiers(small_verifier, params):
+def test_sampled_output_law_is_the_verifiers(small_verifier, params, draft_vocab):
     prompt, n_new, runs = [1, 2], 3, 3000
     law = exact_law(small_verifier, prompt, n_new, params)
-    heads = random_heads(small_verifier, seed=3)
+    heads = random_heads(small_verifier, seed=3, draft_vocab=draft_vocab)
     decoder = HeadsDecoder(small_verifier, heads, [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
     result = run_many(decoder, prompt, n_new, params, runs, seed=0)
     stat, df = chi_square(result.counts, law, runs)

@@ -19,10 +19,21 @@ def load_vllm_medusa(folder: str | os.PathLike[str]) -> MedusaHeads:
     config = json.loads((path / "config.json").read_text())
     if config.get("model_type") != "medusa":
         raise ValueError(f"{path}/config.json: model_type is {config.get('model_type')!r}, not 'medusa'")
-    heads = MedusaHeads(
-        config["hidden_size"], config["vocab_size"], config["num_heads"], config["num_hidden_layers"]
-    )
     state = load_file(str(path / "model.safetensors"))
+    # vLLM's truncated vocabulary: lm_heads of truncated_vocab_size rows, token_map their verifier ids
+    truncated = config.get("truncated_vocab_size")
+    token_map = state.pop("token_map", None)
+    if (truncated is None) != (token_map is None) or (
+        token_map is not None and (token_map.dtype != torch.long or len(token_map) != truncated)
+    ):
+        raise ValueError(f"{path}: truncated_vocab_size {truncated} does not match the token_map tensor")
+    heads = MedusaHeads(
+        config["hidden_size"],
+        config["vocab_size"],
+        config["num_heads"],
+        config["num_hidden_layers"],
+        draft_vocab=None if token_map is None else token_map.tolist(),
+    )
     expected = set(heads.state_dict())
     if set(state) != expected:
         raise ValueError(f"{path}: tensors {sorted(set(state) ^ expected)} do not match the Medusa layout")

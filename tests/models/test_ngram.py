@@ -63,3 +63,14 @@ def test_bad_input_is_refused(tmp_path):
         NGramLM(2, V).logprob([[0]], [1])
     with pytest.raises(FileNotFoundError, match="no n-gram model"):
         NGramLM.load(tmp_path)
+
+
+def test_a_real_vocabulary_fits_a_4gram_key_and_one_too_large_is_refused():
+    """SmolLM2's 49,152 ids: 49152**4 < 2**63, so 4-gram keys (and context x vocabulary) fit int64."""
+    vocab = 49152
+    top = vocab - 1
+    lm = NGramLM(4, vocab).fit([[top, top - 1, top, top - 1, top], [0, 1, 2, 3]])
+    logp = lm.logprob([[top, top - 1, top]], [top - 1])
+    assert np.isfinite(logp).all() and float(np.exp(logp[0])) > 0.5  # the seen continuation dominates
+    with pytest.raises(ValueError, match="does not fit an int64 key"):
+        NGramLM(4, 55109)  # 55109**4 > 2**63

@@ -51,7 +51,13 @@ def test_leaderboard_trains_what_is_missing_then_reuses_it(tmp_path):
     proc = _leaderboard(tmp_path, "first")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     board = json.loads((tmp_path / "first" / "leaderboard.json").read_text())
-    assert set(board["artifacts"]) == {"distillspec_tiny", "steering", "medusa", "medusa2", "eagle3_tiny"}
+    assert set(board["artifacts"]) == {
+        "distillspec_tiny",
+        "steering",
+        "medusa_tiny",
+        "medusa2_tiny",
+        "eagle3_tiny",
+    }
     seen = {(r["drafter"], r["decoder"].split("@")[0]) for r in board["rows"]}
     for pair in [
         ("-", "ar"),

@@ -55,7 +55,9 @@ ARTIFACTS: dict[str, str] = {
     "distillspec_tiny": "drafter",
     "steering": "steering",
     "medusa": "heads",
+    "medusa_tiny": "heads",
     "medusa2": "heads",
+    "medusa2_tiny": "heads",
     "eagle3": "eagle3",
     "eagle3_tiny": "eagle3",
 }
@@ -149,7 +151,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
 
     device, drafter_device = resolve_devices(cfg.get("device"), cfg.get("drafter_device"))
     pair = place_pair(load_pair(model_cfg, freeze_drafter=True), device, drafter_device)
-    heads_dir = artifacts.get("medusa")
+    heads_dir = artifacts.get("medusa") or artifacts.get("medusa_tiny")
     names = list(cfg.eval.decoders)
     eval_node = OmegaConf.to_container(cfg.eval, resolve=True)
     assert isinstance(eval_node, dict)
@@ -187,8 +189,8 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         eos_token_id=eos,
         out_dir=os.path.join(run_dir, "eval_main"),
     )
-    if "medusa2" in artifacts:
-        medusa2 = artifacts["medusa2"]
+    medusa2 = artifacts.get("medusa2") or artifacts.get("medusa2_tiny")
+    if medusa2:
         verifier2: Any = load_model(
             os.path.join(os.path.dirname(medusa2), "verifier"), model_cfg.verifier_dtype or model_cfg.dtype
         )

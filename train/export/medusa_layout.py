@@ -5,7 +5,11 @@
 ``heads_vllm/`` holds the same tensors under the same names (``blocks.{h}.layers.{l}.weight`` /
 ``.bias``, ``lm_heads.{h}.weight``) with the ``config.json`` vLLM expects of a Medusa speculator:
 ``model_type: medusa``, ``hidden_size``, ``vocab_size``, ``num_heads``, ``num_hidden_layers`` (the
-residual layers per head) and ``medusa_fc_bias: true`` (our residual layers have a bias).
+residual layers per head) and ``medusa_fc_bias: true`` (our residual layers have a bias). Heads over a draft vocabulary
+(``draft_vocab``) are what vLLM calls a truncated vocabulary: ``truncated_vocab_size`` is the number of
+rows of each ``lm_heads.{h}.weight`` and the ``token_map`` tensor holds the verifier id of each row
+(vLLM scatters the heads' logits into the full vocabulary with it, ``-inf`` elsewhere, as
+:meth:`MedusaHeads.forward` does).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import json
 import os
 from pathlib import Path
 
+import torch
 from safetensors.torch import save_file
 
 from train.models.heads import MedusaHeads
@@ -33,9 +38,11 @@ def export_vllm_medusa(heads: MedusaHeads, folder: str | os.PathLike[str]) -> Pa
         "num_heads": heads.num_heads,
         "num_hidden_layers": heads.num_layers,
         "medusa_fc_bias": True,
-        "truncated_vocab_size": None,
+        "truncated_vocab_size": None if heads.draft_vocab is None else len(heads.draft_vocab),
     }
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     tensors = {name: t.detach().to("cpu").contiguous() for name, t in heads.state_dict().items()}
+    if heads.draft_vocab is not None:
+        tensors["token_map"] = torch.tensor(heads.draft_vocab, dtype=torch.long)
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     return path

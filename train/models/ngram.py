@@ -66,7 +66,8 @@ class NGramLM:
             raise ValueError(f"order must be an integer >= 1, got {order!r}")
         if not 0.0 < discount < 1.0:
             raise ValueError(f"discount must be in (0, 1), got {discount!r}")
-        if vocab_size < 2 or float(vocab_size) ** order >= 2.0**62:
+        # every key (and a context key times vocab_size) is below vocab_size ** order: int64 holds 2**63 - 1
+        if vocab_size < 2 or int(vocab_size) ** order > 2**63:
             raise ValueError(f"vocab_size {vocab_size} ** order {order} does not fit an int64 key")
         self.order, self.vocab_size, self.discount = order, int(vocab_size), float(discount)
         self._orders: list[_Order] = []

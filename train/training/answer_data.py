@@ -33,8 +33,11 @@ __all__ = [
     "answer_row",
     "cached_answers",
     "collate_answers",
+    "answer_batches",
     "answer_eos_ids",
     "generated_answers",
+    "pair_answers_folder",
+    "run_answers",
 ]
 
 SPLITS = ("train", "validation")
@@ -114,6 +117,51 @@ def generated_answers(
         rows = [list(ids) for ids in prompts["input_ids"]]
         out[split] = generate_answers(verifier, rows, eos, answer_tokens, batch_size=batch_size, top_k=1)
     return out
+
+
+def pair_answers_folder(model: Any) -> str | None:
+    """Where the pair of a model config keeps the verifier's answers: the real pair's build writes them
+    to ``<model.smollm2.out_dir>/answers``; None for a pair that has none (the tiny pair, a Hub pair)."""
+    build = getattr(model, "smollm2", None)
+    return None if build is None else str(Path(build.out_dir) / "answers")
+
+
+def run_answers(
+    source: str | None,
+    pair: Any,
+    spec: Any,
+    counts: dict[str, int],
+    prompt_len: int,
+    answer_tokens: int,
+    answer_batch: int,
+) -> dict[str, list[Answer]]:
+    """A method's training answers from its ``method.answers`` setting ``source``: a folder (cached, all
+    used); ``"pair"``: the pair's own cached answers (:func:`pair_answers_folder`), generated like None
+    for a pair without them; None: ``counts[split]`` answers generated greedily from the run's data."""
+    folder = pair_answers_folder(spec.model) if source == "pair" else source
+    if folder is not None:
+        return cached_answers(folder)
+    return generated_answers(
+        pair.verifier, pair.tokenizer, spec.data, counts, prompt_len, answer_tokens, answer_batch, spec.seed
+    )
+
+
+def answer_batches(
+    answers: dict[str, list[Answer]],
+    verifier: Any,
+    tokenizer: Any,
+    batch_size: int,
+    max_len: int,
+    seed: int,
+    prompt_loss: bool = False,
+) -> AnswerDataModule:
+    """:class:`AnswerDataModule` padded with the tokenizer's pad id (else the first eos id)."""
+    pad = (
+        tokenizer.pad_token_id
+        if tokenizer.pad_token_id is not None
+        else answer_eos_ids(verifier, tokenizer)[0]
+    )
+    return AnswerDataModule(answers, int(pad), batch_size, max_len, seed, prompt_loss)
 
 
 class AnswerDataModule(L.LightningDataModule):

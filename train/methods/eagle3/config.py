@@ -10,7 +10,7 @@ import lightning as L
 from train.config import ConfigError, require
 from train.models.draft_vocab import frequent_tokens
 from train.models.eagle3_drafter import Eagle3Drafter
-from train.training.answer_data import AnswerDataModule, answer_eos_ids, cached_answers, generated_answers
+from train.training.answer_data import answer_batches, answer_eos_ids, run_answers
 from train.training.optim import check_optimizer
 
 __all__ = ["Eagle3Config"]
@@ -27,7 +27,8 @@ class Eagle3Config:
     scheduler: Any = None
     answers: str | None = None
     """A folder of the verifier's answers (one ``.pt`` file per split, validation and train, e.g. the real pair's
-    ``checkpoints/smollm2/answers``); None: generate them from the run's data (greedy)."""
+    ``checkpoints/smollm2/answers``); ``pair``: the pair's own (generated when it has none); None: generate
+    them from the run's data (greedy)."""
     num_prompts: int = 1024
     """Answers generated for training when ``answers`` is None (the cached ones are all used)."""
     num_val_prompts: int = 32
@@ -96,27 +97,14 @@ class Eagle3Config:
         from train.methods.eagle3.module import Eagle3Module  # noqa: I001 -- the module imports this config (a cycle)
 
         verifier, tokenizer = pair.verifier, pair.tokenizer
-        if self.answers is not None:
-            answers = cached_answers(self.answers)
-        else:
-            counts = {"train": self.num_prompts, "validation": self.num_val_prompts}
-            answers = generated_answers(
-                verifier,
-                tokenizer,
-                spec.data,
-                counts,
-                self.prompt_len,
-                self.answer_tokens,
-                self.answer_batch,
-                spec.seed,
-            )
-        drafter = self.drafter(verifier, tokenizer, answers["train"])
-        pad = (
-            tokenizer.pad_token_id
-            if tokenizer.pad_token_id is not None
-            else answer_eos_ids(verifier, tokenizer)[0]
+        counts = {"train": self.num_prompts, "validation": self.num_val_prompts}
+        answers = run_answers(
+            self.answers, pair, spec, counts, self.prompt_len, self.answer_tokens, self.answer_batch
         )
-        data = AnswerDataModule(answers, int(pad), self.batch_size, self.max_len, spec.seed, self.prompt_loss)
+        drafter = self.drafter(verifier, tokenizer, answers["train"])
+        data = answer_batches(
+            answers, verifier, tokenizer, self.batch_size, self.max_len, spec.seed, self.prompt_loss
+        )
         comparison = pair.drafter if self.compare_pair_drafter else None
         return Eagle3Module(verifier, drafter, self, tokenizer, comparison=comparison), data
 

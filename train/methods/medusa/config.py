@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -11,11 +12,11 @@ from train.config import require
 from train.data.datamodule import packed_corpus
 from train.data.lm import document_token_ids
 from train.data.sources import load_text_dataset
+from train.models.draft_vocab import frequent_tokens
 from train.models.heads import MedusaHeads
 from train.models.lora import LoraSettings
-from train.training.optim import (
-    check_optimizer,
-)
+from train.training.answer_data import answer_batches, answer_eos_ids, run_answers
+from train.training.optim import check_optimizer
 
 __all__ = ["MedusaConfig"]
 
@@ -57,6 +58,24 @@ class MedusaConfig:
     self_distill_temperature: float = 0.3
     prompt_len: int = 16
     """Self-distillation: the corpus tokens each regenerated block starts from."""
+    answers: str | None = None
+    """Train on the verifier's own answers instead of packed corpus blocks (self-distillation without
+    regenerating): a folder of them (e.g. ``checkpoints/smollm2/answers``), ``pair`` (the pair's own,
+    generated from the run's data when it has none) or None (the corpus). Heads learn the answer tokens;
+    with ``self_distill`` against the verifier's soft targets at those tokens."""
+    max_len: int = 384
+    """Answers: a sequence longer than this loses prompt tokens from the left."""
+    prompt_loss: bool = False
+    """Answers: the prompt's tokens are targets too (validation: the answers' only)."""
+    num_prompts: int = 256
+    """Answers generated for training when none are cached (validation: ``num_val_prompts``)."""
+    num_val_prompts: int = 16
+    answer_prompt_len: int = 128
+    answer_tokens: int = 64
+    answer_batch: int = 16
+    draft_vocab_size: int | None = None
+    """Each head projects onto the this many most frequent tokens of the training targets (the eos ids
+    among them) instead of the whole vocabulary (models/heads.py); None: the whole vocabulary."""
     ngram_orders: list[int] = field(default_factory=list)
     """n-gram models over token ids (orders 2..4) estimated from the training split and saved with the
     heads (``heads/ngram_<n>/``), for BPD's rescoring (train.decoding.refine, docs/bpd.md)."""
@@ -106,6 +125,20 @@ class MedusaConfig:
             "a list of n-gram orders in 1..4",
             self.ngram_orders,
         )
+        for key in ("max_len", "num_prompts", "num_val_prompts", "answer_prompt_len", "answer_batch"):
+            require(getattr(self, key) >= 1, f"method.{key}", ">= 1", getattr(self, key))
+        require(
+            self.answer_tokens >= self.num_heads + 2,
+            "method.answer_tokens",
+            f">= num_heads + 2 ({self.num_heads + 2})",
+            self.answer_tokens,
+        )
+        require(
+            self.draft_vocab_size is None or self.draft_vocab_size >= max(self.tree_top, 2),
+            "method.draft_vocab_size",
+            f"null or >= tree_top ({self.tree_top})",
+            self.draft_vocab_size,
+        )
         self.lora = LoraSettings.coerce(self.lora, "method.lora")
         require(
             not self.joint or self.lora.enabled,
@@ -118,7 +151,50 @@ class MedusaConfig:
         """Heads from ``init_heads`` or the pair's verifier (its lm_head), trained on packed ``spec.data``."""
         from train.methods.medusa.module import MedusaModule  # noqa: I001 -- the module imports this config (a cycle)
 
-        data = packed_corpus(spec.data, pair.tokenizer, self.seq_len, self.batch_size, spec.seed)
+        verifier, tokenizer = pair.verifier, pair.tokenizer
+        answers = None
+        if self.answers is not None:
+            counts = {"train": self.num_prompts, "validation": self.num_val_prompts}
+            answers = run_answers(
+                self.answers,
+                pair,
+                spec,
+                counts,
+                self.answer_prompt_len,
+                self.answer_tokens,
+                self.answer_batch,
+            )
+            data: L.LightningDataModule = answer_batches(
+                answers, verifier, tokenizer, self.batch_size, self.max_len, spec.seed, self.prompt_loss
+            )
+        else:
+            data = packed_corpus(spec.data, tokenizer, self.seq_len, self.batch_size, spec.seed)
+
+        def training_documents() -> list[list[int]]:
+            if answers is not None:
+                return [list(a.prompt) + list(a.answer) for a in answers["train"]]
+            return document_token_ids(load_text_dataset(spec.data, tokenizer)["train"], tokenizer)
+
+        def target_tokens() -> list[list[int]]:  # what the heads learn to guess
+            if answers is not None and not self.prompt_loss:
+                return [list(a.answer) for a in answers["train"]]
+            return training_documents()
+
+        module = MedusaModule(
+            verifier,
+            self.heads(verifier, tokenizer, target_tokens),
+            self,
+            tokenizer,
+            training_documents,
+            seed=spec.seed,
+        )
+        return module, data
+
+    def heads(
+        self, verifier: Any, tokenizer: Any, target_tokens: Callable[[], list[list[int]]]
+    ) -> MedusaHeads:
+        """``init_heads`` loaded, or fresh heads from the verifier's lm_head, over the ``draft_vocab_size``
+        most frequent training tokens (eos among them) when set."""
         if self.init_heads is not None:
             heads = MedusaHeads.from_pretrained(self.init_heads)
             require(
@@ -127,11 +203,10 @@ class MedusaConfig:
                 f"heads with num_heads={self.num_heads} and num_layers={self.num_layers}",
                 f"{self.init_heads} (num_heads={heads.num_heads}, num_layers={heads.num_layers})",
             )
-        else:
-            heads = MedusaHeads.from_verifier(pair.verifier, self.num_heads, self.num_layers)
-
-        def training_documents() -> list[list[int]]:
-            return document_token_ids(load_text_dataset(spec.data, pair.tokenizer)["train"], pair.tokenizer)
-
-        module = MedusaModule(pair.verifier, heads, self, pair.tokenizer, training_documents, seed=spec.seed)
-        return module, data
+            return heads
+        vocab = int(verifier.get_output_embeddings().weight.shape[0])
+        ids = None
+        if self.draft_vocab_size is not None and self.draft_vocab_size < vocab:
+            always = answer_eos_ids(verifier, tokenizer)
+            ids = frequent_tokens(target_tokens(), self.draft_vocab_size, always=always)
+        return MedusaHeads.from_verifier(verifier, self.num_heads, self.num_layers, draft_vocab=ids)

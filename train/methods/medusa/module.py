@@ -47,6 +47,7 @@ from train.decoding.sampling import SamplingParams
 from train.methods.medusa import finish as finish_step
 from train.methods.medusa.config import MedusaConfig
 from train.models.heads import MedusaHeads, medusa_loss, shifted_targets
+from train.models.introspect import supports_logits_to_keep
 from train.models.lora import apply_lora
 from train.training.optim import (
     clip_gradients,
@@ -60,22 +61,33 @@ from train.training.seeding import seeded_generator
 
 
 def head_metrics(
-    head_logits: torch.Tensor, verifier_logits: torch.Tensor, input_ids: torch.Tensor, k_top: int = 10
+    head_logits: torch.Tensor,
+    verifier_logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    k_top: int = 10,
+    draft_ids: torch.Tensor | None = None,
+    target_mask: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Counts for validation, summed over the batch: per head ``top1_k``, ``top5_k`` (against the corpus
+    """Counts for validation, summed over the batch: per head ``top1_k``, ``top5_k`` (against the data's
     token k + 2 ahead), ``agree_k`` (top-1 = the verifier's argmax for that token), ``rank_k_r`` (the
     rank-r candidate is that argmax, r < ``k_top``), ``n_k`` (positions); and ``run`` (sum over
     positions t of the leading heads that agree) with ``positions``.
 
-    head_logits: (K, B, T, V); verifier_logits: (B, T, V); input_ids: (B, T)."""
+    head_logits: (K, B, T, N) over ``draft_ids`` (N = V when None); verifier_logits: (B, T, V);
+    input_ids: (B, T); target_mask: (B, T), True on the tokens that count as targets (None: all)."""
     num_heads, _, length, _ = head_logits.shape
     top = head_logits.topk(min(max(k_top, 5), head_logits.shape[-1]), dim=-1).indices  # (K, B, T, k)
+    if draft_ids is not None:
+        top = draft_ids.to(top.device)[top]  # draft rows -> verifier ids
     verifier_next = verifier_logits.argmax(dim=-1)  # (B, T): the verifier's token for t + 1
+    targetable = torch.ones_like(input_ids, dtype=torch.bool) if target_mask is None else target_mask.bool()
     out: dict[str, torch.Tensor] = {}
     agree_all = []
     usable = length - num_heads - 1  # positions where every head's target exists
     for k in range(num_heads):
         targets, valid = shifted_targets(input_ids, k)
+        target_ok, _ = shifted_targets(targetable.long(), k)
+        valid = valid & target_ok.bool()
         out[f"top1_{k}"] = ((top[k, ..., 0] == targets) & valid).sum()
         out[f"top5_{k}"] = ((top[k, ..., :5] == targets.unsqueeze(-1)).any(-1) & valid).sum()
         out[f"n_{k}"] = valid.sum()
@@ -89,9 +101,24 @@ def head_metrics(
         agree_all.append(agree[:, : max(usable, 0)])
     if usable > 0:
         leading = torch.stack(agree_all, dim=-1).long().cumprod(dim=-1).sum(dim=-1)  # (B, usable)
-        out["run"] = leading.sum()
-        out["positions"] = torch.tensor(leading.numel())
+        # a block starts at a position whose next token is a target (its heads' targets follow it)
+        starts = torch.roll(targetable, -1, dims=-1)[:, : max(usable, 0)]
+        out["run"] = (leading * starts).sum()
+        out["positions"] = starts.sum()
     return out
+
+
+def unpack(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(input_ids, attention_mask, target_mask) of a batch: packed corpus blocks have ids only; answer
+    batches (train.training.answer_data) add the mask and ``loss_mask`` (row j predicts an answer token),
+    whence the tokens that are targets: token j where row j - 1 is marked."""
+    ids = batch["input_ids"]
+    loss_mask = batch.get("loss_mask")
+    if loss_mask is None:
+        return ids, batch.get("attention_mask"), None
+    targets = torch.zeros_like(loss_mask, dtype=torch.bool)
+    targets[:, 1:] = loss_mask[:, :-1].bool()
+    return ids, batch.get("attention_mask"), targets
 
 
 class MedusaModule(L.LightningModule):
@@ -162,12 +189,26 @@ class MedusaModule(L.LightningModule):
     def _backbone_trains(self) -> bool:
         return self.cfg.joint and self.training and self.global_step >= self.cfg.backbone_frozen_steps
 
-    def _forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Heads logits (K, B, T, V) and the verifier's logits (B, T, V) on ``ids``."""
+    def _forward(
+        self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None, logits: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Heads logits over their outputs (K, B, T, N) and the verifier's logits (B, T, V) on ``ids``;
+        with ``logits`` False the verifier's output layer runs on the last position only (a Medusa-1 step
+        with hard labels reads its hidden states, and the output layer is a fifth of a small verifier)."""
+        keep = {} if logits or not supports_logits_to_keep(self.verifier) else {"logits_to_keep": 1}
         with torch.set_grad_enabled(self._backbone_trains()):
-            out = self.verifier(input_ids=ids, output_hidden_states=True, use_cache=False)
+            out = self.verifier(
+                input_ids=ids,
+                attention_mask=attention_mask,
+                output_hidden_states=True,
+                use_cache=False,
+                **keep,
+            )
         hidden = out.hidden_states[-1].to(next(self.heads.parameters()).dtype)
-        return self.heads(hidden), out.logits
+        return self.heads.draft_logits(hidden), out.logits
+
+    def _draft_ids(self) -> torch.Tensor | None:
+        return None if self.heads.draft_vocab is None else self.heads.draft_ids
 
     @torch.no_grad()
     def _regenerate(self, ids: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -194,32 +235,48 @@ class MedusaModule(L.LightningModule):
         """Seeded by (run seed, salt): reproducible on resume, distinct per rank."""
         return seeded_generator(self.device, self.seed, *salt)
 
-    def _base_loss(self, ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """Medusa-2's kept verifier loss: next-token CE, or KL to the frozen verifier when self-distilling."""
+    def _base_loss(
+        self, ids: torch.Tensor, logits: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Medusa-2's kept verifier loss: next-token CE, or KL to the frozen verifier when self-distilling;
+        on the rows whose next token is real."""
+        rows = torch.ones_like(ids[:, 1:], dtype=torch.bool)
+        if attention_mask is not None:
+            rows = attention_mask[:, 1:].bool()
         if not self.cfg.self_distill:
-            return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+            return F.cross_entropy(logits[:, :-1][rows].float(), ids[:, 1:][rows])
         with torch.no_grad(), self.verifier.disable_adapter():  # type: ignore[operator]
-            frozen = self.verifier(input_ids=ids, use_cache=False).logits
+            frozen = self.verifier(input_ids=ids, attention_mask=attention_mask, use_cache=False).logits
         return F.kl_div(
-            logits.float().log_softmax(-1).flatten(0, 1),
-            frozen.float().log_softmax(-1).flatten(0, 1),
+            logits[:, :-1][rows].float().log_softmax(-1),
+            frozen[:, :-1][rows].float().log_softmax(-1),
             log_target=True,
             reduction="batchmean",
         )
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        ids = batch["input_ids"]
-        if self.cfg.self_distill:
+        ids, attention_mask, targets = unpack(batch)
+        if self.cfg.self_distill and targets is None:  # corpus blocks: the verifier writes the continuation
             ids = self._regenerate(ids, self._generator(self.global_step, self.global_rank))
-        head_logits, logits = self._forward(ids)
+        head_logits, logits = self._forward(
+            ids, attention_mask, logits=self.cfg.self_distill or self.cfg.joint
+        )
         teacher = logits.detach() if self.cfg.self_distill else None
-        heads_loss, per_head = medusa_loss(head_logits, ids, decay=self.cfg.decay, teacher_logits=teacher)
+        heads_loss, per_head = medusa_loss(
+            head_logits,
+            ids,
+            mask=attention_mask,
+            decay=self.cfg.decay,
+            teacher_logits=teacher,
+            draft_ids=self._draft_ids(),
+            target_mask=targets,
+        )
         bs = ids.shape[0]
         loss = heads_loss
         if self.cfg.joint:
             loss = self.cfg.heads_weight * heads_loss
             if self._backbone_trains():
-                base = self._base_loss(ids, logits)
+                base = self._base_loss(ids, logits, attention_mask)
                 loss = loss + base
                 self.log("train/base_loss", base, batch_size=bs)
         if not torch.isfinite(loss):
@@ -242,10 +299,15 @@ class MedusaModule(L.LightningModule):
         self._sums = {}
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        ids = batch["input_ids"]
-        head_logits, verifier_logits = self._forward(ids)
-        loss, _ = medusa_loss(head_logits, ids, decay=self.cfg.decay)
-        counts = head_metrics(head_logits, verifier_logits, ids, self.cfg.tree_top)
+        ids, attention_mask, targets = unpack(batch)
+        head_logits, verifier_logits = self._forward(ids, attention_mask)
+        draft_ids = self._draft_ids()
+        loss, _ = medusa_loss(
+            head_logits, ids, attention_mask, self.cfg.decay, draft_ids=draft_ids, target_mask=targets
+        )
+        if attention_mask is not None:
+            targets = attention_mask.bool() if targets is None else targets & attention_mask.bool()
+        counts = head_metrics(head_logits, verifier_logits, ids, self.cfg.tree_top, draft_ids, targets)
         counts["loss"] = loss.detach() * ids.shape[0]
         counts["batches"] = torch.tensor(ids.shape[0])
         for key, value in counts.items():
@@ -256,7 +318,7 @@ class MedusaModule(L.LightningModule):
         if not s.get("batches"):
             return
         metrics = {"val/loss": s["loss"] / s["batches"]}
-        ranks = min(self.cfg.tree_top, self.heads.vocab_size)
+        ranks = min(self.cfg.tree_top, self.heads.lm_heads[0].out_features)
         self.rank_accuracy = []
         for k in range(self.cfg.num_heads):
             n = max(s.get(f"n_{k}", 0.0), 1.0)
