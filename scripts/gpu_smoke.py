@@ -56,8 +56,26 @@ MICRO_RUN = [
     *MICRO_EVAL,
 ]
 METHODS = ("distillspec", "medusa", "medusa2", "steering")
-TINY = {"distillspec": ["model=tiny", "data=stdlib", "method.prompt_len=64", "eval.prompt_len=64"]}
-"""The main job's experiment runs on the real pair by default; the smoke run takes its micro tiny twin."""
+TINY = {
+    "distillspec": ["model=tiny", "data=stdlib", "method.prompt_len=64", "eval.prompt_len=64"],
+    "steering": ["model=tiny", "data=stdlib", "method.prompt_len=64", "eval.prompt_len=64"],
+    **{
+        m: [
+            "model=tiny",
+            "data=stdlib",
+            "eval.prompt_len=64",
+            "method.num_prompts=16",
+            "method.num_val_prompts=4",
+            "method.answer_tokens=8",
+            "method.answer_prompt_len=32",
+            "method.max_len=96",
+            "method.draft_vocab_size=64",
+        ]
+        for m in ("medusa", "medusa2")
+    },
+}
+"""The experiments run on the real pair by default; the smoke run takes them on the micro tiny pair (Medusa's
+answers generated from its corpus)."""
 STAGE_TIMEOUT = 900
 """Seconds one stage may run (a micro stage takes well under a minute on a GPU)."""
 

@@ -391,7 +391,7 @@ class Workspace:
         extra = list(MICRO_ARGS[command.entry])
         if (
             command.entry == "train.py"
-            and "experiment=distillspec" in args
+            and ("experiment=distillspec" in args or "experiment=steering" in args)
             and not any(a.startswith("model=") for a in args)
         ):
             # The main job's real pair is exercised by tests/test_main_job.py; here its commands run the
@@ -426,6 +426,7 @@ def _order(commands: list[DocCommand]) -> list[DocCommand]:
         "experiment=medusa2": 3,
         "experiment=medusa2_tiny": 3,
         "experiment=steering": 4,
+        "experiment=steering_tiny": 4,
         "experiment=eagle3": 4,
         "experiment=eagle3_tiny": 4,
     }

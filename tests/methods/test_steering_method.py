@@ -142,12 +142,20 @@ def _compose(overrides: list[str], tmp_path: Path):
 
 
 def test_experiment_composes_with_three_seeds_at_both_temperatures(tmp_path):
-    spec = load_spec(_compose(["experiment=steering"], tmp_path))
-    assert spec.name == "steering" and isinstance(spec.method, SteeringConfig)
+    spec = load_spec(_compose(["experiment=steering_tiny"], tmp_path))
+    assert spec.name == "steering_tiny" and isinstance(spec.method, SteeringConfig)
     assert spec.method.distillspec_drafter == "auto" and spec.method.distilled_baseline
     assert spec.eval.temperatures == [0.0, 1.0] and len(spec.eval.seeds) >= 3
     with pytest.raises(ConfigError, match=re.escape("method.gamma")):
-        load_spec(_compose(["experiment=steering", "method.gamma=0"], tmp_path))
+        load_spec(_compose(["experiment=steering_tiny", "method.gamma=0"], tmp_path))
+
+
+def test_the_real_pair_experiment_reads_layers_scaled_to_its_verifier(tmp_path):
+    """``experiment=steering`` runs on the real pair, whole chat prompts, both temperatures."""
+    spec = load_spec(_compose(["experiment=steering"], tmp_path))
+    assert spec.name == "steering" and spec.model.name == "smollm2" and spec.model.smollm2 is not None
+    assert spec.method.prompt_len >= 256 and spec.eval.temperatures == [0.0, 1.0]
+    assert spec.method.distillspec_drafter == "auto"
 
 
 def test_newest_distillspec_drafter_of_the_same_verifier(tmp_path):
@@ -345,7 +353,7 @@ def _micro_run(tmp_path: Path, extra: list[str], name: str) -> tuple[subprocess.
     cmd = [
         sys.executable,
         "train.py",
-        "experiment=steering",
+        "experiment=steering_tiny",
         f"paths.tiny_dir={tmp_path / 'tiny'}",
         "model.tiny.vocab_size=300",
         "model.tiny.seq_len=64",
@@ -376,14 +384,14 @@ def _micro_run(tmp_path: Path, extra: list[str], name: str) -> tuple[subprocess.
 
 @pytest.mark.slow
 def test_main_job_end_to_end_with_the_distillspec_row(tmp_path):
-    """``experiment=steering`` through the real entry point on a micro pair, with a fake earlier
+    """``experiment=steering_tiny`` through the real entry point on a micro pair, with a fake earlier
     DistillSpec run of the same verifier for ``distillspec_drafter=auto``: every row is reported."""
     proc, run_dir = _micro_run(tmp_path, [], "first")  # no DistillSpec run yet: that arm is skipped
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((run_dir / "report.json").read_text())
     assert set(report["drafters"]) == {"pretrained", BASELINE_ARM, MAIN_ARM}
     # a DistillSpec run of this verifier: its exported drafter is picked up by distillspec_drafter=auto
-    fake = tmp_path / "checkpoints" / "distillspec" / "2026-01-01_00-00-00"
+    fake = tmp_path / "checkpoints" / "distillspec_tiny" / "2026-01-01_00-00-00"  # the tiny twin
     fake.mkdir(parents=True)
     (fake / "config.yaml").write_text((run_dir / "config.yaml").read_text())
     import shutil

@@ -22,6 +22,7 @@ def test_every_stage_composes_and_validates(gpus, monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # device=cuda is checked at validation
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)  # ${best_precision:}
     plan = smoke.stages(gpus)
     labels = [stage.label for stage in plan]
     assert {f"{m} bf16 (trainer=gpu)" for m in smoke.METHODS} <= set(labels)

@@ -53,7 +53,7 @@ def test_leaderboard_trains_what_is_missing_then_reuses_it(tmp_path):
     board = json.loads((tmp_path / "first" / "leaderboard.json").read_text())
     assert set(board["artifacts"]) == {
         "distillspec_tiny",
-        "steering",
+        "steering_tiny",
         "medusa_tiny",
         "medusa2_tiny",
         "eagle3_tiny",

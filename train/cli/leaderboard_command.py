@@ -54,6 +54,7 @@ ARTIFACTS: dict[str, str] = {
     "distillspec": "drafter",
     "distillspec_tiny": "drafter",
     "steering": "steering",
+    "steering_tiny": "steering",
     "medusa": "heads",
     "medusa_tiny": "heads",
     "medusa2": "heads",
@@ -163,8 +164,8 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     distilled = artifacts.get("distillspec") or artifacts.get("distillspec_tiny")
     if distilled:  # the main job's recipe (the real pair) or its tiny-pair twin: one row, "distillspec"
         drafters["distillspec"] = load_drafter(model_cfg, distilled, pair.tokenizer, pair.verifier)
-    if "steering" in artifacts:
-        steer_dir = artifacts["steering"]
+    steer_dir = artifacts.get("steering") or artifacts.get("steering_tiny")
+    if steer_dir:
         steered = load_drafter(
             model_cfg, os.path.join(os.path.dirname(steer_dir), "drafter"), pair.tokenizer, pair.verifier
         )

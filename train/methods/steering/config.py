@@ -102,7 +102,12 @@ class SteeringConfig(ResponseDistillSettings):
         }
         distillspec = self.distillspec_drafter
         if distillspec == "auto":
-            distillspec = newest_artifact(spec.paths.checkpoints_dir, "distillspec", m.verifier, "drafter")
+            # the main job's recipe or its tiny-pair twin: whichever trained a drafter for this verifier
+            found = (
+                newest_artifact(spec.paths.checkpoints_dir, name, m.verifier, "drafter")
+                for name in ("distillspec", "distillspec_tiny")
+            )
+            distillspec = next((f for f in found if f is not None), None)
             if distillspec is None:
                 log.warning(
                     "method.distillspec_drafter=auto: no DistillSpec run of %s under %s; the %s arm is "
