@@ -251,3 +251,27 @@ def test_the_heads_loss_matches_cross_entropy_on_full_heads_restricted_by_hand()
     torch.testing.assert_close(reduced, by_full)
     assert torch.isfinite(reduced)
     torch.testing.assert_close(reduced, F.cross_entropy(full[0, 0, :5], ids[0, 2:]))
+
+
+def test_init_heads_auto_takes_the_newest_medusa_run_of_this_verifier(tmp_path, caplog):
+    verifier = tiny_llama(hidden=32, seed=0)
+    spec = OmegaConf.create({"paths": {"checkpoints_dir": str(tmp_path)}, "model": {"verifier": "/pair/v"}})
+    cfg = MedusaConfig(optimizer=ADAMW, num_heads=2, init_heads="auto")
+    with caplog.at_level("WARNING"):
+        assert cfg.initial_heads(spec) is None  # nothing trained yet: fresh heads, said so
+    assert "no Medusa-1 run" in caplog.text
+    for experiment, run, named in (
+        ("medusa", "2026-01-01_00-00-00", "/pair/v"),
+        ("medusa", "2026-01-02_00-00-00", "/pair/v"),
+        ("medusa", "2026-01-03_00-00-00", "/other/v"),  # newer, another verifier's
+    ):
+        folder = tmp_path / experiment / run
+        MedusaHeads.from_verifier(verifier, 2, 1).save_pretrained(folder / "heads")
+        (folder / "config.yaml").write_text(f"model:\n  verifier: {named}\n")
+    found = cfg.initial_heads(spec)
+    assert found == str(tmp_path / "medusa" / "2026-01-02_00-00-00" / "heads")
+    heads = cfg.heads(verifier, None, lambda: [], found)
+    assert heads.num_heads == 2
+    with pytest.raises(ConfigError, match="method.init_heads"):
+        MedusaConfig(optimizer=ADAMW, num_heads=3).heads(verifier, None, lambda: [], found)
+    assert MedusaConfig(optimizer=ADAMW, init_heads=found).initial_heads(spec) == found

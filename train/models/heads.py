@@ -67,6 +67,8 @@ class MedusaHeads(
     (saved too), from which ``HeadsDecoder(tree_nodes=N)`` builds a tree of another size.
     """
 
+    draft_ids: torch.Tensor
+    """``draft_vocab`` as a long tensor on the heads' device (empty without one; not in the state dict)."""
     drafter_kind: ClassVar[str] = "heads"
     """What decoders take this drafter (:class:`train.decoding.HeadsDecoder`), not a second model."""
 
@@ -107,6 +109,8 @@ class MedusaHeads(
                 f"draft_vocab must be sorted unique ids in [0, {vocab_size}), got {len(draft_vocab or [])} ids"
             )
         outputs = vocab_size if self.draft_vocab is None else len(self.draft_vocab)
+        self.num_outputs = outputs
+        """Rows of each head's projection: the draft vocabulary's size, or the whole vocabulary's."""
         self.blocks = nn.ModuleList(MedusaBlock(hidden_size, num_layers) for _ in range(num_heads))
         self.lm_heads = nn.ModuleList(nn.Linear(hidden_size, outputs, bias=False) for _ in range(num_heads))
         ids = torch.tensor(self.draft_vocab if self.draft_vocab is not None else [], dtype=torch.long)

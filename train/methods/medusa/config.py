@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -15,10 +16,13 @@ from train.data.sources import load_text_dataset
 from train.models.draft_vocab import frequent_tokens
 from train.models.heads import MedusaHeads
 from train.models.lora import LoraSettings
+from train.rundir import newest_artifact
 from train.training.answer_data import answer_batches, answer_eos_ids, run_answers
 from train.training.optim import check_optimizer
 
 __all__ = ["MedusaConfig"]
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from train.methods.medusa.module import MedusaModule
@@ -52,7 +56,8 @@ class MedusaConfig:
     backbone_frozen_steps: int = 0
     """Medusa-2: steps at the start during which only the heads train."""
     init_heads: str | None = None
-    """Start from exported heads (a heads/ folder or Hub id) instead of the verifier's lm_head."""
+    """Start from exported heads (a heads/ folder or Hub id) instead of the verifier's lm_head; ``auto``:
+    the newest Medusa-1 run's heads for this verifier (Medusa-2's authors start from Medusa-1 heads)."""
     self_distill: bool = False
     """Regenerate each block's continuation with the verifier and learn soft targets (see the module doc)."""
     self_distill_temperature: float = 0.3
@@ -182,7 +187,7 @@ class MedusaConfig:
 
         module = MedusaModule(
             verifier,
-            self.heads(verifier, tokenizer, target_tokens),
+            self.heads(verifier, tokenizer, target_tokens, self.initial_heads(spec)),
             self,
             tokenizer,
             training_documents,
@@ -190,21 +195,50 @@ class MedusaConfig:
         )
         return module, data
 
+    def initial_heads(self, spec: Any) -> str | None:
+        """``init_heads`` as a folder: ``auto`` is the newest Medusa-1 run's heads for this verifier
+        (``experiment=medusa`` or ``medusa_tiny``), None (fresh heads, with a warning) when there is none."""
+        if self.init_heads != "auto":
+            return self.init_heads
+        found = (
+            newest_artifact(spec.paths.checkpoints_dir, name, spec.model.verifier, "heads")
+            for name in ("medusa", "medusa_tiny")
+        )
+        heads = next((f for f in found if f is not None), None)
+        if heads is None:
+            log.warning(
+                "method.init_heads=auto: no Medusa-1 run of %s under %s; the heads start fresh (run "
+                "`python train.py experiment=medusa` first to start from trained heads, as the authors do)",
+                spec.model.verifier,
+                spec.paths.checkpoints_dir,
+            )
+        else:
+            log.info("method.init_heads=auto: starting from %s", heads)
+        return heads
+
     def heads(
-        self, verifier: Any, tokenizer: Any, target_tokens: Callable[[], list[list[int]]]
+        self,
+        verifier: Any,
+        tokenizer: Any,
+        target_tokens: Callable[[], list[list[int]]],
+        init: str | None = None,
     ) -> MedusaHeads:
-        """``init_heads`` loaded, or fresh heads from the verifier's lm_head, over the ``draft_vocab_size``
-        most frequent training tokens (eos among them) when set."""
-        if self.init_heads is not None:
-            heads = MedusaHeads.from_pretrained(self.init_heads)
+        """``init`` (a heads/ folder or Hub id) loaded, or fresh heads from the verifier's lm_head, over the
+        ``draft_vocab_size`` most frequent training tokens (eos among them) when set."""
+        vocab = int(verifier.get_output_embeddings().weight.shape[0])
+        if init is not None:
+            heads = MedusaHeads.from_pretrained(init)
             require(
-                heads.num_heads == self.num_heads and heads.num_layers == self.num_layers,
+                heads.num_heads == self.num_heads
+                and heads.num_layers == self.num_layers
+                and heads.vocab_size == vocab,
                 "method.init_heads",
-                f"heads with num_heads={self.num_heads} and num_layers={self.num_layers}",
-                f"{self.init_heads} (num_heads={heads.num_heads}, num_layers={heads.num_layers})",
+                f"heads with num_heads={self.num_heads}, num_layers={self.num_layers} and this verifier's "
+                f"vocabulary ({vocab})",
+                f"{init} (num_heads={heads.num_heads}, num_layers={heads.num_layers}, "
+                f"vocab_size={heads.vocab_size})",
             )
             return heads
-        vocab = int(verifier.get_output_embeddings().weight.shape[0])
         ids = None
         if self.draft_vocab_size is not None and self.draft_vocab_size < vocab:
             always = answer_eos_ids(verifier, tokenizer)

@@ -318,7 +318,7 @@ class MedusaModule(L.LightningModule):
         if not s.get("batches"):
             return
         metrics = {"val/loss": s["loss"] / s["batches"]}
-        ranks = min(self.cfg.tree_top, self.heads.lm_heads[0].out_features)
+        ranks = min(self.cfg.tree_top, self.heads.num_outputs)
         self.rank_accuracy = []
         for k in range(self.cfg.num_heads):
             n = max(s.get(f"n_{k}", 0.0), 1.0)
