@@ -389,6 +389,8 @@ class Workspace:
                 extra += ["--verifier", str(tiny / "verifier"), "--drafter", str(tiny / "drafter")]
             return [*command.flags, *args, *extra]
         extra = list(MICRO_ARGS[command.entry])
+        if command.entry == "scripts/leaderboard.py" and not any(a.startswith("model=") for a in args):
+            extra = ["model=tiny", "data=stdlib", "eval.prompt_len=64", *extra]  # the real pair by default
         if (
             command.entry == "train.py"
             and ("experiment=distillspec" in args or "experiment=steering" in args)

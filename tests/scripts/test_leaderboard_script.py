@@ -32,6 +32,9 @@ def _leaderboard(tmp_path: Path, run: str) -> subprocess.CompletedProcess:
     cmd = [
         sys.executable,
         "scripts/leaderboard.py",
+        "model=tiny",
+        "data=stdlib",
+        "eval.prompt_len=64",
         f"paths.tiny_dir={tmp_path / 'tiny'}",
         *MICRO_PAIR,
         MICRO_TRAINING,
@@ -87,3 +90,34 @@ def test_leaderboard_trains_what_is_missing_then_reuses_it(tmp_path):
     assert (
         json.loads((tmp_path / "second" / "leaderboard.json").read_text())["artifacts"] == board["artifacts"]
     )
+
+
+def test_auto_experiments_follow_the_pair_and_a_bad_list_names_the_key():
+    from omegaconf import OmegaConf
+
+    from train.cli.leaderboard_command import experiment_names, validate
+    from train.config import ConfigError
+
+    class Model:
+        def __init__(self, tiny):
+            self.tiny = tiny
+
+    auto = OmegaConf.create({"experiments": "auto"})
+    assert experiment_names(auto, Model(None)) == ["distillspec", "steering", "medusa", "medusa2", "eagle3"]
+    assert experiment_names(auto, Model(object()))[0] == "distillspec_tiny"
+    assert experiment_names(OmegaConf.create({"experiments": ["medusa"]}), Model(None)) == ["medusa"]
+    from hydra import compose, initialize_config_dir
+
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import open_dict
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base=None):
+        cfg = compose(
+            config_name="leaderboard", overrides=["experiments=[medusa,nope]"], return_hydra_config=True
+        )
+    with open_dict(cfg):
+        cfg.paths.run_dir = "/tmp/unused"
+        del cfg["hydra"]
+    with pytest.raises(ConfigError, match="experiments"):
+        validate(cfg)

@@ -1,6 +1,7 @@
 """The body of ``scripts/leaderboard.py`` (conf/leaderboard.yaml, docs/leaderboard.md).
 
-1. **Artifacts**: for each experiment of ``experiments`` (distillspec, steering, medusa, medusa2, eagle3), the
+1. **Artifacts**: for each experiment of ``experiments`` (``auto``: distillspec, steering, medusa, medusa2,
+   eagle3, or their ``_tiny`` recipes on ``model=tiny``), the
    newest finished run of it for this verifier (:func:`train.rundir.newest_artifact`); when there is
    none, or with ``retrain=true``, it is trained first, ``python train.py experiment=<name>`` with this
    command's model/data/paths overrides and ``train_overrides``, in that order (steering picks up the
@@ -64,6 +65,20 @@ ARTIFACTS: dict[str, str] = {
 }
 """The folder each experiment's run exports and the leaderboard loads."""
 
+REAL_PAIR_EXPERIMENTS = ("distillspec", "steering", "medusa", "medusa2", "eagle3")
+TINY_PAIR_EXPERIMENTS = ("distillspec_tiny", "steering_tiny", "medusa_tiny", "medusa2_tiny", "eagle3_tiny")
+"""``experiments: auto``: the recipes for the model's pair (steering after DistillSpec, whose drafter it
+steers too; Medusa-2 after Medusa-1, whose heads it starts from)."""
+
+
+def experiment_names(cfg: DictConfig, model_cfg: Any) -> list[str]:
+    """``experiments`` as a list: ``auto`` is the tiny pair's recipes on ``model=tiny``, else the real
+    pair's (any other pair gets the same recipes with its model overrides)."""
+    if cfg.experiments == "auto":
+        return list(TINY_PAIR_EXPERIMENTS if model_cfg.tiny is not None else REAL_PAIR_EXPERIMENTS)
+    return [str(name) for name in cfg.experiments]
+
+
 FORWARDED = ("model", "data", "paths", "seed")
 """Overrides of this command that every training run it starts gets too."""
 
@@ -76,11 +91,13 @@ def forwarded_overrides() -> list[str]:
     return [o for o in task if o.lstrip("+~").split("=")[0].split(".")[0] in FORWARDED]
 
 
-def ensure_artifacts(cfg: DictConfig, checkpoints_dir: str, verifier: str) -> dict[str, str]:
-    """{experiment: artifact folder}, training each experiment whose artifact is missing (or all, with
-    ``retrain``)."""
+def ensure_artifacts(
+    cfg: DictConfig, names: Sequence[str], checkpoints_dir: str, verifier: str
+) -> dict[str, str]:
+    """{experiment: artifact folder} for ``names``, training each experiment whose artifact is missing
+    (or all, with ``retrain``)."""
     found: dict[str, str] = {}
-    for name in cfg.experiments:
+    for name in names:
         path = None if cfg.retrain else newest_artifact(checkpoints_dir, name, verifier, ARTIFACTS[name])
         if path is None:
             train(name, [*forwarded_overrides(), *(str(o) for o in cfg.train_overrides)])
@@ -128,8 +145,14 @@ def validate(cfg: DictConfig) -> tuple[Any, Any, Any]:
         len(cfg.costs) >= 1 and all(c >= 0 for c in cfg.costs), "costs", "a list of ratios >= 0", cfg.costs
     )
     require(cfg.kappa >= 0, "kappa", ">= 0", cfg.kappa)
-    for name in cfg.experiments:
-        require(name in ARTIFACTS, "experiments", f"a list drawn from {sorted(ARTIFACTS)}", name)
+    require(
+        cfg.experiments == "auto" or not isinstance(cfg.experiments, str),
+        "experiments",
+        "auto or a list of experiments",
+        cfg.experiments,
+    )
+    for name in experiment_names(cfg, model_cfg):
+        require(name in ARTIFACTS, "experiments", f"auto or a list drawn from {sorted(ARTIFACTS)}", name)
     eval_node = OmegaConf.to_container(cfg.eval, resolve=True)
     assert isinstance(eval_node, dict)
     build_eval_config({**eval_node, "decoders": _decoder_nodes(cfg, list(cfg.eval.decoders), "HEADS")})
@@ -145,7 +168,9 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     started = time.perf_counter()
     paths, model_cfg, data_cfg = validate(cfg)
     ensure_built_pair(model_cfg)
-    artifacts = ensure_artifacts(cfg, paths.checkpoints_dir, model_cfg.verifier)
+    artifacts = ensure_artifacts(
+        cfg, experiment_names(cfg, model_cfg), paths.checkpoints_dir, model_cfg.verifier
+    )
     run_dir = paths.run_dir
     os.makedirs(run_dir, exist_ok=True)
     OmegaConf.save(cfg, os.path.join(run_dir, "config.yaml"))
