@@ -107,7 +107,6 @@ def test_auto_experiments_follow_the_pair_and_a_bad_list_names_the_key():
     assert experiment_names(auto, Model(object()))[0] == "distillspec_tiny"
     assert experiment_names(OmegaConf.create({"experiments": ["medusa"]}), Model(None)) == ["medusa"]
     from hydra import compose, initialize_config_dir
-
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import open_dict
 
