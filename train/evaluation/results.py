@@ -233,7 +233,10 @@ def _gamma_cell(run: Mapping[str, Any]) -> str:
 METRIC_LEGEND = (
     "Metrics (draftsmith's metric contract): acceptance_rate = accepted / drafted draft tokens; "
     "expected_acceptance = mean probability that a draft passes the test (1 - TVD(p, q) when lossless); "
-    "block_efficiency (tau) = generated tokens / verifier calls, the verifier's own token included; "
+    "block_efficiency (tau) = generated tokens / verifier calls, the verifier's own token included, pooled "
+    "over every block of a seed's prompts (sums, then the ratio, as serving engines report it; the mean "
+    "± std is over seeds); per-position acceptance = P(draft i accepted | drafts before it accepted), "
+    "pooled the same way; "
     "mbsu = tau / (c_param * drafter steps per verifier call + 1), c_param = drafter / verifier parameters; "
     "cost_ratio = drafter step time / verifier step time, measured; verifier_tokens_per_call = tokens the "
     "verifier scores per call; speedup = tokens/s against decoding with the verifier alone, same prompts, "
