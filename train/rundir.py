@@ -17,6 +17,7 @@ import os
 import shutil
 import socket
 import time
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
@@ -159,3 +160,12 @@ def newest_artifact(checkpoints_dir: str, experiment: str, verifier: str, artifa
         if os.path.abspath(str(run_verifier)) == os.path.abspath(str(verifier)):
             return os.path.join(run, artifact)
     return None
+
+
+def newest_artifact_of(
+    checkpoints_dir: str, experiments: Sequence[str], verifier: str, artifact: str
+) -> str | None:
+    """:func:`newest_artifact` of the first of ``experiments`` that has one (e.g. a recipe, then its
+    tiny-pair twin)."""
+    found = (newest_artifact(checkpoints_dir, name, verifier, artifact) for name in experiments)
+    return next((f for f in found if f is not None), None)

@@ -33,7 +33,7 @@ from train.evaluation.decoder_build import build_decoders
 from train.methods.steering.config import BASELINE_ARM, MAIN_ARM, SteeringConfig
 from train.methods.steering.module import SteeringTrainingModule
 from train.models.steering_module import SteeredDrafter, SteeringModule
-from train.rundir import newest_artifact
+from train.rundir import newest_artifact, newest_artifact_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -168,6 +168,15 @@ def test_newest_distillspec_drafter_of_the_same_verifier(tmp_path):
         tmp_path / "distillspec" / "2026-01-02_00-00-00" / "drafter"
     )
     assert newest_artifact(str(tmp_path), "distillspec", "/other", "drafter") is None
+    # a recipe, then its tiny twin: the first experiment that has a run of this verifier wins
+    twin = tmp_path / "distillspec_tiny" / "2026-02-01_00-00-00"
+    (twin / "drafter").mkdir(parents=True)
+    (twin / "drafter" / "config.json").write_text("{}")
+    OmegaConf.save(OmegaConf.create({"model": {"verifier": "/w"}}), twin / "config.yaml")
+    both = ("distillspec", "distillspec_tiny")
+    assert newest_artifact_of(str(tmp_path), both, "/v", "drafter").endswith("2026-01-02_00-00-00/drafter")
+    assert newest_artifact_of(str(tmp_path), both[::-1], "/w", "drafter") == str(twin / "drafter")
+    assert newest_artifact_of(str(tmp_path), both, "/other", "drafter") is None
 
 
 # ------------------------------------------------------------------------------------------ module

@@ -16,7 +16,7 @@ from train.data.sources import load_text_dataset
 from train.models.draft_vocab import frequent_tokens
 from train.models.heads import MedusaHeads
 from train.models.lora import LoraSettings
-from train.rundir import newest_artifact
+from train.rundir import newest_artifact_of
 from train.training.answer_data import answer_batches, answer_eos_ids, run_answers
 from train.training.optim import check_optimizer
 
@@ -200,11 +200,9 @@ class MedusaConfig:
         (``experiment=medusa`` or ``medusa_tiny``), None (fresh heads, with a warning) when there is none."""
         if self.init_heads != "auto":
             return self.init_heads
-        found = (
-            newest_artifact(spec.paths.checkpoints_dir, name, spec.model.verifier, "heads")
-            for name in ("medusa", "medusa_tiny")
+        heads = newest_artifact_of(
+            spec.paths.checkpoints_dir, ("medusa", "medusa_tiny"), spec.model.verifier, "heads"
         )
-        heads = next((f for f in found if f is not None), None)
         if heads is None:
             log.warning(
                 "method.init_heads=auto: no Medusa-1 run of %s under %s; the heads start fresh (run "

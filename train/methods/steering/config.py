@@ -18,7 +18,7 @@ from train.models.lora import LoraSettings
 from train.models.steering_module import (
     SteeringModule,
 )
-from train.rundir import newest_artifact
+from train.rundir import newest_artifact_of
 from train.training.optim import (
     check_optimizer,
 )
@@ -103,11 +103,9 @@ class SteeringConfig(ResponseDistillSettings):
         distillspec = self.distillspec_drafter
         if distillspec == "auto":
             # the main job's recipe or its tiny-pair twin: whichever trained a drafter for this verifier
-            found = (
-                newest_artifact(spec.paths.checkpoints_dir, name, m.verifier, "drafter")
-                for name in ("distillspec", "distillspec_tiny")
+            distillspec = newest_artifact_of(
+                spec.paths.checkpoints_dir, ("distillspec", "distillspec_tiny"), m.verifier, "drafter"
             )
-            distillspec = next((f for f in found if f is not None), None)
             if distillspec is None:
                 log.warning(
                     "method.distillspec_drafter=auto: no DistillSpec run of %s under %s; the %s arm is "
