@@ -19,6 +19,7 @@ from train.training.answer_data import (
     answer_row,
     cached_answers,
     collate_answers,
+    run_answers,
 )
 
 PAD = 258
@@ -200,3 +201,38 @@ def test_train_loader_yields_full_batches_and_validation_every_row():
     val = list(data.val_dataloader())
     assert [b["input_ids"].shape[0] for b in val] == [4, 1]  # not dropped, in order
     assert val[0]["input_ids"][:, 1].tolist() == [40, 41, 42, 43]
+
+
+def test_run_answers_reads_a_folder_the_pairs_cache_or_generates(tmp_path, monkeypatch):
+    """``method.answers``: a folder is read; ``pair`` is the real pair's cache (``<smollm2.out_dir>/answers``)
+    and, on a pair without one, greedy answers generated from the run's data, as with None."""
+    import train.training.answer_data as answer_data
+
+    calls = []
+
+    def fake_generate(verifier, tokenizer, data, counts, prompt_len, answer_tokens, batch, seed):
+        calls.append((data, dict(counts), prompt_len, answer_tokens, batch, seed))
+        return {"train": [], "validation": []}
+
+    monkeypatch.setattr(answer_data, "generated_answers", fake_generate)
+    folder = tmp_path / "pair" / "answers"
+    folder.mkdir(parents=True)
+    for split in ("train", "validation"):
+        save_answers(
+            [Answer([1, 2], [3, 4], torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, 1))],
+            str(folder / f"{split}.pt"),
+        )
+    pair = SimpleNamespace(verifier=None, tokenizer=None)
+    real = SimpleNamespace(
+        model=SimpleNamespace(smollm2=SimpleNamespace(out_dir=str(tmp_path / "pair"))), data="d", seed=3
+    )
+    tiny = SimpleNamespace(model=SimpleNamespace(smollm2=None), data="d", seed=3)
+    counts = {"train": 5, "validation": 2}
+    assert run_answers("pair", pair, real, counts, 16, 8, 4)["train"][0].answer == [3, 4]
+    assert run_answers(str(folder), pair, tiny, counts, 16, 8, 4)["validation"][0].prompt == [1, 2]
+    assert not calls
+    run_answers("pair", pair, tiny, counts, 16, 8, 4)
+    run_answers(None, pair, real, counts, 16, 8, 4)
+    assert calls == [("d", counts, 16, 8, 4, 3)] * 2
+    with pytest.raises(ConfigError, match="method.answers"):
+        run_answers(str(tmp_path / "nothing"), pair, tiny, counts, 16, 8, 4)
