@@ -13,9 +13,11 @@ from train.losses import acceptance_from_logits
 from train.models.draft_vocab import (
     draft_acceptance,
     draft_divergence,
+    draft_rows_of,
     frequent_tokens,
     restrict_logits,
     scatter_draft_logits,
+    vocab_index,
 )
 
 V = 12
@@ -94,3 +96,9 @@ def test_scatter_and_restrict_are_inverse_on_the_draft_ids():
     outside[IDS] = False
     assert torch.isneginf(full[:, outside]).all()
     assert torch.equal(torch.softmax(full, -1)[:, outside], torch.zeros(3, int(outside.sum()), dtype=x.dtype))
+
+
+def test_draft_rows_of_is_vocab_index_without_the_vocabulary_size():
+    draft = torch.tensor([0, 3, 4, 9, 15])
+    ids = torch.tensor([[0, 1, 3, 9], [15, 16, 4, 2]])
+    torch.testing.assert_close(draft_rows_of(ids, draft), vocab_index(draft, 17)[ids])

@@ -40,6 +40,7 @@ __all__ = [
     "DraftVocabModel",
     "draft_acceptance",
     "draft_divergence",
+    "draft_rows_of",
     "draft_vocab_of",
     "frequent_tokens",
     "restrict_logits",
@@ -105,6 +106,14 @@ def vocab_index(draft_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     index = torch.full((vocab_size,), -1, dtype=torch.long, device=draft_ids.device)
     index[draft_ids] = torch.arange(len(draft_ids), device=draft_ids.device)
     return index
+
+
+def draft_rows_of(ids: torch.Tensor, draft_ids: torch.Tensor) -> torch.Tensor:
+    """``ids`` (any shape) mapped to their rows in the sorted ``draft_ids``, -1 outside the draft
+    vocabulary: :func:`vocab_index` without knowing the vocabulary's size (a binary search; no host sync)."""
+    draft_ids = draft_ids.to(ids.device)
+    at = torch.searchsorted(draft_ids, ids).clamp(max=len(draft_ids) - 1)
+    return torch.where(draft_ids[at] == ids, at, torch.full_like(at, -1))
 
 
 def restrict_logits(logits: torch.Tensor, draft_ids: torch.Tensor) -> torch.Tensor:

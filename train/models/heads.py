@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from huggingface_hub import PyTorchModelHubMixin
 from torch import nn
 
-from train.models.draft_vocab import restrict_logits, scatter_draft_logits, vocab_index
+from train.models.draft_vocab import draft_rows_of, restrict_logits, scatter_draft_logits
 
 __all__ = ["MedusaBlock", "MedusaHeads", "medusa_loss", "shifted_targets", "shifted_teacher"]
 
@@ -222,21 +222,16 @@ def medusa_loss(
     Returns (the weighted loss, each head's mean loss)."""
     real = torch.ones_like(input_ids, dtype=torch.bool) if mask is None else mask.bool()
     targetable = real if target_mask is None else real & target_mask.bool()
-    rows = None
-    if draft_ids is not None:
-        draft_ids = draft_ids.to(input_ids.device)
-        # verifier id -> draft row, -1 outside the draft vocabulary (ids above both maxima never occur)
-        rows = vocab_index(draft_ids, max(int(input_ids.max()), int(draft_ids.max())) + 1)
+    # hard targets as the heads' output rows (-1 outside the draft vocabulary), mapped once for all heads
+    target_ids = input_ids if draft_ids is None else draft_rows_of(input_ids, draft_ids)
     total = head_logits.new_zeros((), dtype=torch.float32)
     per_head = []
     for k in range(head_logits.shape[0]):
-        targets, valid = shifted_targets(input_ids, k)
+        targets, valid = shifted_targets(target_ids, k)
         target_ok, _ = shifted_targets(targetable.long(), k)
         keep = valid & real & target_ok.bool()
-        if rows is not None:
-            targets = rows[targets]
-            if teacher_logits is None:
-                keep = keep & (targets >= 0)
+        if draft_ids is not None and teacher_logits is None:
+            keep = keep & (targets >= 0)
         if not bool(keep.any()):
             per_head.append(total.new_zeros(()))
             continue

@@ -259,7 +259,7 @@ class MedusaModule(L.LightningModule):
         if self.cfg.self_distill and targets is None:  # corpus blocks: the verifier writes the continuation
             ids = self._regenerate(ids, self._generator(self.global_step, self.global_rank))
         head_logits, logits = self._forward(
-            ids, attention_mask, logits=self.cfg.self_distill or self.cfg.joint
+            ids, attention_mask, logits=self.cfg.self_distill or self._backbone_trains()
         )
         teacher = logits.detach() if self.cfg.self_distill else None
         heads_loss, per_head = medusa_loss(
