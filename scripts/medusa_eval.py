@@ -17,17 +17,12 @@ decoding=medusa heads=PATH``.
 from __future__ import annotations
 
 import argparse
-import glob
-import os
-
-from omegaconf import OmegaConf
 
 from train.cli.console import add_device_arguments
-from train.config import instantiate_group
-from train.evaluation import EvalConfig, build_prompts, evaluate_drafters, results_table
+from train.cli.pair_setup import heads_setup, newest_heads
+from train.evaluation import EvalConfig, evaluate_drafters, results_table
 from train.models.heads import MedusaHeads
 from train.models.loading import eos_token_ids, load_model, load_tokenizer
-from train.paths import project_root
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,34 +44,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    heads_dir = args.heads or max(
-        glob.glob(os.path.join(project_root(), "checkpoints", "medusa*", "*", "heads")),
-        key=os.path.getmtime,
-        default=None,
-    )
+    heads_dir = args.heads or newest_heads()
     if heads_dir is None:
         raise SystemExit("error: no heads found; run `python train.py experiment=medusa` or pass --heads")
-    run_dir = os.path.dirname(os.path.abspath(heads_dir))
-    run = (
-        OmegaConf.load(os.path.join(run_dir, "config.yaml"))
-        if os.path.isfile(os.path.join(run_dir, "config.yaml"))
-        else None
-    )
-    merged = os.path.join(run_dir, "verifier")
-    verifier_dir = args.verifier or (
-        merged
-        if os.path.isdir(merged)
-        else str(run.model.verifier)
-        if run is not None
-        else os.path.join(project_root(), "checkpoints", "tiny", "verifier")
-    )
-    dtype = str(run.model.dtype) if run is not None else "float32"
-    tokenizer = load_tokenizer(verifier_dir)
-    verifier = load_model(verifier_dir, dtype=dtype, device=args.device).eval()
+    setup = heads_setup(heads_dir, args.verifier)
+    tokenizer = load_tokenizer(setup.verifier)
+    verifier = load_model(setup.verifier, dtype=setup.dtype, device=args.device).eval()
     heads = MedusaHeads.from_pretrained(heads_dir).eval().to(device=args.device, dtype=verifier.dtype)
-    data = instantiate_group(run, "data") if run is not None else None
-    prompt_len = int(run.eval.prompt_len) if run is not None else 64
-    prompts = build_prompts(tokenizer, data, num_prompts=args.prompts, prompt_len=prompt_len)
+    prompts = setup.prompts(tokenizer, args.prompts)
     medusa = {"_target_": "train.decoding.HeadsDecoder"}
     decoders = [{"name": f"tree {n}", **medusa, "tree_nodes": n} for n in args.sizes]
     decoders.append(
@@ -94,12 +69,14 @@ def main(argv: list[str] | None = None) -> None:
         progress=False,
         plots=False,
         num_threads=args.threads or None,
-        tie_ulps=float(run.eval.tie_ulps) if run is not None else 4.0,
+        tie_ulps=setup.tie_ulps,
     )
     results = evaluate_drafters(
         verifier, {"heads": heads}, prompts, cfg, eos_token_id=eos_token_ids(tokenizer, verifier)
     )
-    print(f"heads: {heads_dir}\nverifier: {verifier_dir} ({dtype}, {args.threads or 'default'} threads)")
+    print(
+        f"heads: {heads_dir}\nverifier: {setup.verifier} ({setup.dtype}, {args.threads or 'default'} threads)"
+    )
     print(results_table(results))
 
 

@@ -1,14 +1,18 @@
-"""RSD's experiment on the embedded pair: chain SD vs SpecInfer vs RSD-C vs RSD-S (docs/trees.md).
+"""RSD's experiment on a pair: chain SD vs SpecInfer vs RSD-C vs RSD-S (docs/trees.md, docs/trees_real.md).
 
-    python scripts/trees.py                      # writes docs/trees.md (about 10 minutes on 2 cores)
+    python scripts/trees.py                          # the real pair: writes docs/trees_real.md
+    python scripts/trees.py --pair checkpoints/tiny  # the embedded pair: writes docs/trees.md (~10 min)
     python scripts/trees.py --prompts 4 --tokens 32 --seeds 0 1 --out /tmp/trees.md   # a quick look
+
+The pair's setup (``train.cli.pair_setup``): the real pair in the machine's best dtype on held-out chat
+prompts, as the real-pair experiments evaluate it; the tiny pair in float32 on 64-token corpus windows.
 
 Three measurements, all through the evaluator (``train.evaluation.evaluate_drafters``, as every report):
 
 1. fixed draft depth (3 and 4): block efficiency of each method at T = 0 and T = 1;
 2. fixed verifier budget (4 ... 32 tree tokens per call): each method's best fitting shape at T = 1;
-3. cost: the verifier's time per call against the tree tokens it scores (1 ... 64) after a 64-token
-   prefix, and the decoders' loop overhead (wall time / model forward time - 1).
+3. cost: the verifier's time per call against the tree tokens it scores (1 ... 64) after a prompt-long
+   prefix, and the loop overhead (wall / model forward time - 1; the tiny pair's also on the bench pair).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 
 from train.benchmarks.decoders_bench import build_pair
 from train.cli.console import add_device_arguments
+from train.cli.pair_setup import DecodeSetup, pair_setup
 from train.decoding import (
     DecodeStats,
     SamplingParams,
@@ -36,7 +41,8 @@ from train.decoding import (
 from train.decoding.decoders.tree_decoder import tree_size
 from train.decoding.proposers.tree_proposers import TreeProposer
 from train.decoding.tree_attention import tree_attention_mask, tree_position_ids
-from train.evaluation import EvalConfig, build_prompts, evaluate_drafters
+from train.evaluation import EvalConfig, evaluate_drafters
+from train.models.draft_vocab import with_draft_vocab
 from train.models.loading import eos_token_ids, load_model, load_tokenizer
 from train.paths import project_root
 from train.tables import format_metric, markdown_table
@@ -60,40 +66,17 @@ BUDGET_SHAPES: dict[int, dict[str, list[Any]]] = {
     },
 }
 METRICS = ("block_efficiency", "tokens_per_second", "verifier_tokens_per_call", "speedup", "loop_overhead")
-DIGITS = {
-    "block_efficiency": 2,
-    "tokens_per_second": 0,
-    "verifier_tokens_per_call": 1,
-    "speedup": 2,
-    "loop_overhead": 3,
-}
+DIGITS = dict(zip(METRICS, (2, 0, 1, 2, 3), strict=True))
 
 
 def tree_decoder(method: str, shape: Any) -> dict[str, Any]:
+    """Chain SD at gamma ``shape``; RSD-S at (depth, beam width) ``shape``; else a branching ``shape``."""
     if method == "sd":
-        return {
-            "name": f"sd@g{shape}",
-            "_target_": "train.decoding.SpeculativeDecoder",
-            "_partial_": True,
-            "gamma": shape,
-        }
+        return {"name": f"sd@g{shape}", "_target_": "train.decoding.SpeculativeDecoder", "gamma": shape}
+    tree = {"_target_": "train.decoding.TreeSpeculativeDecoder", "method": method}
     if method == "rsd_s":
-        depth, width = shape
-        return {
-            "name": f"rsd_s d{depth} w{width}",
-            "_target_": "train.decoding.TreeSpeculativeDecoder",
-            "_partial_": True,
-            "method": "rsd_s",
-            "depth": depth,
-            "beam_width": width,
-        }
-    return {
-        "name": f"{method} {list(shape)}",
-        "_target_": "train.decoding.TreeSpeculativeDecoder",
-        "_partial_": True,
-        "method": method,
-        "branching": list(shape),
-    }
+        return {"name": f"rsd_s d{shape[0]} w{shape[1]}", **tree, "depth": shape[0], "beam_width": shape[1]}
+    return {"name": f"{method} {list(shape)}", **tree, "branching": list(shape)}
 
 
 def evaluate(
@@ -107,27 +90,26 @@ def evaluate(
         max_new_tokens=args.tokens,
         progress=False,
         plots=False,
+        num_threads=args.threads or None,
+        tie_ulps=args.setup.tie_ulps,
     )
-    return evaluate_drafters(verifier, {"tiny": drafter}, prompts, cfg, eos_token_id=args.eos)
+    return evaluate_drafters(verifier, {args.label: drafter}, prompts, cfg, eos_token_id=args.eos)
 
 
-def runs_by(results: dict[str, Any]) -> dict[tuple[str, float], dict[str, Any]]:
-    return {
-        (r["decoder"], float(r["temperature"])): r["metrics"]
-        for r in results["runs"]
-        if r["drafter"] == "tiny"
-    }
+def runs_by(results: dict[str, Any], label: str) -> dict[tuple[str, float], dict[str, Any]]:
+    runs = results["runs"]
+    return {(r["decoder"], float(r["temperature"])): r["metrics"] for r in runs if r["drafter"] == label}
 
 
 def fixed_depth(pair: Any, args: Any) -> tuple[str, dict[str, Any]]:
     rows, raw = [], {}
-    for depth, shapes in DEPTH_SHAPES.items():
+    for depth, shapes in ((d, DEPTH_SHAPES[d]) for d in args.depths):
         decoders = [tree_decoder("sd", depth)]
         decoders += [tree_decoder(m, shapes[m]) for m in ("specinfer", "rsd_c")]
         decoders += [tree_decoder("rsd_s", (depth, shapes["rsd_s"]))]
         results = evaluate(pair, decoders, [0.0, 1.0], args)
         raw[str(depth)] = results
-        by = runs_by(results)
+        by = runs_by(results, args.label)
         for t in (1.0, 0.0):
             for d in decoders:
                 m = by[(d["name"], t)]
@@ -140,26 +122,21 @@ def fixed_depth(pair: Any, args: Any) -> tuple[str, dict[str, Any]]:
 
 def fixed_budget(pair: Any, args: Any) -> tuple[str, str, dict[str, Any]]:
     best_rows, all_rows, raw = [], [], {}
-    for budget, shapes in BUDGET_SHAPES.items():
+    for budget, shapes in ((b, BUDGET_SHAPES[b]) for b in args.budgets):
         decoders = [tree_decoder("sd", budget)]
         for method in ("specinfer", "rsd_c"):
             decoders += [tree_decoder(method, s) for s in shapes["trees"] if tree_size(s) <= budget]
         decoders += [tree_decoder("rsd_s", s) for s in shapes["rsd_s"] if s[0] * s[1] <= budget]
         results = evaluate(pair, decoders, [1.0], args)
         raw[str(budget)] = results
-        by = runs_by(results)
-        best: dict[str, tuple[str, dict[str, Any]]] = {}
+        by = runs_by(results, args.label)
         for d in decoders:
             m = by[(d["name"], 1.0)]
-            method = d["name"].split(" ")[0].split("@")[0]
             all_rows.append([str(budget), d["name"], *(format_metric(m[k], DIGITS[k]) for k in METRICS)])
-            if (
-                method not in best
-                or m["block_efficiency"]["mean"] > best[method][1]["block_efficiency"]["mean"]
-            ):
-                best[method] = (d["name"], m)
-        for method in ("sd", "specinfer", "rsd_c", "rsd_s"):
-            name, m = best[method]
+        for method in ("sd", "specinfer", "rsd_c", "rsd_s"):  # the first of the best on a tie
+            mine = [d["name"] for d in decoders if d["name"].split(" ")[0].split("@")[0] == method]
+            name = max(mine, key=lambda n: by[(n, 1.0)]["block_efficiency"]["mean"])
+            m = by[(name, 1.0)]
             best_rows.append(
                 [str(budget), method, name, *(format_metric(m[k], DIGITS[k]) for k in METRICS[:3])]
             )
@@ -170,15 +147,14 @@ def fixed_budget(pair: Any, args: Any) -> tuple[str, str, dict[str, Any]]:
 
 @torch.inference_mode()
 def verifier_cost(verifier: Any, prefix_len: int = 64, reps: int = 15) -> str:
+    """The verifier's median time for one forward over a binary tree of n tokens after a cached prefix."""
     timed = TimedModel(verifier)
     prefix = list(range(3, 3 + prefix_len))
     base = timed(prefix, None, logits_to_keep=1).cache
     rows, first = [], None
     for n in (1, 4, 8, 16, 32, 64):
         parents = [(i - 1) // 2 for i in range(n)]  # a binary tree, level by level
-        depths = [1] * n
-        for i in range(1, n):
-            depths[i] = depths[parents[i]] + 1
+        depths = [(i + 1).bit_length() for i in range(n)]  # node i's depth in that tree (the root's: 1)
         tokens = [5 + (i % 50) for i in range(n)]
         times = []
         for _ in range(reps):
@@ -205,14 +181,16 @@ def sibling_duplicate_rate(
     drafter: Any, prompts: list[torch.Tensor], branching: tuple[int, ...] = (2, 2, 1)
 ) -> str:
     """How often SpecInfer's i.i.d. siblings repeat a token at T = 1 (what RSD's sampling without
-    replacement avoids): each prompt cut at 6 points, one SpecInfer tree per cut."""
-    proposer = TreeProposer(TimedModel(drafter), drafter.config.vocab_size, "specinfer", branching=branching)
+    replacement avoids): each prompt cut at up to 6 points (its last 24 tokens), one SpecInfer tree per cut."""
+    drafting = TimedModel(with_draft_vocab(drafter))  # as the evaluator drafts: over config.draft_vocab
+    proposer = TreeProposer(drafting, drafter.config.vocab_size, "specinfer", branching=branching)
     stats = DecodeStats()
     generator = torch.Generator().manual_seed(0)
-    pairs = same = 0
+    pairs = same = cuts = 0
     for ids in prompts:
         seq = ids[0].tolist()
-        for cut in range(len(seq) - 24, len(seq), 4):
+        for cut in range(max(len(seq) - 24, 1), len(seq), 4):
+            cuts += 1
             proposer.start()
             draft = proposer.propose(
                 seq[:cut], len(branching), SamplingParams(1.0), generator, frozenset(), stats
@@ -223,7 +201,7 @@ def sibling_duplicate_rate(
                 same += sum(a == b for i, a in enumerate(kids) for b in kids[i + 1 :])
     return (
         f"SpecInfer {list(branching)} at T = 1 drew the same token for {same} of {pairs} sibling pairs "
-        f"({same / max(pairs, 1):.1%}; {len(prompts)} prompts x 6 cuts)."
+        f"({same / max(pairs, 1):.1%}; {len(prompts)} prompts, {cuts} cuts)."
     )
 
 
@@ -267,53 +245,52 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--pair", default=os.path.join(project_root(), "checkpoints", "tiny"))
-    parser.add_argument("--out", default=os.path.join(project_root(), "docs", "trees.md"))
+    parser.add_argument("--depths", type=int, nargs="+", default=[*DEPTH_SHAPES], choices=DEPTH_SHAPES)
+    parser.add_argument("--budgets", type=int, nargs="+", default=[*BUDGET_SHAPES], choices=BUDGET_SHAPES)
+    parser.add_argument(
+        "--pair",
+        default=os.path.join(project_root(), "checkpoints", "smollm2"),
+        help="a pair folder (verifier/, drafter/): default the real pair; checkpoints/tiny: the embedded one",
+    )
+    parser.add_argument("--out", default=None, help="default: docs/trees_real.md (real pair), docs/trees.md")
     parser.add_argument("--json", default=None, help="also write every result here")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (0: leave as is)")
     add_device_arguments(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
-    torch.set_num_threads(1)
-    tokenizer = load_tokenizer(os.path.join(args.pair, "verifier"))
-    verifier = load_model(os.path.join(args.pair, "verifier"), device=args.device).eval()
-    drafter = load_model(os.path.join(args.pair, "drafter"), device=args.drafter_device or args.device).eval()
-    args.eos = eos_token_ids(tokenizer, verifier, drafter)
-    prompts = build_prompts(tokenizer, num_prompts=args.prompts, prompt_len=64)
-    pair = (verifier, drafter, prompts)
-    started = time.time()
-    depth_table, depth_raw = fixed_depth(pair, args)
-    best_table, all_table, budget_raw = fixed_budget(pair, args)
-    cost_table = verifier_cost(verifier)
-    overhead_table = bench_pair_overhead(devices=(args.device, args.drafter_device or args.device))
-    duplicates = sibling_duplicate_rate(drafter, prompts)
-    elapsed = time.time() - started
-    command = "python scripts/trees.py" + (
-        ""
-        if (args.prompts, args.tokens, args.seeds) == (8, 64, [0, 1, 2])
-        else f" --prompts {args.prompts} --tokens {args.tokens} --seeds {' '.join(map(str, args.seeds))}"
-    )
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.setup = setup = pair_setup(args.pair)
+    args.label = os.path.basename(os.path.normpath(args.pair))  # the drafter's name in the results
+    tokenizer = load_tokenizer(setup.verifier)
+    devices = (args.device, args.drafter_device or args.device)
+    verifier = load_model(setup.verifier, dtype=setup.dtype, role="verifier", device=devices[0]).eval()
+    drafter = load_model(setup.drafter, dtype=setup.dtype, role="drafter", device=devices[1]).eval()
+    args.eos = eos_token_ids(tokenizer, verifier)
+    pair = (verifier, drafter, setup.prompts(tokenizer, args.prompts))
+    started, tables = time.time(), dict[str, str | None]()
+    tables["depth"], depth_raw = fixed_depth(pair, args)
+    tables["best"], tables["all"], budget_raw = fixed_budget(pair, args)
+    tables["cost"] = verifier_cost(verifier, prefix_len=setup.prompt_len)
+    tables["overhead"] = None if setup.real_pair else bench_pair_overhead(devices=devices)
+    tables["duplicates"] = sibling_duplicate_rate(drafter, pair[2])
     summary = {
-        "command": command,
+        "command": command_line(parser, args),
+        "pair": args.pair,
+        "dtype": setup.dtype,
         "prompts": args.prompts,
         "max_new_tokens": args.tokens,
         "seeds": args.seeds,
-        "seconds": round(elapsed, 1),
+        "seconds": round(time.time() - started, 1),
         "threads": torch.get_num_threads(),
     }
-    text = render(
-        summary,
-        depth_table,
-        best_table,
-        all_table,
-        cost_table,
-        overhead_table,
-        duplicates,
-        kept_analysis(args.out),
-    )
-    with open(args.out, "w", encoding="utf-8") as f:
+    out = args.out or os.path.join(project_root(), "docs", "trees_real.md" if setup.real_pair else "trees.md")
+    text = render(summary, setup, tables, kept_analysis(out))
+    with open(out, "w", encoding="utf-8") as f:
         f.write(text)
     if args.json:
         with open(args.json, "w") as f:
@@ -321,6 +298,16 @@ def main(argv: list[str] | None = None) -> None:
                 {"summary": summary, "depth": depth_raw, "budget": budget_raw}, f, indent=1, default=str
             )
     print(text)
+
+
+def command_line(parser: argparse.ArgumentParser, args: Any) -> str:
+    """The command that made this page: the options that differ from their defaults."""
+    words = ["python scripts/trees.py"]
+    for key in ("pair", "prompts", "tokens", "seeds", "depths", "budgets", "threads"):
+        value = getattr(args, key)
+        if value != parser.get_default(key):
+            words.append(f"--{key} {' '.join(map(str, value)) if isinstance(value, list) else value}")
+    return " ".join(words)
 
 
 ANALYSIS = ("<!-- analysis: kept when this file is regenerated -->", "<!-- /analysis -->")
@@ -337,21 +324,39 @@ def kept_analysis(path: str) -> str:
     return text[start + len(ANALYSIS[0]) : end].strip() if 0 <= start < end else "(no analysis yet)"
 
 
-def render(
-    summary: dict[str, Any],
-    depth_table: str,
-    best_table: str,
-    all_table: str,
-    cost_table: str,
-    overhead_table: str,
-    duplicates: str,
-    analysis: str,
-) -> str:
-    return f"""# Trees: chain SD, SpecInfer, RSD-C and RSD-S on the embedded pair
+def described(summary: dict[str, Any], setup: DecodeSetup) -> tuple[str, str]:
+    """The page's words for the pair: its title; the pair, its dtype and the prompts (two lines)."""
+    root, path, n = project_root(), os.path.abspath(summary["pair"]), summary["prompts"]
+    where = os.path.relpath(path, root) if path.startswith(root + os.sep) else summary["pair"]
+    if setup.real_pair:
+        title, pair = "the real pair", f"the real pair (SmolLM2-135M-Instruct and its drafter, `{where}`)"
+    else:
+        title, pair = "the embedded pair", f"the embedded tiny pair (`{where}`)"
+    prompts = (
+        f"{n} prompts of {setup.prompt_len} tokens from the embedded corpus's test split"
+        if setup.data.name == "stdlib"
+        else f"{n} held-out {setup.data.name} prompts (test split, at most {setup.prompt_len} tokens)"
+    )
+    return title, f"{pair} in {setup.dtype},\n{prompts}"
 
-Generated by `{summary["command"]}` ({summary["seconds"]} s, torch on {summary["threads"]} thread): the
-embedded tiny pair (`checkpoints/tiny`), {summary["prompts"]} prompts of 64 tokens from the embedded
-corpus's test split, up to {summary["max_new_tokens"]} new tokens each, seeds {summary["seeds"]}
+
+def render(summary: dict[str, Any], setup: DecodeSetup, tables: dict[str, str | None], analysis: str) -> str:
+    """The page: ``tables`` holds depth, best, all, cost, duplicates and overhead (None: not measured)."""
+    title, pair = described(summary, setup)
+    overhead = (
+        f"""On the tiny pair a verifier forward takes under 2 ms, so the
+engine's per-block Python work weighs a lot there. On the benchmark pair of `scripts/bench.py decoding`
+(random-weight Llama 33.7M / 2.6M, 3 prompts of 48 tokens, 96 new tokens, 1 thread):
+
+{tables["overhead"]}"""
+        if tables["overhead"] is not None
+        else "The real pair's verifier forward (the table above)\nis what the benchmark pair of "
+        "[trees.md](trees.md) stands in for, so that pair is not re-measured here.\n"
+    )
+    return f"""# Trees: chain SD, SpecInfer, RSD-C and RSD-S on {title}
+
+Generated by `{summary["command"]}` ({summary["seconds"]} s, torch on {summary["threads"]} thread):
+{pair}, up to {summary["max_new_tokens"]} new tokens each, seeds {summary["seeds"]}
 (mean ± std over seeds), every decoder timed against autoregressive decoding on the same prompts
 (`train.evaluation.evaluate_drafters`). Block efficiency is generated tokens per verifier call;
 `verifier_tokens_per_call` counts the context token and every tree token the verifier scored.
@@ -365,35 +370,30 @@ corpus's test split, up to {summary["max_new_tokens"]} new tokens each, seeds {s
 Shapes: depth 3 = SpecInfer and RSD-C branching (2, 2, 1) (10 tree tokens), RSD-S beam width 3
 (at most 9); depth 4 = branching (2, 2, 1, 1) (14), RSD-S width 4 (at most 16); chain SD gamma = depth.
 
-{depth_table}
+{tables["depth"]}
 
-Duplicate siblings: {duplicates}
+Duplicate siblings: {tables["duplicates"]}
 
 ## Fixed verifier budget (T = 1)
 
 Each method's best shape among those tried that fit the budget (tree tokens per call, context token
 excluded; chain SD drafts gamma = budget tokens):
 
-{best_table}
+{tables["best"]}
 
 Every shape tried:
 
-{all_table}
+{tables["all"]}
 
 ## Cost of a tree on this CPU
 
-The verifier's time for one forward over a binary tree of n tokens after a 64-token cached prefix
-(median of 15 calls; `scripts/trees.py`, `verifier_cost`):
+The verifier's time for one forward over a binary tree of n tokens after a {setup.prompt_len}-token cached
+prefix (median of 15 calls; `scripts/trees.py`, `verifier_cost`):
 
-{cost_table}
+{tables["cost"]}
 
-The decoders' loop overhead (wall time over the models' forward time, minus 1) on the tiny pair is
-the `loop_overhead` column above: a tiny-pair verifier forward takes under 2 ms, so the engine's
-per-block Python work weighs a lot there. On the benchmark pair of `scripts/bench.py decoding`
-(random-weight Llama 33.7M / 2.6M, 3 prompts of 48 tokens, 96 new tokens, 1 thread):
-
-{overhead_table}
-"""
+The decoders' loop overhead (wall time over the models' forward time, minus 1) is the `loop_overhead`
+column above. {overhead}"""
 
 
 if __name__ == "__main__":

@@ -414,8 +414,8 @@ class Workspace:
             # two more steps: a finished run is refused by design.
             self.resumes += 1
             extra.append(f"trainer.max_steps={2 + 2 * self.resumes}")
-        if command.entry == "scripts/trees.py":  # its default output is docs/trees.md
-            extra += ["--out", str(self.root / "trees.md")]
+        if command.entry == "scripts/trees.py":  # the real pair by default, written to docs/trees_real.md
+            extra += ["--pair", str(self.root / "checkpoints" / "tiny"), "--out", str(self.root / "trees.md")]
         return [*command.flags, *args, *extra]
 
 

@@ -13,7 +13,8 @@ import torch
 
 import train.decoding.rules.chain as loop_module
 from train.decoding import AsyncSpeculativeDecoder, SamplingParams, warp
-from train.decoding.async_loop import interval_overlap
+from train.decoding.async_loop import interval_overlap, run_asynchronous
+from train.decoding.model_call import TimedModel
 from train.decoding.proposers.model_proposer import ModelProposer
 
 from .decoding_helpers import hf_greedy
@@ -48,10 +49,10 @@ def _threads() -> int:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt2"])
-@pytest.mark.parametrize("idle", ["step", "wait"])
-def test_greedy_equals_hf_generate(arch, idle, tiny_pairs):
+@pytest.mark.parametrize("idle,min_ahead", [("step", 1), ("wait", 1), ("wait", "auto"), ("step", "auto")])
+def test_greedy_equals_hf_generate(arch, idle, min_ahead, tiny_pairs):
     verifier, drafter = tiny_pairs[arch]
-    decoder = AsyncSpeculativeDecoder(verifier, drafter, max_block=4, idle=idle)
+    decoder = AsyncSpeculativeDecoder(verifier, drafter, max_block=4, idle=idle, min_ahead=min_ahead)
     for prompt, n in (([0, 5, 9, 3, 7], 30), ([0, 44], 5), ([1, 2, 3], 1)):
         ids = torch.tensor([prompt])
         assert decoder.generate(ids, n).tokens.tolist() == hf_greedy(verifier, ids, n)
@@ -92,14 +93,20 @@ def _law_case(delay_seed: int | None):
 
 
 @pytest.mark.parametrize(
-    "delays", [None, pytest.param(7, marks=pytest.mark.slow)], ids=["no-delay", "random-delays"]
+    "delays,min_ahead",
+    [
+        (None, 1),
+        pytest.param(None, "auto", marks=pytest.mark.slow),
+        pytest.param(7, 1, marks=pytest.mark.slow),
+    ],
+    ids=["no-delay", "auto-min-ahead", "random-delays"],
 )
-def test_sampled_output_law_is_the_verifiers(delays):
+def test_sampled_output_law_is_the_verifiers(delays, min_ahead):
     verifier, drafter = _law_case(delays)
     plain = verifier.model if isinstance(verifier, Slow) else verifier
     law = verifier_joint(table_next(plain, T1), PROMPT, 5, (EOS,))
     # idle="wait": every verification holds drafts, so the rule is exercised on every call
-    decoder = AsyncSpeculativeDecoder(verifier, drafter, max_block=4, idle="wait")
+    decoder = AsyncSpeculativeDecoder(verifier, drafter, max_block=4, idle="wait", min_ahead=min_ahead)
     runs = 2000 if delays is None else 3000
     result = run_many(decoder, PROMPT, 5, T1, runs, seed=0, eos=EOS)
     stat, df = chi_square(result.counts, law, runs)
@@ -213,6 +220,40 @@ def test_an_error_on_either_side_is_raised_and_leaves_no_thread(tiny_pairs):
 
 def test_bad_settings_are_refused(tiny_pairs):
     verifier, drafter = tiny_pairs["llama"]
-    for kwargs in ({"max_block": 0}, {"idle": "spin"}, {"min_ahead": 9, "max_ahead": 8}, {"pin_cores": [0]}):
+    for kwargs in (
+        {"max_block": 0},
+        {"idle": "spin"},
+        {"min_ahead": 9, "max_ahead": 8},
+        {"pin_cores": [0]},
+        {"min_ahead": "most"},
+    ):
         with pytest.raises(ValueError):
             AsyncSpeculativeDecoder(verifier, drafter, **kwargs)
+
+
+def test_auto_min_ahead_waits_longer_for_a_better_drafter(tiny_pairs):
+    """A perfect drafter (every draft accepted) and a verifier call far dearer than a drafter step:
+    the policy waits for long blocks (min_ahead=1 verifies whatever is there, often one draft)."""
+    verifier, _ = tiny_pairs["llama"]
+    prompt = [0, 5, 9, 3, 7]
+    reference = hf_greedy(verifier, torch.tensor([prompt]), 60)
+    blocks: list[int] = []
+    timed = TimedModel(Slow(verifier, 0.01))
+    proposer = ModelProposer(TimedModel(copy.deepcopy(verifier)), timed.vocab_size)
+    result = run_asynchronous(
+        timed,
+        proposer,
+        prompt,
+        60,
+        SamplingParams(),
+        frozenset(),
+        None,
+        max_block=6,
+        max_ahead=6,
+        min_ahead="auto",
+        idle="wait",
+        on_block=blocks.append,
+    )
+    assert result.tokens.tolist() == reference
+    assert blocks[0] == 1  # nothing measured yet
+    assert sorted(blocks)[len(blocks) // 2] == 6, blocks  # then the longest block, but near the limit

@@ -118,7 +118,7 @@ def test_the_resolved_devices_reach_the_models(
 def test_async_bench_places_the_verifier_and_the_drafter(monkeypatch: pytest.MonkeyPatch) -> None:
     module = load_script("scripts/async_bench.py")
     log: list[torch.device] = []
-    monkeypatch.setattr(module, "_pairs", lambda *a: {"pair": (_stub(log, 2), _stub(log, 2), [])})
+    monkeypatch.setattr(module, "_pairs", lambda *a: {"pair": (_stub(log, 2), _stub(log, 2), [], None)})
     with pytest.raises(_Stop):
         module.main(["--devices", "meta", "cpu"])
     assert [d.type for d in log] == ["meta", "cpu"]

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from train.decoding.async_policy import acceptance_estimate, best_wait, verify_cost_line
 from train.decoding.cache import crop_cache
 from train.decoding.draft import Draft
 from train.decoding.metrics import DecodeResult, DecodeStats
@@ -45,7 +46,7 @@ from train.decoding.proposers.model_proposer import ModelProposer
 from train.decoding.rules.chain import verify_chain
 from train.decoding.sampling import SamplingParams
 
-__all__ = ["IDLE_POLICIES", "interval_overlap", "run_asynchronous"]
+__all__ = ["IDLE_POLICIES", "auto_block", "interval_overlap", "run_asynchronous"]
 
 #: What the verifier does when no draft is ready: ``step`` (an autoregressive step) or ``wait``.
 IDLE_POLICIES: tuple[str, ...] = ("step", "wait")
@@ -79,6 +80,28 @@ class _Shared:
         self.epoch = 0
         self.stop = False
         self.error: BaseException | None = None
+
+
+def auto_block(
+    stats: DecodeStats,
+    drafter_stats: DecodeStats,
+    calls: tuple[list[int], list[float]],
+    ready: int,
+    max_block: int,
+    wait: bool,
+) -> int:
+    """``min_ahead="auto"``: how many drafts this verification takes
+    (:func:`~train.decoding.async_policy.best_wait`), from this generation's acceptance, the drafter's
+    measured step and the verifier's cost line over ``calls`` (tokens scored, seconds; prefill
+    excluded). ``wait``: 1 or more, waiting for drafts not yet published; else at most ``ready``, 0 to
+    step alone. Before both models have taken a step: 1 (``wait``) or every ready draft."""
+    line = verify_cost_line(*calls)
+    steps = drafter_stats.drafter_calls - drafter_stats.drafter_prefill_calls
+    if line is None or steps <= 0:
+        return 1 if wait else min(ready, max_block)
+    draft = (drafter_stats.drafter_time - drafter_stats.drafter_prefill_time) / steps
+    acceptance = acceptance_estimate(stats.accepted, stats.tested)
+    return best_wait(acceptance, draft, line[0], ready, max_block, verify_per_token=line[1], wait=wait)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -163,14 +186,16 @@ def run_asynchronous(
     generator: torch.Generator | None,
     max_block: int = 8,
     max_ahead: int = 8,
-    min_ahead: int = 1,
+    min_ahead: int | str = 1,
     idle: str = "step",
     pin_cores: tuple[int, int] | None = None,
     on_block: Callable[[int], None] | None = None,
 ) -> DecodeResult:
     """Decode up to ``max_new_tokens`` after ``prompt`` with the drafter in a second thread (module
     docstring). ``generator`` drives the verifier's draws; the drafter's generator is seeded from it.
-    ``pin_cores``: (verifier core, drafter core). ``on_block``: called with each block's length (tests)."""
+    ``pin_cores``: (verifier core, drafter core). ``on_block``: called with each block's length (tests).
+    ``min_ahead="auto"``: each verification takes :func:`auto_block` drafts (waiting for them with
+    ``idle="wait"``; with ``idle="step"`` at most those ready, none to step alone)."""
     t_start = time.perf_counter()
     stats = DecodeStats(max_draft=max_block)
     drafter_stats = DecodeStats()
@@ -209,11 +234,17 @@ def run_asynchronous(
     seq = shared.verified  # only this thread appends to it, under the lock
     v_cache = None
     v_len = 0
+    calls: tuple[list[int], list[float]] = ([], [])  # the verifier's decoding calls: tokens, seconds
     try:
         done = False
         while not done:
             with shared.cond:
-                while not shared.stop and idle == "wait" and len(shared.drafts) < min_ahead:
+                cap = min(max_block, max_ahead)
+                auto = functools.partial(
+                    auto_block, stats, drafter_stats, calls, max_block=cap, wait=idle == "wait"
+                )
+                target = min_ahead if isinstance(min_ahead, int) else auto(ready=len(shared.drafts))
+                while not shared.stop and idle == "wait" and len(shared.drafts) < target:
                     if shared.drafts and shared.drafts[-1] in eos:
                         break  # the drafter stops after an EOS
                     if len(seq) + len(shared.drafts) >= limit - 1:
@@ -223,7 +254,9 @@ def run_asynchronous(
                     raise shared.error
                 n_seq = len(seq)
                 k = min(len(shared.drafts), max_block, limit - n_seq - 1)
-                if k and len(shared.drafts) < min_ahead and idle == "step":
+                if not isinstance(min_ahead, int):
+                    k = min(k, auto(ready=len(shared.drafts)))
+                elif k and len(shared.drafts) < target and idle == "step":
                     k = 0
                 block = shared.drafts[:k]
                 qs = shared.qs[:k]
@@ -237,6 +270,9 @@ def run_asynchronous(
             if v_cache is None:
                 stats.verifier_prefill_calls += 1
                 stats.verifier_prefill_time += out.seconds
+            else:
+                calls[0].append(len(context) + k)
+                calls[1].append(out.seconds)
             v_cache = out.cache
             v_len += len(context) + k
             stats.verifier_calls += 1

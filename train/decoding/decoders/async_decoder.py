@@ -19,7 +19,10 @@ class AsyncSpeculativeDecoder(Decoder):
     verifies. Same ``generate`` as the other decoders; lossless at every temperature.
 
     max_block: most drafts one verification takes; max_ahead: most drafts published ahead of the
-    verified sequence; min_ahead: drafts needed before verifying them; idle: ``step`` (an autoregressive
+    verified sequence; min_ahead: drafts needed before verifying them, or ``"auto"``: per block, the
+    count that maximises expected tokens per second under the acceptance, drafter step and verifier
+    cost measured so far in the generation (:mod:`train.decoding.async_policy`; with ``idle="step"``
+    among the drafts ready, none meaning a step alone); idle: ``step`` (an autoregressive
     verifier step when fewer are ready) or ``wait``; pin_cores: (verifier core, drafter core) on a CPU.
     Put the two models on two devices (``cuda:0`` / ``cuda:1``) to run them on two GPUs.
     """
@@ -30,16 +33,20 @@ class AsyncSpeculativeDecoder(Decoder):
         drafter: torch.nn.Module,
         max_block: int = 8,
         max_ahead: int = 8,
-        min_ahead: int = 1,
+        min_ahead: int | str = 1,
         idle: str = "step",
         pin_cores: tuple[int, int] | list[int] | None = None,
     ) -> None:
-        for name, value in (("max_block", max_block), ("max_ahead", max_ahead), ("min_ahead", min_ahead)):
+        counts: list[tuple[str, int | str]] = [("max_block", max_block), ("max_ahead", max_ahead)]
+        if min_ahead != "auto":
+            counts.append(("min_ahead", min_ahead))
+        for name, value in counts:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+                alternative = " or 'auto'" if name == "min_ahead" else ""
+                raise ValueError(f"{name} must be an integer >= 1{alternative}, got {value!r}")
         if idle not in IDLE_POLICIES:
             raise ValueError(f"idle must be one of {list(IDLE_POLICIES)}, got {idle!r}")
-        if min_ahead > max_ahead:
+        if isinstance(min_ahead, int) and min_ahead > max_ahead:
             raise ValueError(f"min_ahead ({min_ahead}) cannot exceed max_ahead ({max_ahead})")
         if pin_cores is not None and len(pin_cores) != 2:
             raise ValueError(f"pin_cores must be (verifier core, drafter core), got {pin_cores!r}")

@@ -1,0 +1,63 @@
+"""The adaptive min_ahead policy's arithmetic (train/decoding/async_policy.py)."""
+
+import pytest
+
+from train.decoding.async_policy import (
+    acceptance_estimate,
+    best_wait,
+    expected_block_tokens,
+    verify_cost_line,
+)
+
+
+def test_expected_block_tokens_by_hand():
+    assert expected_block_tokens(0.5, 0) == 1.0
+    assert expected_block_tokens(0.5, 1) == pytest.approx(1.5)
+    assert expected_block_tokens(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_block_tokens(1.0, 4) == 5.0
+    assert expected_block_tokens(0.0, 4) == 1.0
+    with pytest.raises(ValueError):
+        expected_block_tokens(0.5, -1)
+
+
+def test_best_wait_by_hand():
+    # a = 0.55, a draft costs 0.08 of a call: rates k=1 1.55/1.08=1.435, k=2 1.8525/1.16=1.597,
+    # k=3 2.019/1.24=1.628, k=4 2.110/1.32=1.599 -> 3
+    assert best_wait(0.55, 0.08, 1.0, ready=0, max_block=8) == 3
+    # drafts already published cost nothing more: take them all when acceptance is positive
+    assert best_wait(0.55, 0.08, 1.0, ready=6, max_block=8) == 6
+    # a useless drafter: never wait beyond one draft
+    assert best_wait(0.0, 0.08, 1.0, ready=0, max_block=8) == 1
+    # a perfect free drafter: the longest block
+    assert best_wait(1.0, 0.0, 1.0, ready=0, max_block=8) == 8
+    # dearer drafts, shorter blocks
+    assert best_wait(0.8, 0.5, 1.0, 0, 8) < best_wait(0.8, 0.05, 1.0, 0, 8)
+    with pytest.raises(ValueError):
+        best_wait(0.5, 0.1, 1.0, 0, 0)
+
+
+def test_acceptance_estimate_shrinks_towards_the_prior():
+    assert acceptance_estimate(0, 0) == 0.5
+    assert acceptance_estimate(3, 4) == pytest.approx(4 / 6)
+    assert acceptance_estimate(900, 1000) == pytest.approx(901 / 1002)
+
+
+def test_best_wait_with_a_verify_cost_per_token_and_without_waiting():
+    # each token scored costs 0.3 of a call: a = 0.55 with 8 drafts ready still takes few of them:
+    # k=0 1/1=1, k=1 1.55/1.3=1.19, k=2 1.8525/1.6=1.158 -> 1
+    assert best_wait(0.55, 0.08, 1.0, ready=8, max_block=8, verify_per_token=0.3, wait=False) == 1
+    # without waiting, nothing ready means stepping alone
+    assert best_wait(0.9, 0.01, 1.0, ready=0, max_block=8, wait=False) == 0
+    # a useless drafter: step alone even with drafts ready, when scoring them costs something
+    assert best_wait(0.0, 0.08, 1.0, ready=4, max_block=8, verify_per_token=0.05, wait=False) == 0
+    # flat verification, drafts ready, no waiting: take them all (up to max_block)
+    assert best_wait(0.6, 0.08, 1.0, ready=5, max_block=4, wait=False) == 4
+
+
+def test_verify_cost_line_by_hand():
+    assert verify_cost_line([], []) is None
+    assert verify_cost_line([3, 3], [0.2, 0.4]) == pytest.approx((0.3, 0.0))
+    base, slope = verify_cost_line([1, 2, 3, 5], [1.0, 1.1, 1.2, 1.4])
+    assert (base, slope) == pytest.approx((1.0, 0.1))
+    # a negative fitted slope (noise) is clamped to 0, the line through the mean
+    assert verify_cost_line([1, 3], [1.2, 1.0]) == pytest.approx((1.1, 0.0))
