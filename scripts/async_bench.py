@@ -93,7 +93,9 @@ def run_pair(
             )
     for block in args.blocks:
         for idle in args.idle:
-            for min_ahead in args.min_ahead if idle == "wait" else [1]:
+            for min_ahead in (
+                args.min_ahead if idle == "wait" else ["1", *(["auto"] if "auto" in args.min_ahead else [])]
+            ):
                 min_ahead = min_ahead if min_ahead == "auto" else int(min_ahead)
                 decoder = AsyncSpeculativeDecoder(
                     verifier,

@@ -39,6 +39,7 @@ from train.decoding.proposers.tree_proposers import (
     TreeProposer,
     gumbel_scores,
     gumbel_top_k,
+    on_support,
     sbs_scores,
     sbs_top,
 )
@@ -483,3 +484,13 @@ def test_autoregressive_and_tree_agree_on_stats_contract(tiny_pairs):
     assert s.position_drafted == sorted(s.position_drafted, reverse=True) and s.drafted == sum(
         s.position_drafted
     )
+
+
+def test_on_support_keeps_the_ids_some_row_can_draw():
+    q = torch.tensor([[0.5, 0.0, 0.5, 0.0], [0.0, 0.0, 0.25, 0.75]])
+    sub, ids = on_support(q)
+    assert ids.tolist() == [0, 2, 3]
+    assert torch.equal(sub, q[:, [0, 2, 3]])
+    full = torch.full((2, 4), 0.25)
+    sub, ids = on_support(full)
+    assert ids is None and sub is full
