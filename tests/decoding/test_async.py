@@ -257,3 +257,30 @@ def test_auto_min_ahead_waits_longer_for_a_better_drafter(tiny_pairs):
     assert result.tokens.tolist() == reference
     assert blocks[0] == 1  # nothing measured yet
     assert sorted(blocks)[len(blocks) // 2] == 6, blocks  # then the longest block, but near the limit
+
+
+class ThreadCount(Slow):
+    """Records the intra-op thread count each forward runs with."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__(model)
+        self.seen: list[int] = []
+
+    def forward(self, *args, **kwargs):
+        self.seen.append(torch.get_num_threads())
+        return self.model(*args, **kwargs)
+
+
+def test_on_a_cpu_the_two_models_split_the_intra_op_threads(tiny_pairs):
+    """Both models compute at once: each gets half of the threads set (one each of two), and the
+    caller's setting comes back afterwards."""
+    verifier, drafter = tiny_pairs["llama"]
+    v, d = ThreadCount(verifier), ThreadCount(drafter)
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        AsyncSpeculativeDecoder(v, d, max_block=4).generate(torch.tensor([[0, 5, 9, 3, 7]]), 12)
+        assert torch.get_num_threads() == 4
+    finally:
+        torch.set_num_threads(before)
+    assert set(v.seen) == {2} and set(d.seen) == {2}, (v.seen, d.seen)

@@ -22,7 +22,8 @@ sampling; how many drafts a block holds depends on timing, never on the random d
 the verifier's greedy output.
 
 PyTorch releases the GIL inside its kernels, so two Python threads run the two models at once (on a
-CPU, one intra-op thread each; ``pin_cores`` puts each thread on its own core). The statistics record
+CPU each gets half of the intra-op threads set, one each of two; ``pin_cores`` puts each thread on its
+own core). The statistics record
 each side's busy time and the time both were busy (``overlap_time``), the point of the method.
 """
 
@@ -112,12 +113,14 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
-def _draft_loop(shared: _Shared, draft: Callable[[], None], pin: int | None) -> None:
-    """The drafter thread: ``draft`` (:func:`_draft` with its arguments) on core ``pin``; an error is
-    handed to the verifier's thread, which raises it."""
+def _draft_loop(shared: _Shared, draft: Callable[[], None], pin: int | None, threads: int | None) -> None:
+    """The drafter thread: ``draft`` (:func:`_draft` with its arguments) on core ``pin`` with ``threads``
+    intra-op threads (None: as set); an error is handed to the verifier's thread, which raises it."""
     try:
         if pin is not None:
             os.sched_setaffinity(0, {pin})
+        if threads is not None:
+            torch.set_num_threads(threads)
         with torch.inference_mode():  # grad mode is per thread
             draft()
     except BaseException as err:  # noqa: BLE001 -- handed to the verifier thread, which raises it
@@ -223,13 +226,20 @@ def run_asynchronous(
         limit,
     )
     pin = None if pin_cores is None else pin_cores[1]
+    # two models computing at once on one CPU share its intra-op threads (1 each on 2 cores)
+    threads_before = torch.get_num_threads()
+    split = None
+    if verifier.device.type == "cpu" and proposer.drafter.device.type == "cpu":
+        split = 1 if pin_cores is not None else max(1, threads_before // 2)
     thread = threading.Thread(
-        target=_draft_loop, args=(shared, drafting, pin), name="draftsmith-drafter", daemon=True
+        target=_draft_loop, args=(shared, drafting, pin, split), name="draftsmith-drafter", daemon=True
     )
     previous_affinity: Any = None
     if pin_cores is not None:
         previous_affinity = os.sched_getaffinity(0)
         os.sched_setaffinity(0, {pin_cores[0]})
+    if split is not None:
+        torch.set_num_threads(split)
     thread.start()
     seq = shared.verified  # only this thread appends to it, under the lock
     v_cache = None
@@ -332,6 +342,7 @@ def run_asynchronous(
         thread.join()
         if previous_affinity is not None:
             os.sched_setaffinity(0, previous_affinity)
+        torch.set_num_threads(threads_before)
     if shared.error is not None:
         raise shared.error
     stats.drafter_calls = drafter_stats.drafter_calls
