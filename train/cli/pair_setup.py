@@ -52,7 +52,7 @@ class DecodeSetup:
     prompt_len: int
     tie_ulps: float
     answers: str | None = None
-    """A folder of the verifier's cached answers (``train.pt``, ``validation.pt``), when there is one."""
+    """A folder of the verifier's cached answers (one ``.pt`` file per split), when there is one."""
     real_pair: bool = False
 
     def prompts(
