@@ -155,3 +155,37 @@ def test_the_chat_set_fingerprint_follows_its_records(monkeypatch) -> None:
     assert first == chat.chat_set_fingerprint() and len(first) == 16
     monkeypatch.setattr(chat, "_cached_records", lambda: '[{"source": "x"}]')
     assert chat.chat_set_fingerprint() != first
+
+
+def test_one_run_builds_a_pair_while_another_waits_for_it(tmp_path, caplog):
+    """Two runs starting at once: the second waits on the first's lock, then reuses what it built."""
+    import threading
+    import time
+
+    from train.pairs.built import alone
+
+    out_dir = str(tmp_path / "checkpoints" / "smollm2")
+    built: list[str] = []
+    inside = threading.Event()
+    overlap: list[int] = []
+    active = [0]
+
+    def ensure(name: str) -> str:
+        active[0] += 1
+        overlap.append(active[0])
+        inside.set()
+        if not built:  # the first to get here builds, slowly
+            time.sleep(0.3)
+            built.append(name)
+        active[0] -= 1
+        return built[0]
+
+    first = threading.Thread(target=lambda: alone(out_dir, lambda: ensure("first")))
+    first.start()
+    inside.wait(5)
+    with caplog.at_level("WARNING"):
+        second = alone(out_dir, lambda: ensure("second"))
+    first.join()
+    assert built == ["first"] and second == "first"
+    assert max(overlap) == 1  # never both inside
+    assert "waiting for it" in caplog.text
