@@ -25,7 +25,7 @@ import torch
 
 from train.benchmarks.decoders_bench import build_pair
 from train.cli.console import device_argument
-from train.data.sources import DataSourceConfig
+from train.cli.pair_setup import pair_setup
 from train.decoding import AsyncSpeculativeDecoder, AutoregressiveDecoder, DecodeStats, SpeculativeDecoder
 from train.evaluation import build_prompts
 from train.evaluation.greedy import classify_difference
@@ -67,7 +67,7 @@ def _pairs(
                 "error: the real pair is not built; run `python train.py experiment=distillspec` once"
             )
         tokenizer = load_tokenizer(os.path.join(smol, "verifier"))
-        prompts = build_prompts(tokenizer, DataSourceConfig(name="chat"), num_prompts=n, prompt_len=256)
+        prompts = pair_setup(smol).prompts(tokenizer, n)  # as trees.py and the real-pair experiments
         for dtype in dtypes:
             verifier = load_model(os.path.join(smol, "verifier"), dtype=dtype).eval()
             out[f"real pair (SmolLM2-135M-Instruct / its drafter), {dtype}"] = (

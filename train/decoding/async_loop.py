@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from train.decoding.async_policy import acceptance_estimate, best_wait, verify_cost_line
+from train.decoding.async_policy import CostLine, acceptance_estimate, best_wait
 from train.decoding.cache import crop_cache
 from train.decoding.draft import Draft
 from train.decoding.metrics import DecodeResult, DecodeStats
@@ -86,17 +86,16 @@ class _Shared:
 def auto_block(
     stats: DecodeStats,
     drafter_stats: DecodeStats,
-    calls: tuple[list[int], list[float]],
+    calls: CostLine,
     ready: int,
     max_block: int,
     wait: bool,
 ) -> int:
     """``min_ahead="auto"``: how many drafts this verification takes
     (:func:`~train.decoding.async_policy.best_wait`), from this generation's acceptance, the drafter's
-    measured step and the verifier's cost line over ``calls`` (tokens scored, seconds; prefill
-    excluded). ``wait``: 1 or more, waiting for drafts not yet published; else at most ``ready``, 0 to
+    measured step and the verifier's cost line over its ``calls`` (prefill excluded). ``wait``: 1 or more, waiting for drafts not yet published; else at most ``ready``, 0 to
     step alone. Before both models have taken a step: 1 (``wait``) or every ready draft."""
-    line = verify_cost_line(*calls)
+    line = calls.line()
     steps = drafter_stats.drafter_calls - drafter_stats.drafter_prefill_calls
     if line is None or steps <= 0:
         return 1 if wait else min(ready, max_block)
@@ -244,15 +243,13 @@ def run_asynchronous(
     seq = shared.verified  # only this thread appends to it, under the lock
     v_cache = None
     v_len = 0
-    calls: tuple[list[int], list[float]] = ([], [])  # the verifier's decoding calls: tokens, seconds
+    calls = CostLine()  # the verifier's decoding calls: tokens scored, seconds
+    cap = min(max_block, max_ahead)
+    auto = functools.partial(auto_block, stats, drafter_stats, calls, max_block=cap, wait=idle == "wait")
     try:
         done = False
         while not done:
             with shared.cond:
-                cap = min(max_block, max_ahead)
-                auto = functools.partial(
-                    auto_block, stats, drafter_stats, calls, max_block=cap, wait=idle == "wait"
-                )
                 target = min_ahead if isinstance(min_ahead, int) else auto(ready=len(shared.drafts))
                 while not shared.stop and idle == "wait" and len(shared.drafts) < target:
                     if shared.drafts and shared.drafts[-1] in eos:
@@ -281,8 +278,7 @@ def run_asynchronous(
                 stats.verifier_prefill_calls += 1
                 stats.verifier_prefill_time += out.seconds
             else:
-                calls[0].append(len(context) + k)
-                calls[1].append(out.seconds)
+                calls.add(len(context) + k, out.seconds)
             v_cache = out.cache
             v_len += len(context) + k
             stats.verifier_calls += 1

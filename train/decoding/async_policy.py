@@ -7,14 +7,14 @@ call over ``k + 1`` tokens (``verify + (k) * verify_per_token`` seconds: a forwa
 costs more, little in bfloat16, more in float32 on a CPU). When ``ready`` drafts are published already,
 waiting for ``k`` costs ``max(0, k - ready)`` more drafter steps first. The policy takes the ``k`` that
 maximises tokens per second, :func:`best_wait`, with ``a`` (:func:`acceptance_estimate`), the drafter's
-step and the verifier's cost line (:func:`verify_cost_line`) measured during the same generation.
+step and the verifier's cost line (:class:`CostLine`) measured during the same generation.
 Only the schedule changes: which drafts a block holds never depends on the random draws, so the
 decoder stays lossless.
 """
 
 from __future__ import annotations
 
-__all__ = ["acceptance_estimate", "best_wait", "expected_block_tokens", "verify_cost_line"]
+__all__ = ["CostLine", "acceptance_estimate", "best_wait", "expected_block_tokens", "verify_cost_line"]
 
 
 def expected_block_tokens(acceptance: float, drafts: int) -> float:
@@ -52,22 +52,38 @@ def best_wait(
     return best
 
 
+class CostLine:
+    """Running sums of the verifier's calls (tokens scored, seconds), so the line is O(1) per block."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.sum_t = self.sum_s = self.sum_tt = self.sum_ts = 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.n += 1
+        self.sum_t += tokens
+        self.sum_s += seconds
+        self.sum_tt += tokens * tokens
+        self.sum_ts += tokens * seconds
+
+    def line(self) -> tuple[float, float] | None:
+        """``(seconds of a one-token call, seconds per extra token)``: the least-squares line through
+        the calls added, the slope kept >= 0; with one call size only, that size's mean time and a slope
+        of 0. None before any call."""
+        if self.n == 0:
+            return None
+        mean_t, mean_s = self.sum_t / self.n, self.sum_s / self.n
+        spread = self.sum_tt - self.n * mean_t * mean_t
+        slope = 0.0 if spread <= 1e-12 else max((self.sum_ts - self.n * mean_t * mean_s) / spread, 0.0)
+        return mean_s - slope * (mean_t - 1), slope
+
+
 def verify_cost_line(tokens: list[int], seconds: list[float]) -> tuple[float, float] | None:
-    """``(seconds of a one-token call, seconds per extra token)``: the least-squares line through the
-    verifier calls seen (tokens scored, seconds), the slope kept >= 0; with one call size only, that
-    size's mean time and a slope of 0. None before any call."""
-    if not tokens:
-        return None
-    n = len(tokens)
-    mean_t, mean_s = sum(tokens) / n, sum(seconds) / n
-    spread = sum((t - mean_t) ** 2 for t in tokens)
-    slope = (
-        0.0
-        if spread == 0
-        else sum((t - mean_t) * (s - mean_s) for t, s in zip(tokens, seconds, strict=True)) / spread
-    )
-    slope = max(slope, 0.0)
-    return mean_s - slope * (mean_t - 1), slope
+    """:meth:`CostLine.line` through the calls ``(tokens[i], seconds[i])``."""
+    cost = CostLine()
+    for t, s in zip(tokens, seconds, strict=True):
+        cost.add(t, s)
+    return cost.line()
 
 
 def acceptance_estimate(accepted: int, tested: int, prior: float = 0.5, prior_weight: float = 2.0) -> float:

@@ -37,13 +37,10 @@ class AsyncSpeculativeDecoder(Decoder):
         idle: str = "step",
         pin_cores: tuple[int, int] | list[int] | None = None,
     ) -> None:
-        counts: list[tuple[str, int | str]] = [("max_block", max_block), ("max_ahead", max_ahead)]
+        _check_count("max_block", max_block)
+        _check_count("max_ahead", max_ahead)
         if min_ahead != "auto":
-            counts.append(("min_ahead", min_ahead))
-        for name, value in counts:
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                alternative = " or 'auto'" if name == "min_ahead" else ""
-                raise ValueError(f"{name} must be an integer >= 1{alternative}, got {value!r}")
+            _check_count("min_ahead", min_ahead, " or 'auto'")
         if idle not in IDLE_POLICIES:
             raise ValueError(f"idle must be one of {list(IDLE_POLICIES)}, got {idle!r}")
         if isinstance(min_ahead, int) and min_ahead > max_ahead:
@@ -83,3 +80,8 @@ class AsyncSpeculativeDecoder(Decoder):
             idle=self.idle,
             pin_cores=self.pin_cores,
         )
+
+
+def _check_count(name: str, value: object, alternative: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1{alternative}, got {value!r}")

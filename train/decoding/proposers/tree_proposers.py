@@ -267,7 +267,7 @@ class TreeProposer(ModelProposer):
             u = uniforms(tuple(sub.shape), generator, q.device)
             ranked, tokens = sbs_top(parent_scores, sub_log_phi, u, self.beam_width)
             tokens = tokens if ids is None else ids[tokens]
-            log_phi = parent_logp.unsqueeze(-1) + torch.log(q.double().gather(-1, tokens))  # (n, k)
+            log_phi = parent_logp.unsqueeze(-1) + torch.log(q.gather(-1, tokens).double())  # (n, k)
         width = ranked.shape[-1]
         values, flat = ranked.flatten().topk(min(self.beam_width, ranked.numel()))
         token_ids = tokens.flatten().tolist()
