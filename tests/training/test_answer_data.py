@@ -203,6 +203,47 @@ def test_train_loader_yields_full_batches_and_validation_every_row():
     assert val[0]["input_ids"][:, 1].tolist() == [40, 41, 42, 43]
 
 
+def test_batches_carry_each_rows_index_in_its_split():
+    data = AnswerDataModule(_answers(10, 5), PAD, batch_size=4, max_len=16, seed=3)
+    for split, loader in (("train", data.train_dataloader()), ("validation", data.val_dataloader())):
+        for batch in loader:
+            for i, index in enumerate(batch["index"].tolist()):
+                row = data.rows[split][index]["input_ids"]
+                assert torch.equal(batch["input_ids"][i, : len(row)], row)
+
+
+def _lengthy_answers(n: int) -> dict[str, list[Answer]]:
+    gen = torch.Generator().manual_seed(0)
+    sizes = torch.randint(1, 40, (n,), generator=gen).tolist()
+    return {"train": [_answer([1, 2], [7 + i % 9] * size) for i, size in enumerate(sizes)], "validation": []}
+
+
+def test_grouping_by_length_cuts_the_padding_and_still_sees_every_row():
+    answers = _lengthy_answers(256)
+
+    def loaded(group: bool, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+        data = AnswerDataModule(answers, PAD, batch_size=4, max_len=64, seed=seed, group_by_length=group)
+        return list(data.train_dataloader())
+
+    def padded_share(batches: list[dict[str, torch.Tensor]]) -> float:
+        return sum(b["input_ids"].numel() for b in batches) / sum(
+            int(b["attention_mask"].sum()) for b in batches
+        )
+
+    grouped, shuffled = loaded(True), loaded(False)
+    assert len(grouped) == len(shuffled) == 64
+    assert sorted(int(i) for b in grouped for i in b["index"]) == list(range(256))  # each row once
+    assert padded_share(grouped) < 1.1 < 1.3 < padded_share(shuffled)
+    again, other = loaded(True), loaded(True, seed=1)
+    assert all(torch.equal(a["index"], b["index"]) for a, b in zip(grouped, again, strict=True))
+    assert any(not torch.equal(a["index"], b["index"]) for a, b in zip(grouped, other, strict=True))
+    # a new epoch draws new groups
+    data = AnswerDataModule(answers, PAD, batch_size=4, max_len=64, seed=0, group_by_length=True)
+    loader = data.train_dataloader()
+    first, second = [b["index"] for b in loader], [b["index"] for b in loader]
+    assert any(not torch.equal(a, b) for a, b in zip(first, second, strict=True))
+
+
 def test_run_answers_reads_a_folder_the_pairs_cache_or_generates(tmp_path, monkeypatch):
     """``method.answers``: a folder is read; ``pair`` is the real pair's cache (``<smollm2.out_dir>/answers``)
     and, on a pair without one, greedy answers generated from the run's data, as with None."""

@@ -39,6 +39,10 @@ __all__ = [
     "VerifierTargets",
     "argmax_hits",
     "chain_counts",
+    "head_logits",
+    "head_matches",
+    "head_targets",
+    "last_argmax",
     "step_hits",
     "step_inputs",
     "step_loss",
@@ -123,13 +127,53 @@ class VerifierTargets:
 def verifier_targets(
     verifier_logits: torch.Tensor, draft_ids: torch.Tensor, t2d: torch.Tensor
 ) -> VerifierTargets:
-    argmax = verifier_logits.argmax(dim=-1)
+    argmax = last_argmax(verifier_logits)
     return VerifierTargets(
         logprobs=verifier_logits.index_select(-1, draft_ids.to(verifier_logits.device))
         .float()
         .log_softmax(-1),
         argmax=argmax,
         in_vocab=t2d.to(argmax.device)[argmax],
+    )
+
+
+def head_logits(hidden: torch.Tensor, head: torch.nn.Module, draft_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T, N): the rows of ``head`` (a linear output layer, bias optional) for ``draft_ids`` applied to
+    ``hidden`` (B, T, h), the verifier's last hidden state after its final norm."""
+    ids = draft_ids.to(hidden.device)
+    weight = head.weight.index_select(0, ids)
+    bias = getattr(head, "bias", None)
+    return F.linear(hidden.to(weight.dtype), weight, None if bias is None else bias.index_select(0, ids))
+
+
+def head_targets(
+    hidden: torch.Tensor,
+    head: torch.nn.Module,
+    argmax: torch.Tensor,
+    draft_ids: torch.Tensor,
+    t2d: torch.Tensor,
+) -> VerifierTargets:
+    """:func:`verifier_targets` from the verifier's last hidden state instead of its logits
+    (:func:`head_logits`; ``argmax`` (B, T), its argmax over the full vocabulary, kept from the pass that
+    had the logits). The same targets as :func:`verifier_targets` of that pass for a plain linear head
+    (no logit scale or soft cap; :func:`head_matches` checks)."""
+    return VerifierTargets(
+        logprobs=head_logits(hidden, head, draft_ids).float().log_softmax(-1),
+        argmax=argmax,
+        in_vocab=t2d.to(argmax.device)[argmax],
+    )
+
+
+def head_matches(
+    hidden: torch.Tensor, head: torch.nn.Module, logits: torch.Tensor, draft_ids: torch.Tensor, atol: float
+) -> bool:
+    """Whether :func:`head_logits` gives the verifier's ``logits`` (B, T, V) at the draft ids within
+    ``atol``: the condition for :func:`head_targets` to stand in for them."""
+    recomputed = head_logits(hidden, head, draft_ids).float()
+    return bool(
+        torch.allclose(
+            recomputed, logits.index_select(-1, draft_ids.to(logits.device)).float(), atol=atol, rtol=0
+        )
     )
 
 
@@ -146,20 +190,30 @@ def targets_loss(
     logits: torch.Tensor, targets: VerifierTargets, keep: torch.Tensor, draft_ids: torch.Tensor, step: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`step_loss` from :func:`verifier_targets` (the same figures, without re-reading the (B, T, V)
-    logits each step)."""
+    logits each step). Computed over every row and masked (the drafter's row p against the verifier's
+    row p + 1 + step, as aligned slices): gathering the kept rows instead costs a scatter of the whole
+    logits tensor in the backward pass."""
     shift = step + 1
-    argmax = shifted(targets.argmax, shift)
     kept = keep & shifted(targets.in_vocab, shift, False)
-    if not bool(kept.any()):
+    length = logits.shape[1]
+    if shift >= length or not bool(kept.any()):
         zero = logits.new_zeros((), dtype=torch.float32)
         return zero + 0.0 * logits.sum(), zero.detach(), kept
-    rows, cols = kept.nonzero(as_tuple=True)
-    teacher = targets.logprobs[rows, cols + shift]
-    student = logits[kept].float().log_softmax(-1)
-    loss = F.kl_div(student, teacher, log_target=True, reduction="batchmean")
-    predicted = draft_ids.to(logits.device)[logits[kept].argmax(dim=-1)]
-    accuracy = (predicted == argmax[kept]).float().mean()
-    return loss, accuracy.detach(), kept
+    rows = kept[:, : length - shift]
+    teacher = targets.logprobs[:, shift:]
+    student = logits[:, : length - shift].float().log_softmax(-1)
+    row_kl = (teacher.exp() * (teacher - student)).sum(-1)
+    count = rows.sum()
+    loss = torch.where(rows, row_kl, 0.0).sum() / count
+    predicted = draft_ids.to(logits.device)[last_argmax(student.detach())]
+    accuracy = ((predicted == targets.argmax[:, shift:]) & rows).sum() / count
+    return loss, accuracy.float().detach(), kept
+
+
+def last_argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` (the first maximal index, as argmax), through ``max``: on a CPU argmax over
+    bfloat16 runs about 6x slower than max."""
+    return x.max(dim=-1).indices
 
 
 def step_loss(
@@ -187,7 +241,7 @@ def argmax_hits(
     length, shift = logits.shape[1], step + 1
     hits = torch.zeros(logits.shape[:2], dtype=torch.bool, device=logits.device)
     if shift < length:
-        predicted = draft_ids.to(logits.device)[logits[:, : length - shift].argmax(dim=-1)]
+        predicted = draft_ids.to(logits.device)[last_argmax(logits[:, : length - shift])]
         hits[:, : length - shift] = predicted == verifier_argmax[:, shift:].to(logits.device)
     return hits
 
@@ -197,7 +251,7 @@ def step_hits(
 ) -> torch.Tensor:
     """(B, T) bool: at position p, step ``step``'s argmax (mapped to a target id) is the verifier's argmax
     of row p + 1 + step (False where that row lies past the sequence)."""
-    return argmax_hits(logits, verifier_logits.argmax(dim=-1), draft_ids, step)
+    return argmax_hits(logits, last_argmax(verifier_logits), draft_ids, step)
 
 
 def chain_counts(hits: list[torch.Tensor], eligible: list[torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -241,7 +295,7 @@ def ttt_loss(
     drafter: Eagle3Drafter,
     aux_states: torch.Tensor,
     input_ids: torch.Tensor,
-    verifier_logits: torch.Tensor,
+    verifier_logits: torch.Tensor | VerifierTargets,
     loss_mask: torch.Tensor | None = None,
     steps: int = 7,
     decay: float = 0.8,
@@ -251,7 +305,8 @@ def ttt_loss(
     """The training-time test's losses and accuracies (see the module docstring).
 
     aux_states: (B, T, 3h), the verifier's concatenated auxiliary states (fused here with ``fc``);
-    input_ids: (B, T); verifier_logits: (B, T, V); loss_mask: (B, T), position j counts as a target
+    input_ids: (B, T); verifier_logits: (B, T, V), or what the losses read of them (:func:`verifier_targets`,
+    :func:`head_targets`); loss_mask: (B, T), position j counts as a target
     (the verifier's row j) where it is true (None: everywhere); steps: K; position_ids: (B, T) base RoPE
     positions (default ``arange(T)``; step k adds k); chain_stats: also fill ``eligible`` / ``hits`` (what
     :func:`chain_counts` reads; validation needs them, a training step does not)."""
@@ -260,7 +315,10 @@ def ttt_loss(
     mask = torch.ones_like(input_ids, dtype=torch.bool) if loss_mask is None else loss_mask.bool()
     all_logits = ttt_unroll(drafter, drafter.fuse(aux_states), input_ids, steps, position_ids)
     draft_ids = drafter.draft_ids
-    targets = verifier_targets(verifier_logits.detach(), draft_ids, drafter.t2d)
+    if isinstance(verifier_logits, VerifierTargets):
+        targets = verifier_logits
+    else:
+        targets = verifier_targets(verifier_logits.detach(), draft_ids, drafter.t2d)
     result = TTTResult(loss=all_logits[0].new_zeros((), dtype=torch.float32))
     for k, logits in enumerate(all_logits):
         _, inside = step_inputs(input_ids, k)

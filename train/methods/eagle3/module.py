@@ -6,8 +6,10 @@ Each step runs the frozen verifier over a batch of its own answers (prompt + ans
 its ``aux_layers`` (concatenated, fused by ``fc``) and unrolls ``ttt_steps`` drafting steps over every
 position at once (:func:`train.models.eagle3_ttt.ttt_loss`): step k's loss is the forward KL from the
 verifier's distribution k + 1 rows ahead, renormalised over the draft vocabulary, weighted
-``decay**k``; only rows that predict an answer token count. No feature is stored: the verifier's
-forward is part of the step (online, as SpecForge's online mode and speculators do).
+``decay**k``; only rows that predict an answer token count. The verifier's forward is part of the step
+(online, as SpecForge's online mode and speculators do); with ``feature_cache_gb`` > 0 each row's
+features are kept in memory after its first pass and later epochs skip the verifier
+(:mod:`train.methods.eagle3.feature_cache`).
 
 The verifier is frozen and stays outside the module's children (never checkpointed, optimised or
 sharded). The drafter is a child and trains in float32 whatever ``model.dtype`` is (its frozen
@@ -34,10 +36,21 @@ from typing import Any
 import lightning as L
 import torch
 
+from train.config import ConfigError
 from train.methods.eagle3 import finish as finish_step
 from train.methods.eagle3.config import Eagle3Config
+from train.methods.eagle3.feature_cache import FeatureCache, padded_rows
 from train.models.eagle3_drafter import Eagle3Drafter
-from train.models.eagle3_ttt import TTTResult, chain_counts, ttt_loss
+from train.models.eagle3_ttt import (
+    TTTResult,
+    VerifierTargets,
+    chain_counts,
+    head_matches,
+    head_targets,
+    last_argmax,
+    ttt_loss,
+    verifier_targets,
+)
 from train.training.optim import clip_gradients, configure_optimizers, weights_dtype
 
 
@@ -69,6 +82,8 @@ class Eagle3Module(L.LightningModule):
         verifier.requires_grad_(False)
         self._sums: dict[str, float] = {}
         self.last_validation: dict[str, float] = {}
+        self.feature_cache = FeatureCache(int(cfg.feature_cache_gb * 2**30))
+        self._head_checked = False
 
     # ------------------------------------------------------------------ training
 
@@ -91,8 +106,11 @@ class Eagle3Module(L.LightningModule):
         """Lightning's clipping, with the norm taken over everything sharded under FSDP."""
         clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
 
-    def verifier_features(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The verifier's concatenated auxiliary states (B, T, len(aux_layers) h) and logits (B, T, V)."""
+    def verifier_pass(
+        self, batch: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The verifier's concatenated auxiliary states (B, T, len(aux_layers) h), logits (B, T, V) and
+        last hidden state (B, T, h), after its final norm."""
         with torch.no_grad():
             out = self.verifier(
                 input_ids=batch["input_ids"],
@@ -100,16 +118,56 @@ class Eagle3Module(L.LightningModule):
                 output_hidden_states=True,
                 use_cache=False,
             )
-        return torch.cat(self.drafter.aux_features(out.hidden_states), dim=-1), out.logits
+        aux = torch.cat(self.drafter.aux_features(out.hidden_states), dim=-1)
+        return aux, out.logits, out.hidden_states[-1]
 
-    def ttt(self, batch: dict[str, torch.Tensor], chain_stats: bool = True) -> TTTResult:
+    def features_and_targets(
+        self, batch: dict[str, torch.Tensor], split: str
+    ) -> tuple[torch.Tensor, VerifierTargets]:
+        """The auxiliary states and the verifier's targets of ``batch``: from the feature cache when every
+        row of the batch is there, else from a verifier pass (whose rows are then cached, budget allowing)."""
+        draft_ids, t2d = self.drafter.draft_ids, self.drafter.t2d
+        keys = [(split, int(i)) for i in batch["index"]] if "index" in batch else []
+        if keys and self.feature_cache.max_bytes > 0:
+            rows = self.feature_cache.lookup(keys)
+            if rows is not None:
+                width = batch["input_ids"].shape[1]
+                aux, hidden, argmax = padded_rows(rows, width, batch["input_ids"].device)
+                head = self.verifier.get_output_embeddings()
+                return aux, head_targets(hidden, head, argmax, draft_ids, t2d)
+        aux, logits, hidden = self.verifier_pass(batch)
+        if keys and self.feature_cache.max_bytes > 0:
+            self.check_head(hidden, logits)
+            lengths = batch["attention_mask"].sum(dim=1).tolist()
+            self.feature_cache.store(keys, lengths, aux, hidden, last_argmax(logits))
+        return aux, verifier_targets(logits, draft_ids, t2d)
+
+    def check_head(self, hidden: torch.Tensor, logits: torch.Tensor) -> None:
+        """Once per run: the cache recomputes the targets from the last hidden state with the verifier's
+        head (:func:`head_targets`); a ConfigError when that does not give the verifier's logits."""
+        if self._head_checked:
+            return
+        head = self.verifier.get_output_embeddings()
+        # a few rounding steps of the logits' dtype: a different summation order, not a different function
+        atol = 4 * torch.finfo(logits.dtype).eps * float(logits.abs().max())
+        if head is None or not head_matches(hidden, head, logits, self.drafter.draft_ids, atol):
+            raise ConfigError(
+                "method.feature_cache_gb: the verifier's logits are not its output layer applied to its last "
+                "hidden state (a logit scale or soft cap?), so cached features cannot recompute its targets; "
+                "set method.feature_cache_gb=0 to train online"
+            )
+        self._head_checked = True
+
+    def ttt(
+        self, batch: dict[str, torch.Tensor], chain_stats: bool = True, split: str = "train"
+    ) -> TTTResult:
         """The training-time test on ``batch``; ``chain_stats``: with the per-position hits validation reads."""
-        aux, logits = self.verifier_features(batch)
+        aux, targets = self.features_and_targets(batch, split)
         return ttt_loss(
             self.drafter,
             aux,
             batch["input_ids"],
-            logits,
+            targets,
             batch["loss_mask"],
             steps=self.cfg.ttt_steps,
             decay=self.cfg.decay,
@@ -135,7 +193,7 @@ class Eagle3Module(L.LightningModule):
         self._sums = {}
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        result = self.ttt(batch)
+        result = self.ttt(batch, split="validation")
         counts: dict[str, float] = {"loss": float(result.loss) * batch["input_ids"].shape[0]}
         counts["batches"] = batch["input_ids"].shape[0]
         for k, (accuracy, n) in enumerate(zip(result.accuracies, result.counts, strict=True)):
