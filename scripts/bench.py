@@ -14,6 +14,7 @@ def build_parser() -> argparse.ArgumentParser:
     from train.benchmarks import decoders_bench as decoding
     from train.benchmarks import distill_bench as distill
     from train.benchmarks import draft_vocab_bench as draft_vocab
+    from train.benchmarks import eagle3_step_bench as eagle3_step
     from train.benchmarks import overhead_bench as overhead
 
     parser = argparse.ArgumentParser(prog="bench.py", description=__doc__)
@@ -30,6 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("draft-vocab", help="a drafter's output head: full vs reduced vocabulary")
     draft_vocab.add_arguments(p)
     p.set_defaults(func=draft_vocab.main)
+
+    p = sub.add_parser("eagle3-step", help="an EAGLE-3 training step: online, grouped, cached features")
+    eagle3_step.add_arguments(p)
+    p.set_defaults(func=eagle3_step.main)
 
     p = sub.add_parser("overhead", help="loop overhead of this engine vs an older copy, interleaved")
     overhead.add_arguments(p)

@@ -30,9 +30,12 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import open_dict
+from transformers import AutoModelForCausalLM
 
 from tests.conftest import CONF_DIR, MICRO_PAIR, REPO_ROOT
 from tests.doc_commands import DocCommand, documented_commands
+from train.models.answers import generate_answers, save_answers
+from train.models.loading import eos_token_ids, load_tokenizer
 
 COMMANDS = documented_commands()
 HYDRA_ENTRIES = {
@@ -326,6 +329,7 @@ BENCH_MICRO = {
     "overhead": "--prompts 1 --max-new-tokens 8 --repeats 1",
     "distill": "--batch-size 2 --max-new-tokens 4 --prompt-len 16 --steps 1 --warmup 0 --threads 1",
     "draft-vocab": "--vocab 512 --draft-vocab 64 --prefix 8 --repeats 1",
+    "eagle3-step": "--batches 1 --warmup 0 --batch-size 2 --max-len 64 --draft-vocab 64 --aux-layers 0 1 1",
 }
 OUTPUT_FLAGS = ("--out", "--json", "--plot")
 IN_SUBPROCESS = {"scripts/async_bench.py"}
@@ -376,6 +380,23 @@ class Workspace:
             value = str(self.root / value[len("/tmp/") :])
         return f"{key}={value}" if sep else value
 
+    def answered_tiny_pair(self) -> Path:
+        """A pair folder as the real pair's build leaves it (verifier/, answers/) on the tiny pair's
+        verifier, with a few of its greedy answers to random prompts."""
+        folder = self.root / "answered_tiny_pair"
+        if not folder.exists():
+            verifier_dir = self.root / "checkpoints" / "tiny" / "verifier"
+            verifier = AutoModelForCausalLM.from_pretrained(str(verifier_dir)).eval()
+            eos = eos_token_ids(load_tokenizer(str(verifier_dir)), verifier)
+            gen = torch.Generator().manual_seed(0)
+            prompts = [torch.randint(0, 200, (8,), generator=gen).tolist() for _ in range(6)]
+            answers = generate_answers(verifier, prompts, eos, max_new_tokens=8, batch_size=6, top_k=1)
+            (folder / "answers").mkdir(parents=True)
+            (folder / "verifier").symlink_to(verifier_dir)
+            for split in ("train", "validation"):
+                save_answers(answers, str(folder / "answers" / f"{split}.pt"))
+        return folder
+
     def argv(self, command: DocCommand) -> list[str]:
         args = [self.resolve(a) for a in command.args]
         for i in range(1, len(args)):  # outputs a command writes go to the workspace, not the checkout
@@ -387,6 +408,8 @@ class Workspace:
             if sub == "distill":
                 tiny = self.root / "checkpoints" / "tiny"
                 extra += ["--verifier", str(tiny / "verifier"), "--drafter", str(tiny / "drafter")]
+            if sub == "eagle3-step":
+                extra += ["--pair", str(self.answered_tiny_pair())]
             return [*command.flags, *args, *extra]
         extra = list(MICRO_ARGS[command.entry])
         if command.entry == "scripts/leaderboard.py" and not any(a.startswith("model=") for a in args):

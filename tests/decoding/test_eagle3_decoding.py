@@ -300,11 +300,12 @@ def first_token_shift(law: dict, points: float) -> dict:
     return {key: p * (down if key[0] == top else up) for key, p in law.items()}
 
 
-def law_statistic(verifier, params: SamplingParams) -> tuple[float, int, int]:
+def law_statistic(verifier, params: SamplingParams, sampled_chain: bool = False) -> tuple[float, int, int]:
     """(chi-square, df, accepted draft tokens) of tokens 2 and 3 over 4000 seeded runs of 4 tokens against
-    the verifier's own warped law; a tree of depth 3, top-2, 6 nodes from a random drafter."""
+    the verifier's own warped law; a tree of depth 3, top-2, 6 nodes from a random drafter (with
+    ``sampled_chain``: a chain of 3 tokens sampled from it)."""
     law = tokens_2_and_3(verifier, params)
-    decoder = Eagle3Decoder(verifier, drafter_for(verifier, seed=3), 3, 2, 6)
+    decoder = Eagle3Decoder(verifier, drafter_for(verifier, seed=3), 3, 2, 6, sampled_chain=sampled_chain)
     runs = run_many(decoder, LAW_PROMPT, 4, params, LAW_RUNS, seed=0)
     counts: dict[tuple[int, ...], int] = {}
     for key, c in runs.counts.items():
@@ -313,15 +314,16 @@ def law_statistic(verifier, params: SamplingParams) -> tuple[float, int, int]:
     return stat, df, sum(s.accepted for s in runs.stats)
 
 
+@pytest.mark.parametrize("sampled_chain", [False, True], ids=["tree", "sampled-chain"])
 @pytest.mark.parametrize(
     "params", [SamplingParams(1.0), SamplingParams(0.7, top_k=4)], ids=["T1", "T0.7-top_k4"]
 )
-def test_sampled_output_law_is_the_verifiers(small_verifier, params):
+def test_sampled_output_law_is_the_verifiers(small_verifier, params, sampled_chain):
     law = tokens_2_and_3(small_verifier, params)
     df = len(pooled_cells(law, LAW_RUNS)) - 1
     # power: moving 6 points of the 2nd token's probability is seen with probability > 0.9 (alpha 1e-4)
     assert chi2_power(df, noncentrality(law, first_token_shift(law, 0.06), LAW_RUNS)) > 0.9
-    stat, df, accepted = law_statistic(small_verifier, params)
+    stat, df, accepted = law_statistic(small_verifier, params, sampled_chain)
     assert stat < chi2_critical(df), (stat, df)
     assert accepted > 0.1 * LAW_RUNS  # the tree's candidates were accepted often
 

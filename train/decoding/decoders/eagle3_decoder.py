@@ -1,9 +1,11 @@
 """``Eagle3Decoder``: an EAGLE-3 drafter on the verifier's fused features, EAGLE-2's dynamic tree,
-one verifier forward per step (docs/eagle3.md).
+one verifier forward per step (docs/eagle3.md); with ``sampled_chain``, at T > 0 a chain drawn from the
+drafter instead (EAGLE-1's sampling).
 
 The drafting side is :class:`~train.decoding.proposers.eagle3_proposer.Eagle3Proposer`; verification is
 :func:`~train.decoding.rules.tree_walk.verify_tree` in the synchronous loop (greedy at T = 0, the
-recursive rule with point-mass proposals at T > 0): lossless at every temperature.
+recursive rule with point-mass proposals at T > 0, the standard rule with the drafter's q for a sampled
+chain): lossless at every temperature.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ __all__ = ["Eagle3Decoder", "check_eagle3"]
 class Eagle3Decoder(DraftTreeDecoder):
     """Speculative decoding with an :class:`~train.models.eagle3_drafter.Eagle3Drafter`: trees of at most
     ``total_tokens`` nodes and ``depth`` levels, each expanded level its ``top_k`` best nodes, each node
-    its ``top_k`` best children (``top_k=1``: a chain of ``depth`` tokens). Same ``generate`` as the
+    its ``top_k`` best children (``top_k=1``: a chain of ``depth`` tokens). ``sampled_chain``: at T > 0,
+    a chain of ``depth`` tokens sampled from the drafter instead of the tree. Same ``generate`` as the
     other decoders."""
 
     accepts: ClassVar[tuple[str, ...]] = ("eagle3",)
@@ -35,13 +38,17 @@ class Eagle3Decoder(DraftTreeDecoder):
         depth: int = 5,
         top_k: int = 8,
         total_tokens: int = 32,
+        sampled_chain: bool = False,
     ) -> None:
         self.verifier = verifier
         self.drafter = drafter
         self._verifier = TimedModel(verifier)
         check_eagle3(verifier, drafter, self._verifier.vocab_size)
-        self._proposer = Eagle3Proposer(drafter, self._verifier.vocab_size, depth, top_k, total_tokens)
+        self._proposer = Eagle3Proposer(
+            drafter, self._verifier.vocab_size, depth, top_k, total_tokens, sampled_chain
+        )
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
+        self.sampled_chain = sampled_chain
 
     def models(self) -> tuple[torch.nn.Module, ...]:
         return (self.verifier,)

@@ -21,6 +21,13 @@ committed positions after every draft.
 batched forwards after the catch-up). The authors' code counts its ``depth`` in forwards, one less
 than the tree's depth. The candidates are deterministic (``q = None``; ranks by score among siblings),
 so :func:`~train.decoding.rules.tree_walk.verify_tree` verifies them losslessly at every temperature.
+
+``sampled_chain``: at T > 0, instead of the tree, a chain of ``depth`` tokens each drawn from the
+drafter's distribution warped like the verifier's (temperature, top-k, top-p; zero outside the draft
+vocabulary), handed over with those distributions ``q`` so the standard speculative rule accepts
+token x with probability min(1, p(x) / q(x)) (EAGLE-1's way of sampling; lossless for any q). A
+deterministic tree's candidates pass only with probability p(x) each, a sampled chain's with
+1 - TVD(p, q). T = 0 keeps the tree.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from transformers import DynamicCache
 from train.decoding.cache import cache_length, crop_cache
 from train.decoding.draft import Draft
 from train.decoding.metrics import DecodeStats
-from train.decoding.sampling import SamplingParams
+from train.decoding.sampling import SamplingParams, sample_with_uniform, uniforms, warp
 from train.models.eagle3_drafter import Eagle3Drafter
 
 __all__ = ["Eagle3Proposer", "node_mask", "select_nodes"]
@@ -74,6 +81,7 @@ class Eagle3Proposer:
         depth: int = 5,
         top_k: int = 8,
         total_tokens: int = 32,
+        sampled_chain: bool = False,
     ) -> None:
         for name, value in (("depth", depth), ("top_k", top_k), ("total_tokens", total_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -81,6 +89,7 @@ class Eagle3Proposer:
         self.drafter = drafter
         self.vocab_size = vocab_size
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
+        self.sampled_chain = bool(sampled_chain)
         self.hidden_layers: tuple[int, ...] = tuple(int(i) for i in drafter.aux_layers)
         param = drafter.fc.weight
         self._device, self._dtype = param.device, param.dtype
@@ -143,7 +152,13 @@ class Eagle3Proposer:
             self._synchronize()
             stats.drafter_prefill_calls += 1
             stats.drafter_prefill_time += time.perf_counter() - start
-        draft, forwards = self._grow(out.logits[0, -1], out.hidden[0, -1], min(self.depth, budget))
+        depth = min(self.depth, budget)
+        if self.sampled_chain and not params.greedy:
+            draft, forwards = self._sample_chain(
+                out.logits[0, -1], out.hidden[0, -1], depth, params, generator, eos
+            )
+        else:
+            draft, forwards = self._grow(out.logits[0, -1], out.hidden[0, -1], depth)
         crop_cache(self._cache, self._fed)  # the tree nodes leave the cache
         self._synchronize()
         stats.drafter_calls += 1 + forwards
@@ -154,6 +169,46 @@ class Eagle3Proposer:
         """Wait for the drafter's own device, so the clock measures its work."""
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
+
+    def _distribution(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """q over the verifier's vocabulary (V,): the drafter's logits (N,) warped by ``params``, placed
+        at their target ids, zero elsewhere."""
+        q = torch.zeros(self.vocab_size, dtype=torch.float32, device=logits.device)
+        targets = torch.arange(logits.shape[-1], device=logits.device) + self._d2t
+        return q.index_copy_(0, targets, warp(logits.float(), params))
+
+    def _sample_chain(
+        self,
+        logits: torch.Tensor,
+        hidden: torch.Tensor,
+        depth: int,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        eos: frozenset[int],
+    ) -> tuple[Draft, int]:
+        """A chain of at most ``depth`` tokens drawn from the drafter (``sampled_chain``; it stops after an
+        eos), from the root's logits (N,) and hidden output (h,), with the q each was drawn from; and the
+        drafter forwards it took. The chain's nodes enter the drafter's cache after the committed
+        positions (cropped after the draft), so plain causal attention is the chain's."""
+        tokens: list[int] = []
+        qs: list[torch.Tensor] = []
+        forwards = 0
+        for d in range(depth):
+            q = self._distribution(logits, params)
+            token = int(sample_with_uniform(q, uniforms((), generator, q.device)))
+            tokens.append(token)
+            qs.append(q)
+            if d == depth - 1 or token in eos:
+                break
+            out = self.drafter(
+                torch.tensor([[token]], device=self._device),
+                hidden[None, None],
+                torch.full((1, 1), self._fed + d, device=self._device),
+                past_key_values=self._cache,
+            )
+            logits, hidden = out.logits[0, -1], out.hidden[0, -1]
+            forwards += 1
+        return Draft.chain(tokens, torch.stack(qs)), forwards
 
     def _grow(self, root_logits: torch.Tensor, root_hidden: torch.Tensor, depth: int) -> tuple[Draft, int]:
         """EAGLE-2's tree from the root's logits (N,) and hidden output (h,), at most ``depth`` deep, and

@@ -1,0 +1,117 @@
+"""Eagle3Decoder's ``sampled_chain`` (EAGLE-1's sampling at T > 0): each draft is a chain whose q rows are
+the drafter's warped distributions along the chain (checked against a cache-free sequential forward), the
+drafter's cache is back to the committed positions after every draft, T = 0 keeps the tree (greedy
+equality with HF ``generate``), and a chain handed the wrong q is caught by the law test (the law itself
+is tested in test_eagle3_decoding.py, both ways of drafting)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from train.decoding import Draft, Eagle3Decoder, SamplingParams
+from train.decoding.proposers.eagle3_proposer import Eagle3Proposer
+from train.decoding.sampling import warp
+
+from .decoding_helpers import build, hf_greedy, tiny_config
+from .spec_reference import chi2_critical
+from .test_eagle3_decoding import PROMPTS, drafter_for, law_statistic, sequential_children
+from .test_heads_decoding import VOCAB
+
+
+@pytest.fixture(scope="module")
+def verifiers() -> dict[str, torch.nn.Module]:
+    """As test_eagle3_decoding's: {arch: a 4-layer verifier, hidden 32, vocab 128}."""
+    return {arch: build(tiny_config(arch, 32, layers=4), 1) for arch in ("llama", "qwen3")}
+
+
+@pytest.fixture(scope="module")
+def small_verifier():
+    """As test_eagle3_decoding's law verifier."""
+    return build(tiny_config("llama", hidden=32, vocab=VOCAB, layers=4), 5).double()
+
+
+class ChainSpy:
+    """Records every non-empty draft with the sequence it continues and the drafter's cache length after it."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.records: list[tuple[list[int], Draft, int]] = []
+        propose = Eagle3Proposer.propose
+        spy = self
+
+        def propose_spy(self, sequence, *args):
+            draft = propose(self, sequence, *args)
+            if len(draft):
+                spy.records.append((list(sequence), draft, self.cache_length))
+            return draft
+
+        monkeypatch.setattr(Eagle3Proposer, "propose", propose_spy)
+
+
+@pytest.mark.parametrize(
+    "params", [SamplingParams(1.0), SamplingParams(0.7, top_k=4)], ids=["T1", "T0.7-top_k4"]
+)
+@pytest.mark.parametrize("vocab", ["full", "reduced"])
+def test_chain_q_rows_are_the_warped_sequential_drafts(params, vocab, verifiers, monkeypatch):
+    verifier = verifiers["llama"]
+    drafter = drafter_for(verifier, vocab, seed=2)
+    spy = ChainSpy(monkeypatch)
+    decoder = Eagle3Decoder(verifier, drafter, 4, 3, 10, sampled_chain=True)
+    decoder.generate(torch.tensor([PROMPTS[0]]), 24, params, generator=torch.Generator().manual_seed(0))
+    assert len(spy.records) > 3
+    vocab_size = verifier.config.vocab_size
+    for sequence, draft, cached in spy.records:
+        assert draft.is_chain and 1 <= len(draft) <= 4 and draft.q is not None
+        assert cached == len(sequence) - 1  # the chain's nodes left the cache
+        for i, token in enumerate(draft.tokens):
+            logits = sequential_children(verifier, drafter, sequence, draft, i - 1)
+            want = torch.zeros(vocab_size).index_copy_(0, drafter.draft_ids, warp(logits.float(), params))
+            torch.testing.assert_close(draft.q[i], want, atol=1e-5, rtol=1e-4)
+            assert draft.q[i, token] > 0
+
+
+def test_temperature_zero_keeps_the_tree_and_the_greedy_output(verifiers, monkeypatch):
+    verifier = verifiers["qwen3"]
+    decoder = Eagle3Decoder(verifier, drafter_for(verifier, "reduced"), 4, 3, 10, sampled_chain=True)
+    spy = ChainSpy(monkeypatch)
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        reference = hf_greedy(verifier, ids, 17)
+        assert decoder.generate(ids, 17).tokens.tolist() == reference
+    assert any(not draft.is_chain for _, draft, _ in spy.records)  # trees at T = 0
+    assert all(draft.q is None for _, draft, _ in spy.records)
+
+
+def test_a_sampled_chain_stops_at_eos_and_within_the_budget(verifiers, monkeypatch):
+    verifier = verifiers["llama"]
+    spy = ChainSpy(monkeypatch)
+    decoder = Eagle3Decoder(verifier, drafter_for(verifier), 5, 2, 8, sampled_chain=True)
+    gen = torch.Generator().manual_seed(1)
+    for n in (1, 2, 3, 9):
+        out = decoder.generate(torch.tensor([PROMPTS[1]]), n, SamplingParams(1.0), generator=gen)
+        assert len(out.tokens) == n
+    eos = 7
+    for _ in range(20):
+        out = decoder.generate(
+            torch.tensor([PROMPTS[1]]), 30, SamplingParams(1.5), eos_token_id=eos, generator=gen
+        ).tokens.tolist()
+        assert eos not in out[:-1]
+    for _, draft, _ in spy.records:
+        assert eos not in draft.tokens[:-1]  # drafting stops after an eos
+
+
+def test_a_chain_with_the_wrong_q_is_caught(small_verifier, monkeypatch):
+    """Broken on purpose: each node after the first is handed the q of the node before it (off by one), so
+    the rule weighs the token by a distribution it was not drawn from. (Dropping q altogether would not be
+    a bug: a candidate drawn independently of the verifier's randomness may be verified as a point mass,
+    losslessly but with lower acceptance.)"""
+    sample_chain = Eagle3Proposer._sample_chain
+
+    def off_by_one(self, *args):
+        draft, forwards = sample_chain(self, *args)
+        q = torch.cat([draft.q[:1], draft.q[:-1]])
+        return Draft.chain(draft.tokens, q), forwards
+
+    monkeypatch.setattr(Eagle3Proposer, "_sample_chain", off_by_one)
+    stat, df, _ = law_statistic(small_verifier, SamplingParams(1.0), sampled_chain=True)
+    assert stat > chi2_critical(df), (stat, df)
