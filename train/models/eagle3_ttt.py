@@ -141,7 +141,8 @@ def head_logits(hidden: torch.Tensor, head: torch.nn.Module, draft_ids: torch.Te
     """(B, T, N): the rows of ``head`` (a linear output layer, bias optional) for ``draft_ids`` applied to
     ``hidden`` (B, T, h), the verifier's last hidden state after its final norm."""
     ids = draft_ids.to(hidden.device)
-    weight = head.weight.index_select(0, ids)
+    full_weight: torch.Tensor = head.weight  # type: ignore[assignment]
+    weight = full_weight.index_select(0, ids)
     bias = getattr(head, "bias", None)
     return F.linear(hidden.to(weight.dtype), weight, None if bias is None else bias.index_select(0, ids))
 
