@@ -127,7 +127,7 @@ class Eagle3Module(L.LightningModule):
         """The auxiliary states and the verifier's targets of ``batch``: from the feature cache when every
         row of the batch is there, else from a verifier pass (whose rows are then cached, budget allowing)."""
         draft_ids, t2d = self.drafter.draft_ids, self.drafter.t2d
-        keys = [(split, int(i)) for i in batch["index"]] if "index" in batch else []
+        keys = [(split, i) for i in batch["index"].tolist()] if "index" in batch else []
         if keys and self.feature_cache.max_bytes > 0:
             rows = self.feature_cache.lookup(keys)
             if rows is not None:
