@@ -314,9 +314,17 @@ def law_statistic(verifier, params: SamplingParams, sampled_chain: bool = False)
     return stat, df, sum(s.accepted for s in runs.stats)
 
 
-@pytest.mark.parametrize("sampled_chain", [False, True], ids=["tree", "sampled-chain"])
 @pytest.mark.parametrize(
-    "params", [SamplingParams(1.0), SamplingParams(0.7, top_k=4)], ids=["T1", "T0.7-top_k4"]
+    ("params", "sampled_chain"),
+    [
+        pytest.param(SamplingParams(1.0), False, id="T1-tree"),
+        pytest.param(SamplingParams(0.7, top_k=4), False, id="T0.7-top_k4-tree"),
+        pytest.param(SamplingParams(1.0), True, id="T1-sampled-chain"),
+        # the sampled chain's warping is also checked row by row in test_eagle3_sampled_chain.py
+        pytest.param(
+            SamplingParams(0.7, top_k=4), True, id="T0.7-top_k4-sampled-chain", marks=pytest.mark.slow
+        ),
+    ],
 )
 def test_sampled_output_law_is_the_verifiers(small_verifier, params, sampled_chain):
     law = tokens_2_and_3(small_verifier, params)
