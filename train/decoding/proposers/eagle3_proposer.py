@@ -93,7 +93,7 @@ class Eagle3Proposer:
         self.hidden_layers: tuple[int, ...] = tuple(int(i) for i in drafter.aux_layers)
         param = drafter.fc.weight
         self._device, self._dtype = param.device, param.dtype
-        self._d2t = drafter.d2t.to(self._device)
+        self._targets = drafter.draft_ids.to(self._device)  # draft index -> verifier id
         self._cache: DynamicCache | None = None
         self._fed = 0  # drafter cache length: positions 0 .. fed - 1 hold their (feature, next token) pair
         self._pending: list[torch.Tensor] = []  # fused features (P, h) of positions fed, fed + 1, ...
@@ -174,8 +174,7 @@ class Eagle3Proposer:
         """q over the verifier's vocabulary (V,): the drafter's logits (N,) warped by ``params``, placed
         at their target ids, zero elsewhere."""
         q = torch.zeros(self.vocab_size, dtype=torch.float32, device=logits.device)
-        targets = torch.arange(logits.shape[-1], device=logits.device) + self._d2t
-        return q.index_copy_(0, targets, warp(logits.float(), params))
+        return q.index_copy_(0, self._targets, warp(logits.float(), params))
 
     def _sample_chain(
         self,
@@ -235,7 +234,7 @@ class Eagle3Proposer:
             mask = node_mask(base, len(slot), seen, self._device)
             node_ids = torch.tensor([ids[i] for i in frontier], device=self._device)
             out = self.drafter(  # the nodes' kv enter the cache, cropped after the draft
-                (node_ids + self._d2t[node_ids])[None],
+                self._targets[node_ids][None],
                 torch.stack([hidden_of[parents[i]] for i in frontier])[None],
                 torch.full((1, len(frontier)), base - 1 + d, device=self._device),
                 attention_mask=mask,
@@ -255,7 +254,7 @@ class Eagle3Proposer:
         kept = select_nodes(scores, parents, self.total_tokens)
         index = {old: new for new, old in enumerate(kept)}
         draft_ids = torch.tensor([ids[i] for i in kept], device=self._device)
-        target = (draft_ids + self._d2t[draft_ids]).tolist()
+        target = self._targets[draft_ids].tolist()
         new_parents = [index[parents[i]] if parents[i] >= 0 else -1 for i in kept]
         ranks: list[int] = []
         for i in kept:  # rank among kept siblings by score (ties: the older node)

@@ -47,7 +47,6 @@ from train.models.eagle3_ttt import (
     chain_counts,
     head_matches,
     head_targets,
-    last_argmax,
     ttt_loss,
     verifier_targets,
 )
@@ -136,11 +135,12 @@ class Eagle3Module(L.LightningModule):
                 head = self.verifier.get_output_embeddings()
                 return aux, head_targets(hidden, head, argmax, draft_ids, t2d)
         aux, logits, hidden = self.verifier_pass(batch)
+        targets = verifier_targets(logits, draft_ids, t2d)
         if keys and self.feature_cache.max_bytes > 0:
             self.check_head(hidden, logits)
             lengths = batch["attention_mask"].sum(dim=1).tolist()
-            self.feature_cache.store(keys, lengths, aux, hidden, last_argmax(logits))
-        return aux, verifier_targets(logits, draft_ids, t2d)
+            self.feature_cache.store(keys, lengths, aux, hidden, targets.argmax)
+        return aux, targets
 
     def check_head(self, hidden: torch.Tensor, logits: torch.Tensor) -> None:
         """Once per run: the cache recomputes the targets from the last hidden state with the verifier's
