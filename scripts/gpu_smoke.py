@@ -55,7 +55,7 @@ MICRO_RUN = [
     "logger=csv",
     *MICRO_EVAL,
 ]
-METHODS = ("distillspec", "medusa", "medusa2", "steering")
+METHODS = ("distillspec", "medusa", "medusa2", "steering", "eagle3")
 TINY = {
     "distillspec": ["model=tiny", "data=stdlib", "method.prompt_len=64", "eval.prompt_len=64"],
     "steering": ["model=tiny", "data=stdlib", "method.prompt_len=64", "eval.prompt_len=64"],
@@ -73,9 +73,23 @@ TINY = {
         ]
         for m in ("medusa", "medusa2")
     },
+    "eagle3": [
+        "model=tiny",
+        "data=stdlib",
+        "eval.prompt_len=64",
+        "method.answers=null",
+        "method.num_prompts=16",
+        "method.num_val_prompts=4",
+        "method.answer_tokens=8",
+        "method.prompt_len=32",
+        "method.max_len=96",
+        "method.draft_vocab_size=64",
+        "method.feature_cache_gb=0.1",
+        "trainer.max_steps=8",  # two epochs of 4 batches: the second from the feature cache
+    ],
 }
 """The experiments run on the real pair by default; the smoke run takes them on the micro tiny pair (Medusa's
-answers generated from its corpus)."""
+and EAGLE-3's answers generated from its corpus). Given after the shared overrides, so they win."""
 STAGE_TIMEOUT = 900
 """Seconds one stage may run (a micro stage takes well under a minute on a GPU)."""
 
@@ -98,11 +112,11 @@ def stages(gpus: int) -> list[Stage]:
             [
                 *train,
                 f"experiment={m}",
-                *TINY.get(m, []),
                 "trainer=gpu",
                 "model.dtype=bfloat16",
                 *MICRO_PAIR,
                 *MICRO_RUN,
+                *TINY.get(m, []),
             ],
         )
         for m in METHODS
@@ -114,7 +128,7 @@ def stages(gpus: int) -> list[Stage]:
         out.append(
             Stage(
                 f"{m} FSDP x{gpus}",
-                [*train, f"experiment={m}", *TINY.get(m, []), *fsdp, *MICRO_PAIR, *MICRO_RUN],
+                [*train, f"experiment={m}", *fsdp, *MICRO_PAIR, *MICRO_RUN, *TINY.get(m, [])],
             )
         )
     out.append(Stage("evaluate device=cuda", [*evaluate, "device=cuda"]))

@@ -20,9 +20,16 @@ import torch
 
 from tests.conftest import REPO_ROOT
 from tests.test_docs_commands import load_script
-from train.decoding import AsyncSpeculativeDecoder, AutoregressiveDecoder, SamplingParams, SpeculativeDecoder
+from train.decoding import (
+    AsyncSpeculativeDecoder,
+    AutoregressiveDecoder,
+    Eagle3Decoder,
+    SamplingParams,
+    SpeculativeDecoder,
+)
 
-from .decoding_helpers import build, tiny_config
+from .decoding_helpers import build, hf_greedy, tiny_config
+from .test_eagle3_decoding import PROMPTS, OracleDrafter, drafter_for
 
 pytestmark = [
     pytest.mark.gpu,
@@ -140,10 +147,14 @@ def test_cuda_generator_is_reproducible(cpu_pair):
     assert outs[0] == outs[1] and len(outs[0]) == 20
 
 
+@pytest.mark.parametrize("idle", ["step", "wait"])
 @pytest.mark.parametrize("placement", [*PLACEMENTS, "two_gpus"])
-def test_async_decoder_on_devices_keeps_greedy_output(cpu_pair, placement):
+def test_async_decoder_on_devices_keeps_greedy_output(cpu_pair, placement, idle):
     """AMUSD with the models on GPUs (two GPUs when present, as the method intends): the same greedy
-    tokens as autoregressive decoding on the CPU, and no thread left behind."""
+    tokens as autoregressive decoding on the CPU, and no thread left behind. How many drafts a block
+    holds depends on timing: with ``idle="step"`` a drafter slower than the verifier (on one H200 the
+    tiny drafter's thread, paying its first cuBLAS call, drafted only stale tokens) is never waited for,
+    so only ``idle="wait"`` must use drafts."""
     if placement == "two_gpus":
         if torch.cuda.device_count() < 2:
             pytest.skip("needs two GPUs")
@@ -152,9 +163,10 @@ def test_async_decoder_on_devices_keeps_greedy_output(cpu_pair, placement):
         verifier, drafter = placed(cpu_pair, placement)
     ids = torch.tensor([[0, 5, 9, 3, 7]])
     expected = AutoregressiveDecoder(cpu_pair[0]).generate(ids, 40).tokens
-    result = AsyncSpeculativeDecoder(verifier, drafter, max_block=6).generate(ids, 40)
+    result = AsyncSpeculativeDecoder(verifier, drafter, max_block=6, idle=idle).generate(ids, 40)
     assert torch.equal(result.tokens, expected)
-    assert result.stats.verifier_calls < 40
+    if idle == "wait":
+        assert result.stats.accepted > 0 and result.stats.verifier_calls < 40
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
@@ -180,6 +192,43 @@ def test_async_benchmark_on_two_gpus():
     assert proc.returncode == 0, proc.stderr[-3000:]
     print(proc.stdout)
     assert "async max_block" in proc.stdout
+
+
+# ------------------------------------------------------------------ EAGLE-3 on CUDA
+
+
+@pytest.fixture(scope="module", params=["oracle", "reduced"])
+def eagle3_pair(request):
+    """A 4-layer tiny Llama verifier (EAGLE-3 reads three of its layers) and, float32, as
+    test_eagle3_decoding's: ``oracle``, a drafter that knows the greedy continuation of PROMPTS[0] (long
+    accepted paths); ``reduced``, a random drafter over every third token id (d2t on the device)."""
+    verifier = build(tiny_config("llama", 32, layers=4), 1)
+    if request.param == "reduced":
+        return verifier, drafter_for(verifier, "reduced")
+    prompt = PROMPTS[0]
+    sequence = prompt + hf_greedy(verifier, torch.tensor([prompt]), 40)
+    return verifier, OracleDrafter.from_verifier(verifier).set_reference(sequence).eval()
+
+
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_eagle3_on_any_devices_equals_cpu(eagle3_pair, placement):
+    """The tree at T = 0 and the sampled chain at T = 1 (a CPU generator) give the all-CPU run's tokens and
+    counts with the verifier and the drafter wherever they are (the fused features and d2t cross devices)."""
+    verifier, drafter = placed(eagle3_pair, placement)
+    for seed, prompt in enumerate(PROMPTS[:2]):
+        ids = torch.tensor([prompt])
+        tree_ref = Eagle3Decoder(*eagle3_pair, 4, 3, 10).generate(ids, 24)
+        tree = Eagle3Decoder(verifier, drafter, 4, 3, 10).generate(ids, 24)
+        assert tree.tokens.tolist() == tree_ref.tokens.tolist() == hf_greedy(eagle3_pair[0], ids, 24)
+        assert counts(tree.stats) == counts(tree_ref.stats)
+        chain = [
+            Eagle3Decoder(v, d, 4, 3, 10, sampled_chain=True).generate(
+                ids, 24, SAMPLING[0], generator=torch.Generator().manual_seed(seed)
+            )
+            for v, d in (eagle3_pair, (verifier, drafter))
+        ]
+        assert chain[1].tokens.tolist() == chain[0].tokens.tolist(), (placement, seed)
+        assert counts(chain[1].stats) == counts(chain[0].stats)
 
 
 # ------------------------------------------------------------------ the entry points on CUDA

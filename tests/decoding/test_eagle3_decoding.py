@@ -71,7 +71,8 @@ class OracleDrafter(Eagle3Drafter):
 
     def forward(self, input_ids, features, position_ids, *args, **kwargs):  # type: ignore[override]
         out = super().forward(input_ids, features, position_ids, *args, **kwargs)
-        logits = torch.arange(self.draft_vocab_size, dtype=out.logits.dtype).expand_as(out.logits) * 1e-3
+        logits = torch.arange(self.draft_vocab_size, dtype=out.logits.dtype, device=out.logits.device)
+        logits = logits.expand_as(out.logits) * 1e-3
         logits = logits.clone()
         for j, (token, p) in enumerate(zip(input_ids[0].tolist(), position_ids[0].tolist(), strict=True)):
             if p + 2 < len(self.sequence) and self.sequence[p + 1] == token:

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from datasets import Dataset
+from safetensors.torch import load_file
 
 from tests.conftest import make_tokenizer, tiny_llama
 from tests.fsdp import CPUFSDPStrategy, gloo_rank
@@ -27,6 +28,7 @@ from train.models.answers import Answer
 from train.models.draft_vocab import set_draft_vocab
 from train.training.answer_data import AnswerDataModule
 from train.training.optim import grad_norm
+from train.training.trainer import full_weights_on_rank_zero
 
 CLIP = 1e-3  # tight enough to bite on every step
 PROMPTS = dict(max_new_tokens=6, prompt_len=8, batch_size=2, num_prompts=8, num_val_prompts=4)
@@ -105,6 +107,11 @@ METHODS = {
 }
 
 
+def _checksums(tensors: dict[str, torch.Tensor]) -> list[float]:
+    """Each tensor's element count and sum, in name order (float32)."""
+    return [x for _, t in sorted(tensors.items()) for x in (float(t.numel()), float(t.float().sum()))]
+
+
 def _worker(rank: int, out: str, method: str) -> None:
     with gloo_rank(rank, 2, out):
         _train(rank, out, method)
@@ -140,7 +147,18 @@ def _train(rank: int, out: str, method: str) -> None:
         default_root_dir=out,
     )
     trainer.fit(module, datamodule=data)
+    exported: dict[str, list[float]] = {}
+    with full_weights_on_rank_zero(trainer):  # as the finish step: every rank enters, rank 0 exports
+        if rank == 0:
+            folder = Path(module.export(str(Path(out) / "export" / module.artifact_dir)))
+            exported = {
+                str(f.relative_to(folder.parent)): _checksums(load_file(f))
+                for f in sorted(folder.parent.rglob("*.safetensors"))
+            }
+            if method == "steering":  # the gathered steering module, to compare with what was saved
+                exported["gathered"] = _checksums(module.steering_of(MAIN_ARM).state_dict())
     result = {
+        "exported": exported,
         "steps": trainer.global_step,
         "norms": norms,
         "full_sizes": full_sizes,
@@ -166,3 +184,8 @@ def test_two_steps_under_lightning_fsdp_clip_by_the_whole_gradient_norm(method, 
     for before, after in ranks[0]["norms"]:
         for b, a in zip(before, after, strict=True):
             assert b > CLIP and a == pytest.approx(CLIP, rel=1e-3)  # each group clipped to exactly CLIP
+    # the finish step's export under FSDP (gathered on rank 0): full weights, saved and loadable
+    exported = ranks[0]["exported"]
+    assert exported and not ranks[1]["exported"]
+    if method == "steering":  # saved from views into FSDP's flat parameter (failed so on an H200)
+        assert exported["steering/model.safetensors"] == pytest.approx(exported["gathered"])

@@ -99,6 +99,29 @@ def test_save_and_load_keep_the_layers_and_weights(pair, tmp_path):
     torch.testing.assert_close(loaded(states), module(states))
 
 
+def test_weights_gathered_as_views_of_one_flat_tensor_still_save(pair, tmp_path):
+    """Under FSDP the gathered weights are views into one flat parameter (the H200 smoke run's
+    ``steering FSDP`` stage failed exactly so): safetensors refuses to save such a module, its
+    ``standalone_copy`` saves and reloads the same weights."""
+    verifier, drafter = pair
+    module = SteeringModule.for_pair(verifier, drafter, layers=[0, 1])
+    with torch.no_grad():
+        module.project.weight.normal_()
+    flat = torch.cat([p.detach().flatten() for p in module.parameters()] + [torch.zeros(7)])
+    offset = 0
+    for p in module.parameters():
+        p.data = flat[offset : offset + p.numel()].view_as(p)
+        offset += p.numel()
+    with pytest.raises(RuntimeError, match="shared"):
+        module.save_pretrained(tmp_path / "views")
+    copy = module.standalone_copy()
+    copy.save_pretrained(tmp_path / "steering")
+    loaded = SteeringModule.from_pretrained(tmp_path / "steering")
+    assert loaded.verifier_layers == [0, 1] and loaded.verifier_name == module.verifier_name
+    states = _states(module)
+    torch.testing.assert_close(loaded(states), module(states))
+
+
 def test_guide_rule_by_hand():
     # a 5-token prompt (positions 0..4); verifications commit 1, 4, 2 tokens: the last committed tokens sit
     # at 5, 9, 11 and were produced by the verifier at 4, 8, 10

@@ -192,6 +192,22 @@ class SteeringModule(
             self.combine.bias.zero_()
             self.project.weight.zero_()
 
+    def standalone_copy(self) -> SteeringModule:
+        """A float32 copy on the CPU whose tensors own their storage, to save: under FSDP the gathered
+        weights are views into one flat parameter, which safetensors refuses to save (shared storage)."""
+        copy = SteeringModule(
+            self.verifier_hidden_size,
+            self.drafter_intermediate_size,
+            self.drafter_layers,
+            self.verifier_layers,
+            verifier_name=self.verifier_name,
+            drafter_name=self.drafter_name,
+        )
+        copy.load_state_dict(
+            {k: v.detach().to("cpu", torch.float32, copy=True) for k, v in self.state_dict().items()}
+        )
+        return copy
+
     def forward(self, states: torch.Tensor) -> torch.Tensor:
         """states: (..., S, d), the verifier's hidden states entering ``verifier_layers`` at one position."""
         x = self.combine(states.flatten(-2))

@@ -53,7 +53,7 @@ def export(module: SteeringTrainingModule, out_dir: str) -> Path:
     """``steering/`` (mixin folder), ``drafter/`` beside it (save_pretrained + tokenizer), and the
     other arms: ``distilled_drafter/`` and ``distillspec_steered/{drafter,steering}``."""
     out = Path(out_dir)
-    module.steering_of(MAIN_ARM).save_pretrained(out)
+    module.steering_of(MAIN_ARM).standalone_copy().save_pretrained(out)
     export_drafter(
         module.plain_drafter(MAIN_ARM), module.tokenizer, out.parent / "drafter", name="SD^2 drafter"
     )
@@ -61,7 +61,7 @@ def export(module: SteeringTrainingModule, out_dir: str) -> Path:
         export_drafter(module.plain_drafter(BASELINE_ARM), module.tokenizer, out.parent / "distilled_drafter")
     if DISTILLSPEC_ARM in module.drafters:
         folder = out.parent / DISTILLSPEC_ARM
-        module.steering_of(DISTILLSPEC_ARM).save_pretrained(folder / "steering")
+        module.steering_of(DISTILLSPEC_ARM).standalone_copy().save_pretrained(folder / "steering")
         export_drafter(module.plain_drafter(DISTILLSPEC_ARM), module.tokenizer, folder / "drafter")
     return out
 
