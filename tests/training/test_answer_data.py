@@ -20,6 +20,7 @@ from train.training.answer_data import (
     cached_answers,
     collate_answers,
     run_answers,
+    sampled_answers,
 )
 
 PAD = 258
@@ -277,3 +278,75 @@ def test_run_answers_reads_a_folder_the_pairs_cache_or_generates(tmp_path, monke
     assert calls == [("d", counts, 16, 8, 4, 3)] * 2
     with pytest.raises(ConfigError, match="method.answers"):
         run_answers(str(tmp_path / "nothing"), pair, tiny, counts, 16, 8, 4)
+
+
+# ------------------------------------------------------------------ sampled answers
+
+
+@pytest.fixture(scope="module")
+def sampling_verifier():
+    from tests.decoding.decoding_helpers import build, tiny_config
+
+    verifier = build(tiny_config("llama", 32, vocab=40), 3)
+    with torch.no_grad():
+        verifier.lm_head.weight.mul_(30)  # a peaked next-token law, so the temperature shows
+    return verifier
+
+
+def test_sampled_answers_follow_the_verifiers_law_at_the_temperature(sampling_verifier):
+    """The first sampled token of 3,000 answers to one prompt against softmax(logits / T) of the verifier
+    (chi-square, pooled cells); the greedy token's law (T -> 0) would fail it."""
+    from tests.decoding.spec_reference import chi2_critical, chi_square
+
+    prompt, n, temperature = [1, 7, 3, 9], 3000, 0.7
+    out = sampled_answers(sampling_verifier, [0], [prompt], n, temperature, 1, 500, seed=4)
+    assert len(out) == n and all(a.prompt == prompt and len(a.answer) == 1 for a in out)
+    with torch.no_grad():
+        logits = sampling_verifier(torch.tensor([prompt])).logits[0, -1].double()
+    probs = dict(enumerate(torch.softmax(logits / temperature, -1).tolist()))
+    counts: dict[int, int] = {}
+    for a in out:
+        counts[a.answer[0]] = counts.get(a.answer[0], 0) + 1
+    stat, df = chi_square(counts, probs, n)
+    assert stat < chi2_critical(df), (stat, df)
+    assert len(counts) > 5  # sampled, not the argmax
+    hotter = dict(enumerate(torch.softmax(logits / 1.0, -1).tolist()))
+    stat, df = chi_square(counts, hotter, n)
+    assert stat > chi2_critical(df)  # the test sees the wrong temperature
+
+
+def test_sampled_answers_are_cached_per_recipe(sampling_verifier, tmp_path, monkeypatch):
+    import train.training.answer_data as answer_data
+
+    prompts = [[1, 2, 3], [4, 5], [6]]
+    calls: list[int] = []
+    generate = answer_data.generate_answers
+
+    def counted(verifier, rows, *args, **kwargs):
+        calls.append(len(rows))
+        return generate(verifier, rows, *args, **kwargs)
+
+    monkeypatch.setattr(answer_data, "generate_answers", counted)
+    assert sampled_answers(sampling_verifier, [0], prompts, 0, 1.0, 6, 4, 0, tmp_path) == []
+    first = sampled_answers(sampling_verifier, [0], prompts, 2, 1.0, 6, 4, 0, tmp_path)
+    assert [a.prompt for a in first] == [p for p in prompts for _ in range(2)]  # each prompt, twice
+    again = sampled_answers(sampling_verifier, [0], prompts, 2, 1.0, 6, 4, 0, tmp_path)
+    assert [a.answer for a in again] == [a.answer for a in first] and calls == [6]  # read, not regenerated
+    sampled_answers(sampling_verifier, [0], prompts, 2, 0.5, 6, 4, 0, tmp_path)  # a new recipe
+    sampled_answers(sampling_verifier, [0], prompts[:2], 2, 0.5, 6, 4, 0, tmp_path)  # other prompts
+    assert calls == [6, 6, 4]
+    (tmp_path / "train.pt").unlink()  # a cache cut short is regenerated
+    sampled_answers(sampling_verifier, [0], prompts[:2], 2, 0.5, 6, 4, 0, tmp_path)
+    assert calls == [6, 6, 4, 4]
+
+
+def test_eagle3_config_checks_the_sampled_answers_keys():
+    from functools import partial
+
+    from train.methods.eagle3.config import Eagle3Config
+
+    adam = partial(torch.optim.AdamW, lr=1e-3)
+    with pytest.raises(ConfigError, match="method.sampled_answers"):
+        Eagle3Config(optimizer=adam, sampled_answers=-1)
+    with pytest.raises(ConfigError, match="method.sampled_temperature"):
+        Eagle3Config(optimizer=adam, sampled_answers=1, sampled_temperature=0.0)

@@ -13,21 +13,28 @@ guess; and ``index``, each row's place in its split (what a per-row cache is key
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
+from rich.progress import Progress
 from torch.utils.data import DataLoader
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from train.config import ConfigError
 from train.data.lm import make_prompts
 from train.data.sources import load_text_dataset
-from train.models.answers import Answer, generate_answers, load_answers
+from train.models.answers import Answer, generate_answers, load_answers, save_answers
 from train.models.loading import eos_token_ids
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "AnswerDataModule",
@@ -39,6 +46,7 @@ __all__ = [
     "generated_answers",
     "pair_answers_folder",
     "run_answers",
+    "sampled_answers",
 ]
 
 SPLITS = ("train", "validation")
@@ -148,6 +156,62 @@ def run_answers(
     return generated_answers(
         pair.verifier, pair.tokenizer, spec.data, counts, prompt_len, answer_tokens, answer_batch, spec.seed
     )
+
+
+def sampled_answers(
+    verifier: Any,
+    eos: Sequence[int],
+    prompts: Sequence[Sequence[int]],
+    per_prompt: int,
+    temperature: float,
+    answer_tokens: int,
+    batch_size: int,
+    seed: int,
+    folder: str | os.PathLike[str] | None = None,
+) -> list[Answer]:
+    """``per_prompt`` answers to each prompt sampled from the verifier at ``temperature`` (full
+    distribution, ``answer_tokens`` at most), generated once: with a ``folder`` they are cached there
+    (``train.pt`` and ``sampled.json``, whose recipe names the prompts by hash) and reused while the recipe
+    holds; a new recipe regenerates them. [] for ``per_prompt`` 0."""
+    if per_prompt <= 0 or not prompts:
+        return []
+    recipe = {
+        "prompts": hashlib.sha256(json.dumps([list(map(int, p)) for p in prompts]).encode()).hexdigest()[:16],
+        "per_prompt": per_prompt,
+        "temperature": temperature,
+        "answer_tokens": answer_tokens,
+        "seed": seed,
+        "verifier": str(getattr(verifier.config, "_name_or_path", "")),
+    }
+    meta_path = None if folder is None else Path(folder) / "sampled.json"
+    if meta_path is not None and meta_path.is_file():
+        meta = json.loads(meta_path.read_text())
+        if meta.get("recipe") == recipe and (meta_path.parent / "train.pt").is_file():
+            return load_answers(str(meta_path.parent / "train.pt"))
+    start = time.perf_counter()
+    rows = [p for p in prompts for _ in range(per_prompt)]
+    with Progress(transient=True) as bar:
+        task = bar.add_task(f"sampled answers (T = {temperature:g})", total=len(rows))
+        out = generate_answers(
+            verifier,
+            rows,
+            eos,
+            answer_tokens,
+            batch_size=batch_size,
+            top_k=1,
+            temperature=temperature,
+            seed=seed,
+            on_batch=lambda n: bar.advance(task, n),
+        )
+    seconds = time.perf_counter() - start
+    tokens = sum(len(a.answer) for a in out)
+    log.info("sampled answers: %d (%d tokens) in %.0f s", len(out), tokens, seconds)
+    if meta_path is not None:
+        meta_path.parent.mkdir(parents=True, exist_ok=True)
+        save_answers(out, str(meta_path.parent / "train.pt"))
+        meta = {"recipe": recipe, "answers": len(out), "tokens": tokens, "seconds": round(seconds, 1)}
+        meta_path.write_text(json.dumps(meta, indent=2) + "\n")  # last: a cut-off write is regenerated
+    return out
 
 
 def answer_batches(

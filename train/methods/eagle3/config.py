@@ -10,7 +10,7 @@ import lightning as L
 from train.config import ConfigError, require
 from train.models.draft_vocab import frequent_tokens
 from train.models.eagle3_drafter import Eagle3Drafter
-from train.training.answer_data import answer_batches, answer_eos_ids, run_answers
+from train.training.answer_data import answer_batches, answer_eos_ids, run_answers, sampled_answers
 from train.training.optim import check_optimizer
 
 __all__ = ["Eagle3Config"]
@@ -37,6 +37,13 @@ class Eagle3Config:
     answer_tokens: int = 128
     """Generated answers: their tokens at most."""
     answer_batch: int = 16
+    sampled_answers: int = 0
+    """More training answers: this many per training prompt, sampled from the verifier at
+    ``sampled_temperature``. The greedy answers show the drafter one path per prompt; sampled ones show it
+    the paths decoding at T > 0 follows, in more contexts. Generated on the first run (batches of
+    ``answer_batch``) and cached in ``sampled_answers_dir`` (null: generated every run)."""
+    sampled_temperature: float = 1.0
+    sampled_answers_dir: str | None = None
     max_len: int = 512
     """Prompt + answer tokens per training row (longer rows lose prompt tokens from the left)."""
     batch_size: int = 8
@@ -77,6 +84,15 @@ class Eagle3Config:
             ">= 0",
             self.feature_cache_gb,
         )
+        require(self.sampled_answers >= 0, "method.sampled_answers", ">= 0", self.sampled_answers)
+        require(
+            isinstance(self.sampled_temperature, int | float)
+            and not isinstance(self.sampled_temperature, bool)
+            and self.sampled_temperature > 0,
+            "method.sampled_temperature",
+            "> 0",
+            self.sampled_temperature,
+        )
         require(self.prompt_len >= 2, "method.prompt_len", ">= 2", self.prompt_len)
         require(self.answer_tokens >= 2, "method.answer_tokens", ">= 2", self.answer_tokens)
         require(
@@ -106,8 +122,8 @@ class Eagle3Config:
         require(self.speculative_tokens >= 1, "method.speculative_tokens", ">= 1", self.speculative_tokens)
 
     def build(self, pair: Any, spec: Any) -> tuple[Eagle3Module, L.LightningDataModule]:
-        """The verifier's answers (cached or generated), the draft vocabulary counted on the training
-        answers, a fresh drafter on the pair's verifier (or ``init``), and the answers' batches."""
+        """The verifier's answers (cached or generated, plus ``sampled_answers`` per training prompt), the
+        draft vocabulary counted on the training answers, a fresh drafter on the pair's verifier (or ``init``), and the answers' batches."""
         from train.methods.eagle3.module import Eagle3Module  # noqa: I001 -- the module imports this config (a cycle)
 
         verifier, tokenizer = pair.verifier, pair.tokenizer
@@ -115,6 +131,18 @@ class Eagle3Config:
         answers = run_answers(
             self.answers, pair, spec, counts, self.prompt_len, self.answer_tokens, self.answer_batch
         )
+        extra = sampled_answers(
+            verifier,
+            answer_eos_ids(verifier, tokenizer),
+            [a.prompt for a in answers["train"]],
+            self.sampled_answers,
+            self.sampled_temperature,
+            self.answer_tokens,
+            self.answer_batch,
+            spec.seed,
+            self.sampled_answers_dir,
+        )
+        answers = {**answers, "train": answers["train"] + extra}
         drafter = self.drafter(verifier, tokenizer, answers["train"])
         data = answer_batches(
             answers,
