@@ -35,6 +35,7 @@ from transformers import AutoModelForCausalLM
 from tests.conftest import CONF_DIR, MICRO_PAIR, REPO_ROOT
 from tests.doc_commands import DocCommand, documented_commands
 from train.models.answers import generate_answers, save_answers
+from train.models.eagle3_drafter import Eagle3Drafter
 from train.models.loading import eos_token_ids, load_tokenizer
 
 COMMANDS = documented_commands()
@@ -299,6 +300,7 @@ MICRO_EAGLE3 = [
     "method.num_val_prompts=2",
     "method.answer_tokens=8",
     "method.max_len=96",
+    "method.sampled_answers_dir=null",  # experiment=eagle3's sampled answers: generated, not cached
 ]
 MICRO_MEDUSA = [  # answers generated from the tiny pair's corpus (the real pair's cache is not read)
     "method.num_prompts=8",
@@ -330,6 +332,7 @@ BENCH_MICRO = {
     "distill": "--batch-size 2 --max-new-tokens 4 --prompt-len 16 --steps 1 --warmup 0 --threads 1",
     "draft-vocab": "--vocab 512 --draft-vocab 64 --prefix 8 --repeats 1",
     "eagle3-step": "--batches 1 --warmup 0 --batch-size 2 --max-len 64 --draft-vocab 64 --aux-layers 0 1 1",
+    "draft-temperature": "--prompts 2 --answer-tokens 6 --scales 0.8 1.0",
 }
 OUTPUT_FLAGS = ("--out", "--json", "--plot")
 IN_SUBPROCESS = {"scripts/async_bench.py"}
@@ -397,6 +400,14 @@ class Workspace:
                 save_answers(answers, str(folder / "answers" / f"{split}.pt"))
         return folder
 
+    def tiny_eagle3_drafter(self, pair: Path) -> Path:
+        """A fresh EAGLE-3 drafter for the answered tiny pair's 2-layer verifier, saved beside it."""
+        folder = pair / "eagle3"
+        if not folder.exists():
+            verifier = AutoModelForCausalLM.from_pretrained(str(pair / "verifier"))
+            Eagle3Drafter.from_verifier(verifier, aux_layers=[0, 1, 1]).save_pretrained(folder)
+        return folder
+
     def argv(self, command: DocCommand) -> list[str]:
         args = [self.resolve(a) for a in command.args]
         for i in range(1, len(args)):  # outputs a command writes go to the workspace, not the checkout
@@ -410,6 +421,9 @@ class Workspace:
                 extra += ["--verifier", str(tiny / "verifier"), "--drafter", str(tiny / "drafter")]
             if sub == "eagle3-step":
                 extra += ["--pair", str(self.answered_tiny_pair())]
+            if sub == "draft-temperature":
+                pair = self.answered_tiny_pair()
+                extra += ["--pair", str(pair), "--drafter", str(self.tiny_eagle3_drafter(pair))]
             return [*command.flags, *args, *extra]
         extra = list(MICRO_ARGS[command.entry])
         if command.entry == "scripts/leaderboard.py" and not any(a.startswith("model=") for a in args):

@@ -49,14 +49,22 @@ class ChainSpy:
 
 
 @pytest.mark.parametrize(
-    "params", [SamplingParams(1.0), SamplingParams(0.7, top_k=4)], ids=["T1", "T0.7-top_k4"]
+    ("params", "draft_temperature"),
+    [(SamplingParams(1.0), 1.0), (SamplingParams(0.7, top_k=4), 1.0), (SamplingParams(1.0), 0.6)],
+    ids=["T1", "T0.7-top_k4", "T1-draft_temperature0.6"],
 )
 @pytest.mark.parametrize("vocab", ["full", "reduced"])
-def test_chain_q_rows_are_the_warped_sequential_drafts(params, vocab, verifiers, monkeypatch):
+def test_chain_q_rows_are_the_warped_sequential_drafts(
+    params, draft_temperature, vocab, verifiers, monkeypatch
+):
+    """Each q row is the drafter's sequential-forward logits divided by ``draft_temperature``, warped like
+    the verifier's (temperature, top-k), at the target ids."""
     verifier = verifiers["llama"]
     drafter = drafter_for(verifier, vocab, seed=2)
     spy = ChainSpy(monkeypatch)
-    decoder = Eagle3Decoder(verifier, drafter, 4, 3, 10, sampled_chain=True)
+    decoder = Eagle3Decoder(
+        verifier, drafter, 4, 3, 10, sampled_chain=True, draft_temperature=draft_temperature
+    )
     decoder.generate(torch.tensor([PROMPTS[0]]), 24, params, generator=torch.Generator().manual_seed(0))
     assert len(spy.records) > 3
     vocab_size = verifier.config.vocab_size
@@ -65,7 +73,8 @@ def test_chain_q_rows_are_the_warped_sequential_drafts(params, vocab, verifiers,
         assert cached == len(sequence) - 1  # the chain's nodes left the cache
         for i, token in enumerate(draft.tokens):
             logits = sequential_children(verifier, drafter, sequence, draft, i - 1)
-            want = torch.zeros(vocab_size).index_copy_(0, drafter.draft_ids, warp(logits.float(), params))
+            warped = warp(logits.float() / draft_temperature, params)
+            want = torch.zeros(vocab_size).index_copy_(0, drafter.draft_ids, warped)
             torch.testing.assert_close(draft.q[i], want, atol=1e-5, rtol=1e-4)
             assert draft.q[i, token] > 0
 
@@ -115,3 +124,10 @@ def test_a_chain_with_the_wrong_q_is_caught(small_verifier, monkeypatch):
     monkeypatch.setattr(Eagle3Proposer, "_sample_chain", off_by_one)
     stat, df, _ = law_statistic(small_verifier, SamplingParams(1.0), sampled_chain=True)
     assert stat > chi2_critical(df), (stat, df)
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, True])
+def test_draft_temperature_must_be_positive(verifiers, value):
+    verifier = verifiers["llama"]
+    with pytest.raises(ValueError, match="draft_temperature must be > 0"):
+        Eagle3Decoder(verifier, drafter_for(verifier), 4, 3, 10, sampled_chain=True, draft_temperature=value)

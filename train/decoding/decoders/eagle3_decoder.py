@@ -26,8 +26,8 @@ class Eagle3Decoder(DraftTreeDecoder):
     """Speculative decoding with an :class:`~train.models.eagle3_drafter.Eagle3Drafter`: trees of at most
     ``total_tokens`` nodes and ``depth`` levels, each expanded level its ``top_k`` best nodes, each node
     its ``top_k`` best children (``top_k=1``: a chain of ``depth`` tokens). ``sampled_chain``: at T > 0,
-    a chain of ``depth`` tokens sampled from the drafter instead of the tree. Same ``generate`` as the
-    other decoders."""
+    a chain of ``depth`` tokens sampled from the drafter instead of the tree, its logits divided by
+    ``draft_temperature`` first. Same ``generate`` as the other decoders."""
 
     accepts: ClassVar[tuple[str, ...]] = ("eagle3",)
 
@@ -39,16 +39,18 @@ class Eagle3Decoder(DraftTreeDecoder):
         top_k: int = 8,
         total_tokens: int = 32,
         sampled_chain: bool = False,
+        draft_temperature: float = 1.0,
     ) -> None:
         self.verifier = verifier
         self.drafter = drafter
         self._verifier = TimedModel(verifier)
         check_eagle3(verifier, drafter, self._verifier.vocab_size)
         self._proposer = Eagle3Proposer(
-            drafter, self._verifier.vocab_size, depth, top_k, total_tokens, sampled_chain
+            drafter, self._verifier.vocab_size, depth, top_k, total_tokens, sampled_chain, draft_temperature
         )
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
         self.sampled_chain = sampled_chain
+        self.draft_temperature = draft_temperature
 
     def models(self) -> tuple[torch.nn.Module, ...]:
         return (self.verifier,)

@@ -27,7 +27,9 @@ drafter's distribution warped like the verifier's (temperature, top-k, top-p; ze
 vocabulary), handed over with those distributions ``q`` so the standard speculative rule accepts
 token x with probability min(1, p(x) / q(x)) (EAGLE-1's way of sampling; lossless for any q). A
 deterministic tree's candidates pass only with probability p(x) each, a sampled chain's with
-1 - TVD(p, q). T = 0 keeps the tree.
+1 - TVD(p, q). T = 0 keeps the tree. ``draft_temperature`` divides the drafter's logits first: a drafter
+trained on a few thousand answers is less confident than the verifier, and a sharper q (0.8) is
+accepted more often (docs/eagle3.md); any value stays lossless, since q is what the tokens were drawn from.
 """
 
 from __future__ import annotations
@@ -82,14 +84,18 @@ class Eagle3Proposer:
         top_k: int = 8,
         total_tokens: int = 32,
         sampled_chain: bool = False,
+        draft_temperature: float = 1.0,
     ) -> None:
         for name, value in (("depth", depth), ("top_k", top_k), ("total_tokens", total_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if isinstance(draft_temperature, bool) or not draft_temperature > 0:
+            raise ValueError(f"draft_temperature must be > 0, got {draft_temperature!r}")
         self.drafter = drafter
         self.vocab_size = vocab_size
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
         self.sampled_chain = bool(sampled_chain)
+        self.draft_temperature = float(draft_temperature)
         self.hidden_layers: tuple[int, ...] = tuple(int(i) for i in drafter.aux_layers)
         param = drafter.fc.weight
         self._device, self._dtype = param.device, param.dtype
@@ -171,10 +177,10 @@ class Eagle3Proposer:
             torch.cuda.synchronize(self._device)
 
     def _distribution(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-        """q over the verifier's vocabulary (V,): the drafter's logits (N,) warped by ``params``, placed
-        at their target ids, zero elsewhere."""
+        """q over the verifier's vocabulary (V,): the drafter's logits (N,) divided by
+        ``draft_temperature``, warped by ``params``, placed at their target ids, zero elsewhere."""
         q = torch.zeros(self.vocab_size, dtype=torch.float32, device=logits.device)
-        return q.index_copy_(0, self._targets, warp(logits.float(), params))
+        return q.index_copy_(0, self._targets, warp(logits.float() / self.draft_temperature, params))
 
     def _sample_chain(
         self,
