@@ -335,7 +335,7 @@ def test_sampled_answers_are_cached_per_recipe(sampling_verifier, tmp_path, monk
     sampled_answers(sampling_verifier, [0], prompts, 2, 0.5, 6, 4, 0, tmp_path)  # a new recipe
     sampled_answers(sampling_verifier, [0], prompts[:2], 2, 0.5, 6, 4, 0, tmp_path)  # other prompts
     assert calls == [6, 6, 4]
-    (tmp_path / "train.pt").unlink()  # a cache cut short is regenerated
+    (tmp_path / "answers.pt").unlink()  # a cache cut short is regenerated
     sampled_answers(sampling_verifier, [0], prompts[:2], 2, 0.5, 6, 4, 0, tmp_path)
     assert calls == [6, 6, 4, 4]
 

@@ -171,8 +171,8 @@ def sampled_answers(
 ) -> list[Answer]:
     """``per_prompt`` answers to each prompt sampled from the verifier at ``temperature`` (full
     distribution, ``answer_tokens`` at most), generated once: with a ``folder`` they are cached there
-    (``train.pt`` and ``sampled.json``, whose recipe names the prompts by hash) and reused while the recipe
-    holds; a new recipe regenerates them. [] for ``per_prompt`` 0."""
+    (``answers.pt``, and ``sampled.json`` whose recipe names the prompts by hash) and reused while the
+    recipe holds; a new recipe regenerates them. [] for ``per_prompt`` 0."""
     if per_prompt <= 0 or not prompts:
         return []
     recipe = {
@@ -186,8 +186,8 @@ def sampled_answers(
     meta_path = None if folder is None else Path(folder) / "sampled.json"
     if meta_path is not None and meta_path.is_file():
         meta = json.loads(meta_path.read_text())
-        if meta.get("recipe") == recipe and (meta_path.parent / "train.pt").is_file():
-            return load_answers(str(meta_path.parent / "train.pt"))
+        if meta.get("recipe") == recipe and (meta_path.parent / "answers.pt").is_file():
+            return load_answers(str(meta_path.parent / "answers.pt"))
     start = time.perf_counter()
     rows = [p for p in prompts for _ in range(per_prompt)]
     with Progress(transient=True) as bar:
@@ -208,7 +208,7 @@ def sampled_answers(
     log.info("sampled answers: %d (%d tokens) in %.0f s", len(out), tokens, seconds)
     if meta_path is not None:
         meta_path.parent.mkdir(parents=True, exist_ok=True)
-        save_answers(out, str(meta_path.parent / "train.pt"))
+        save_answers(out, str(meta_path.parent / "answers.pt"))
         meta = {"recipe": recipe, "answers": len(out), "tokens": tokens, "seconds": round(seconds, 1)}
         meta_path.write_text(json.dumps(meta, indent=2) + "\n")  # last: a cut-off write is regenerated
     return out
