@@ -24,6 +24,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from filelock import FileLock
 from rich.progress import Progress
 from torch.utils.data import DataLoader
 from transformers.trainer_pt_utils import LengthGroupedSampler
@@ -172,7 +173,8 @@ def sampled_answers(
     """``per_prompt`` answers to each prompt sampled from the verifier at ``temperature`` (full
     distribution, ``answer_tokens`` at most), generated once: with a ``folder`` they are cached there
     (``answers.pt``, and ``sampled.json`` whose recipe names the prompts by hash) and reused while the
-    recipe holds; a new recipe regenerates them. [] for ``per_prompt`` 0."""
+    recipe holds; a new recipe regenerates them. ``<folder>.lock`` is held meanwhile, so ranks or runs
+    started together generate them once. [] for ``per_prompt`` 0."""
     if per_prompt <= 0 or not prompts:
         return []
     recipe = {
@@ -183,16 +185,47 @@ def sampled_answers(
         "seed": seed,
         "verifier": str(getattr(verifier.config, "_name_or_path", "")),
     }
-    meta_path = None if folder is None else Path(folder) / "sampled.json"
-    if meta_path is not None and meta_path.is_file():
-        meta = json.loads(meta_path.read_text())
-        if meta.get("recipe") == recipe and (meta_path.parent / "answers.pt").is_file():
-            return load_answers(str(meta_path.parent / "answers.pt"))
-    start = time.perf_counter()
+    if folder is None:
+        return _sample_answers(
+            verifier, eos, prompts, per_prompt, temperature, answer_tokens, batch_size, seed
+        )
+    root = Path(folder)
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{os.path.normpath(root)}.lock"):  # ranks and runs started together: one generates
+        meta_path = root / "sampled.json"
+        if meta_path.is_file():
+            meta = json.loads(meta_path.read_text())
+            if meta.get("recipe") == recipe and (root / "answers.pt").is_file():
+                return load_answers(str(root / "answers.pt"))
+        start = time.perf_counter()
+        out = _sample_answers(
+            verifier, eos, prompts, per_prompt, temperature, answer_tokens, batch_size, seed
+        )
+        seconds = time.perf_counter() - start
+        tokens = sum(len(a.answer) for a in out)
+        log.info("sampled answers: %d (%d tokens) in %.0f s", len(out), tokens, seconds)
+        root.mkdir(parents=True, exist_ok=True)
+        meta_path.unlink(missing_ok=True)  # no recipe vouches for the answers while they are rewritten
+        save_answers(out, str(root / "answers.pt"))
+        meta = {"recipe": recipe, "answers": len(out), "tokens": tokens, "seconds": round(seconds, 1)}
+        meta_path.write_text(json.dumps(meta, indent=2) + "\n")  # last: a cut-off write is regenerated
+    return out
+
+
+def _sample_answers(
+    verifier: Any,
+    eos: Sequence[int],
+    prompts: Sequence[Sequence[int]],
+    per_prompt: int,
+    temperature: float,
+    answer_tokens: int,
+    batch_size: int,
+    seed: int,
+) -> list[Answer]:
     rows = [p for p in prompts for _ in range(per_prompt)]
     with Progress(transient=True) as bar:
         task = bar.add_task(f"sampled answers (T = {temperature:g})", total=len(rows))
-        out = generate_answers(
+        return generate_answers(
             verifier,
             rows,
             eos,
@@ -203,15 +236,6 @@ def sampled_answers(
             seed=seed,
             on_batch=lambda n: bar.advance(task, n),
         )
-    seconds = time.perf_counter() - start
-    tokens = sum(len(a.answer) for a in out)
-    log.info("sampled answers: %d (%d tokens) in %.0f s", len(out), tokens, seconds)
-    if meta_path is not None:
-        meta_path.parent.mkdir(parents=True, exist_ok=True)
-        save_answers(out, str(meta_path.parent / "answers.pt"))
-        meta = {"recipe": recipe, "answers": len(out), "tokens": tokens, "seconds": round(seconds, 1)}
-        meta_path.write_text(json.dumps(meta, indent=2) + "\n")  # last: a cut-off write is regenerated
-    return out
 
 
 def answer_batches(
