@@ -185,10 +185,25 @@ def sampled_answers(
         "seed": seed,
         "verifier": str(getattr(verifier.config, "_name_or_path", "")),
     }
+
+    def generate() -> list[Answer]:
+        rows = [p for p in prompts for _ in range(per_prompt)]
+        with Progress(transient=True) as bar:
+            task = bar.add_task(f"sampled answers (T = {temperature:g})", total=len(rows))
+            return generate_answers(
+                verifier,
+                rows,
+                eos,
+                answer_tokens,
+                batch_size=batch_size,
+                top_k=1,
+                temperature=temperature,
+                seed=seed,
+                on_batch=lambda n: bar.advance(task, n),
+            )
+
     if folder is None:
-        return _sample_answers(
-            verifier, eos, prompts, per_prompt, temperature, answer_tokens, batch_size, seed
-        )
+        return generate()
     root = Path(folder)
     root.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(f"{os.path.normpath(root)}.lock"):  # ranks and runs started together: one generates
@@ -198,9 +213,7 @@ def sampled_answers(
             if meta.get("recipe") == recipe and (root / "answers.pt").is_file():
                 return load_answers(str(root / "answers.pt"))
         start = time.perf_counter()
-        out = _sample_answers(
-            verifier, eos, prompts, per_prompt, temperature, answer_tokens, batch_size, seed
-        )
+        out = generate()
         seconds = time.perf_counter() - start
         tokens = sum(len(a.answer) for a in out)
         log.info("sampled answers: %d (%d tokens) in %.0f s", len(out), tokens, seconds)
@@ -210,32 +223,6 @@ def sampled_answers(
         meta = {"recipe": recipe, "answers": len(out), "tokens": tokens, "seconds": round(seconds, 1)}
         meta_path.write_text(json.dumps(meta, indent=2) + "\n")  # last: a cut-off write is regenerated
     return out
-
-
-def _sample_answers(
-    verifier: Any,
-    eos: Sequence[int],
-    prompts: Sequence[Sequence[int]],
-    per_prompt: int,
-    temperature: float,
-    answer_tokens: int,
-    batch_size: int,
-    seed: int,
-) -> list[Answer]:
-    rows = [p for p in prompts for _ in range(per_prompt)]
-    with Progress(transient=True) as bar:
-        task = bar.add_task(f"sampled answers (T = {temperature:g})", total=len(rows))
-        return generate_answers(
-            verifier,
-            rows,
-            eos,
-            answer_tokens,
-            batch_size=batch_size,
-            top_k=1,
-            temperature=temperature,
-            seed=seed,
-            on_batch=lambda n: bar.advance(task, n),
-        )
 
 
 def answer_batches(
