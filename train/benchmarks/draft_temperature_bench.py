@@ -28,8 +28,10 @@ from typing import Any
 import torch
 
 from train.benchmarks.eagle3_step_bench import load_verifier
+from train.decoding.sampling import expected_acceptance_per_position
 from train.models.answers import Answer, load_answers
 from train.models.eagle3_drafter import Eagle3Drafter
+from train.models.eagle3_ttt import ttt_unroll
 from train.paths import project_root
 from train.tables import markdown_table
 from train.training.answer_data import answer_eos_ids, sampled_answers
@@ -70,10 +72,9 @@ def first_step_logits(
     seq = torch.tensor([answer.prompt + answer.answer])
     out = verifier(seq, output_hidden_states=True)
     features = drafter.fuse(drafter.aux_features(out.hidden_states))
-    length = seq.shape[1]
-    drafted = drafter(seq[:, 1:], features[:, :-1], torch.arange(length - 1)[None]).logits[0]
+    drafted = ttt_unroll(drafter, features, seq, steps=1)[0][0]  # (T, N): row p predicts token p + 2
     first = len(answer.prompt) - 1  # the verifier's output at `first` predicts the answer's first token
-    rows = torch.arange(first + 1, length - 1)  # verifier rows predicting the answer's tokens 2..
+    rows = torch.arange(first + 1, seq.shape[1] - 1)  # verifier rows predicting the answer's tokens 2..
     return out.logits[0, rows].float(), drafted[rows - 1].float()
 
 
@@ -85,7 +86,7 @@ def acceptance(
     p = torch.softmax(verifier_logits / t, -1)
     q = torch.zeros_like(p)
     q[:, draft_ids] = torch.softmax(drafter_logits / (t * s), -1)
-    return torch.minimum(p, q).sum(-1)
+    return expected_acceptance_per_position(p, q)
 
 
 @torch.inference_mode()
