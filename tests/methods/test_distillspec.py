@@ -83,6 +83,8 @@ def _module(cfg: DistillSpecConfig) -> tuple[DistillSpecModule, PromptDataModule
         ({"temperature": 0.0}, "method.temperature must be > 0"),
         ({"temperature": -1.0}, "method.temperature"),
         ({"data_source": "web"}, "method.data_source must be one of"),
+        ({"teacher_temperature": -0.5}, "method.teacher_temperature must be null or a finite number >= 0"),
+        ({"teacher_temperature": float("nan")}, "method.teacher_temperature"),
         ({"max_new_tokens": 0}, "method.max_new_tokens"),
         ({"lora": {"enabled": True, "r": 0}}, "method.lora.r"),
         ({"lora": {"rank": 4}}, "method.lora"),
@@ -256,6 +258,64 @@ def test_teacher_rollouts_are_cached_per_prompt():
     assert torch.equal(a.sequences[a.continuation_mask], b.sequences[b.continuation_mask])
 
 
+@pytest.mark.parametrize("cache", [True, False])
+def test_greedy_teacher_continuations_while_the_student_samples(cache):
+    """teacher_temperature=0: the teacher's training continuations are its greedy rollouts (whatever the
+    generator), the student's on-policy rollouts and the validation continuations still sample at
+    ``temperature``."""
+    from train.decoding.sampling import SamplingParams
+    from train.training.rollout import rollout
+
+    module, data = _module(_cfg(data_source="mixed_teacher", teacher_temperature=0.0, cache_teacher=cache))
+    assert module.cfg.teacher_rollout_temperature == 0.0 and module.sampler.params.temperature == 1.0
+    data.setup()
+    batch = next(iter(data.train_dataloader()))
+    ids, attn = batch["input_ids"], batch["attention_mask"]
+    greedy = rollout(
+        module.teacher,
+        ids,
+        attn,
+        module.cfg.max_new_tokens,
+        SamplingParams(temperature=0.0),
+        eos_token_id=module.sampler.eos_token_id,
+        pad_token_id=module.sampler.pad_token_id,
+        vocab_size=module.sampler.vocab_size,
+    )
+    for seed in (0, 7):
+        got = module.make_batch(batch, "teacher", module._generator(seed, 0))
+        assert torch.equal(got.sequences, greedy.sequences)
+    drawn = [module.make_batch(batch, "student", module._generator(s, 0)).sequences for s in (1, 2)]
+    assert not torch.equal(drawn[0], drawn[1])  # the student still samples
+    assert _cfg().teacher_rollout_temperature == 1.0  # null: the rollout temperature
+
+
+def test_validation_measures_greedy_agreement_on_greedy_teacher_continuations():
+    """val/greedy_agreement: 1 for a student equal to the teacher; for another student, the share of the
+    teacher's greedy continuation tokens that are also the student's argmax there (teacher-forced)."""
+    import copy
+
+    module, data = _module(_cfg())
+    data.setup()
+    batch = next(iter(data.val_dataloader()))
+    module.on_validation_epoch_start()
+    module.validation_step(batch, 0)
+    greedy = module._val_greedy_cache[0]
+    mask = greedy.continuation_mask[:, greedy.prompt_width :]
+    with torch.no_grad():
+        student = module.logits(module.student, greedy)[..., : module.sampler.vocab_size].argmax(-1)
+    teacher_tokens = greedy.sequences[:, greedy.prompt_width :]
+    expected = (student == teacher_tokens)[mask].float().mean()
+    sums = module._val_sums
+    assert sums["greedy_agreement"] / sums["greedy_tokens"] == pytest.approx(float(expected))
+    assert sums["greedy_tokens"] == int(mask.sum()) > 0
+
+    twin = DistillSpecModule(copy.deepcopy(module.teacher), module.teacher, module.tokenizer, module.cfg)
+    twin.on_validation_epoch_start()
+    twin.validation_step(batch, 0)
+    assert twin._val_sums["greedy_agreement"] == pytest.approx(twin._val_sums["greedy_tokens"])
+    assert twin._val_sums["acceptance"] == pytest.approx(twin._val_sums["tokens"], rel=1e-4)
+
+
 def test_mixture_draws_on_policy_batches_with_probability_lambda():
     module, _ = _module(_cfg(data_source="mixed_fixed", lmbda=0.25))
     picks = [module.pick_source(s) for s in range(2000)]
@@ -294,14 +354,16 @@ def test_fit_logs_validation_and_checkpoint_has_no_teacher(tmp_path):
         "val/expected_acceptance",
         "val/simulated_block_efficiency",
         "val/loss",
+        "val/greedy_agreement",
         "train/loss",
         "train/expected_acceptance",
         "train/on_policy_fraction",
     ):
         assert key in metrics, key
     assert 0.0 <= float(metrics["val/expected_acceptance"]) <= 1.0
+    assert 0.0 <= float(metrics["val/greedy_agreement"]) <= 1.0
     assert 1.0 <= float(metrics["val/simulated_block_efficiency"]) <= 5.0
-    assert len(module._val_cache) == 1  # held-out teacher continuations generated once, reused
+    assert len(module._val_cache) == len(module._val_greedy_cache) == 1  # generated once, reused
     state = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
     assert state and all(k.startswith("student.") for k in state)
     assert sum(v.numel() for v in state.values()) == sum(

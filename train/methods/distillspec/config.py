@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +41,10 @@ class DistillSpecConfig(ResponseDistillSettings):
     """Weight of an extra cross-entropy on the ground-truth continuation (0 = off)."""
     cache_teacher: bool = True
     """Generate each training prompt's teacher continuation once and reuse it in later epochs."""
+    teacher_temperature: float | None = None
+    """Temperature of the teacher's training continuations (0 = greedy); None: ``temperature``. The loss
+    and the student's rollouts keep ``temperature``: one drafter for greedy and sampled decoding can
+    see greedy contexts from the teacher and sampled ones from itself."""
     lora: Any = None
     """LoRA on the drafter (:class:`train.models.lora.LoraSettings`); None: a full fine-tune."""
 
@@ -51,12 +56,25 @@ class DistillSpecConfig(ResponseDistillSettings):
             self.data_source in DATA_SOURCES, "method.data_source", f"one of {DATA_SOURCES}", self.data_source
         )
         require(self.ce_weight >= 0, "method.ce_weight", ">= 0", self.ce_weight)
+        t = self.teacher_temperature
+        require(
+            t is None
+            or (isinstance(t, int | float) and not isinstance(t, bool) and math.isfinite(t) and t >= 0),
+            "method.teacher_temperature",
+            "null or a finite number >= 0 (0: greedy)",
+            t,
+        )
         self.lora = LoraSettings.coerce(self.lora, "method.lora")
 
     @property
     def on_policy_probability(self) -> float:
         """lambda as the data source implies it."""
         return {"student": 1.0, "fixed": 0.0, "teacher": 0.0}.get(self.data_source, self.lmbda)
+
+    @property
+    def teacher_rollout_temperature(self) -> float:
+        """The temperature the teacher's training continuations are generated at."""
+        return float(self.temperature if self.teacher_temperature is None else self.teacher_temperature)
 
     @property
     def off_policy_source(self) -> str:

@@ -37,6 +37,7 @@ folder) and :func:`train.report.finish` exports, evaluates and reports.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -46,7 +47,8 @@ import lightning as L
 import torch
 
 from train.decoding.metrics import simulated_block_efficiency
-from train.losses import acceptance_from_logits, divergence
+from train.decoding.sampling import SamplingParams
+from train.losses import acceptance_from_logits, argmax_agreement, divergence
 from train.methods.distillspec import finish as finish_step
 from train.methods.distillspec.config import DistillSpecConfig
 from train.models.draft_vocab import (
@@ -107,11 +109,19 @@ class DistillSpecModule(L.LightningModule):
         ids = draft_vocab_of(student)
         #: A drafter with a reduced vocabulary (``config.draft_vocab``) samples and is trained over it only.
         self.draft_ids: torch.Tensor | None = torch.tensor(ids, dtype=torch.long) if ids else None
-        self._teacher_cache = ResponseCache(
-            lambda ids, attn, gen: self._generate(self.teacher, ids, attn, gen), self.sampler.pad_token_id
+        #: The teacher's training continuations (``teacher_temperature``; validation keeps ``sampler``).
+        self.teacher_sampler = ResponseSampler.for_models(
+            tokenizer, cfg.max_new_tokens, cfg.teacher_rollout_temperature, teacher, student
         )
+        self._teacher_cache = ResponseCache(
+            lambda ids, attn, gen: self.teacher_sampler.sample(self.teacher, ids, attn, gen),
+            self.sampler.pad_token_id,
+        )
+        #: Greedy (T = 0) teacher continuations for ``val/greedy_agreement``.
+        self.greedy_sampler = dataclasses.replace(self.sampler, params=SamplingParams(temperature=0.0))
         self._val_cache: dict[int, Rollout] = {}
-        self._val_sums = [0.0, 0.0, 0]
+        self._val_greedy_cache: dict[int, Rollout] = {}
+        self._val_sums: dict[str, float] = {}
         self.last_num_tokens = 0
 
     # ---------------------------------------------------------------- plumbing
@@ -166,7 +176,7 @@ class DistillSpecModule(L.LightningModule):
     def _teacher_rollout(self, batch: dict[str, torch.Tensor], gen: torch.Generator) -> Rollout:
         ids, attn = batch["input_ids"], batch["attention_mask"]
         if not self.cfg.cache_teacher:
-            return self._generate(self.teacher, ids, attn, gen)
+            return self.teacher_sampler.sample(self.teacher, ids, attn, gen)
         return self._teacher_cache(ids, attn, gen)
 
     def make_batch(self, batch: dict[str, torch.Tensor], source: str, gen: torch.Generator) -> Rollout:
@@ -277,33 +287,56 @@ class DistillSpecModule(L.LightningModule):
     # ---------------------------------------------------------------- validation
 
     def on_validation_epoch_start(self) -> None:
-        self._val_sums = [0.0, 0.0, 0]
+        self._val_sums = dict.fromkeys(
+            ("loss", "acceptance", "tokens", "greedy_agreement", "greedy_tokens"), 0.0
+        )
 
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        if batch_idx not in self._val_cache:  # held-out teacher continuations: generated once per run
-            self._val_cache[batch_idx] = self._generate(
+    def _held_out(
+        self, cache: dict[int, Rollout], sampler: ResponseSampler, batch: dict[str, torch.Tensor], index: int
+    ) -> Rollout:
+        """The teacher's continuations of validation batch ``index`` under ``sampler``: generated once per
+        run (seeded), reused by every validation."""
+        if index not in cache:
+            cache[index] = sampler.sample(
                 self.teacher,
                 batch["input_ids"],
                 batch["attention_mask"],
-                self._generator(-1, batch_idx, self.global_rank),
+                self._generator(-1, index, self.global_rank),
             )
-        loss, s_logits, t_logits, mask = self.distill_loss(self._val_cache[batch_idx])
+        return cache[index]
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        """Sampled teacher continuations (``temperature``): loss and expected acceptance; greedy ones:
+        the drafter's argmax agreement, T = 0's per-token acceptance in the contexts greedy decoding
+        visits."""
+        sums = self._val_sums
+        loss, s_logits, t_logits, mask = self.distill_loss(
+            self._held_out(self._val_cache, self.sampler, batch, batch_idx)
+        )
         n = int(mask.sum())
-        ea = self.acceptance(s_logits, t_logits, mask)
-        self._val_sums[0] += float(loss) * n
-        self._val_sums[1] += float(ea) * n
-        self._val_sums[2] += n
+        sums["loss"] += float(loss) * n
+        sums["acceptance"] += float(self.acceptance(s_logits, t_logits, mask)) * n
+        sums["tokens"] += n
+        _, s_logits, t_logits, mask = self.distill_loss(
+            self._held_out(self._val_greedy_cache, self.greedy_sampler, batch, batch_idx)
+        )
+        n = int(mask.sum())
+        sums["greedy_agreement"] += float(argmax_agreement(s_logits, t_logits, mask, self.draft_ids)) * n
+        sums["greedy_tokens"] += n
 
     def on_validation_epoch_end(self) -> None:
-        loss_sum, ea_sum, n = self._val_sums
-        if n == 0:
+        sums = self._val_sums
+        if not sums["tokens"]:
             return
-        ea = min(max(ea_sum / n, 0.0), 1.0)
-        self.log("val/loss", loss_sum / n, prog_bar=True, sync_dist=True)
+        ea = min(max(sums["acceptance"] / sums["tokens"], 0.0), 1.0)
+        self.log("val/loss", sums["loss"] / sums["tokens"], prog_bar=True, sync_dist=True)
         self.log("val/expected_acceptance", ea, prog_bar=True, sync_dist=True)
         self.log(
             "val/simulated_block_efficiency", simulated_block_efficiency(ea, self.cfg.gamma), sync_dist=True
         )
+        if sums["greedy_tokens"]:
+            agreement = sums["greedy_agreement"] / sums["greedy_tokens"]
+            self.log("val/greedy_agreement", agreement, prog_bar=True, sync_dist=True)
 
     # ---- the finish step (finish.py): what the run exports, evaluates and reports
 
