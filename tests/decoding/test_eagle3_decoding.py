@@ -302,11 +302,16 @@ def first_token_shift(law: dict, points: float) -> dict:
 
 
 def law_statistic(
-    verifier, params: SamplingParams, sampled_chain: bool = False, draft_temperature: float = 1.0
+    verifier,
+    params: SamplingParams,
+    sampled_chain: bool = False,
+    draft_temperature: float = 1.0,
+    sampled_tree: list[int] | None = None,
 ) -> tuple[float, int, int]:
     """(chi-square, df, accepted draft tokens) of tokens 2 and 3 over 4000 seeded runs of 4 tokens against
     the verifier's own warped law; a tree of depth 3, top-2, 6 nodes from a random drafter (with
-    ``sampled_chain``: a chain of 3 tokens sampled from it, its logits divided by ``draft_temperature``)."""
+    ``sampled_chain``: a chain of 3 tokens sampled from it, its logits divided by ``draft_temperature``;
+    with ``sampled_tree``: a tree of siblings sampled from it without replacement)."""
     law = tokens_2_and_3(verifier, params)
     decoder = Eagle3Decoder(
         verifier,
@@ -316,6 +321,7 @@ def law_statistic(
         6,
         sampled_chain=sampled_chain,
         draft_temperature=draft_temperature,
+        sampled_tree=sampled_tree,
     )
     runs = run_many(decoder, LAW_PROMPT, 4, params, LAW_RUNS, seed=0)
     counts: dict[tuple[int, ...], int] = {}
@@ -326,24 +332,42 @@ def law_statistic(
 
 
 @pytest.mark.parametrize(
-    ("params", "sampled_chain", "draft_temperature"),
+    ("params", "sampled_chain", "draft_temperature", "sampled_tree"),
     [
-        pytest.param(SamplingParams(1.0), False, 1.0, id="T1-tree"),
-        pytest.param(SamplingParams(0.7, top_k=4), False, 1.0, id="T0.7-top_k4-tree"),
-        pytest.param(SamplingParams(1.0), True, 1.0, id="T1-sampled-chain"),
+        pytest.param(SamplingParams(1.0), False, 1.0, None, id="T1-tree"),
+        pytest.param(SamplingParams(0.7, top_k=4), False, 1.0, None, id="T0.7-top_k4-tree"),
+        pytest.param(SamplingParams(1.0), True, 1.0, None, id="T1-sampled-chain"),
+        pytest.param(SamplingParams(1.0), False, 0.6, [3, 2, 1], id="T1-sampled-tree-sharper-q"),
+        pytest.param(
+            SamplingParams(0.7, top_k=4),
+            False,
+            1.0,
+            [2, 2, 1],
+            id="T0.7-top_k4-sampled-tree",
+            marks=pytest.mark.slow,
+        ),
         # the sampled chain's warping is also checked row by row in test_eagle3_sampled_chain.py
         pytest.param(
-            SamplingParams(0.7, top_k=4), True, 1.0, id="T0.7-top_k4-sampled-chain", marks=pytest.mark.slow
+            SamplingParams(0.7, top_k=4),
+            True,
+            1.0,
+            None,
+            id="T0.7-top_k4-sampled-chain",
+            marks=pytest.mark.slow,
         ),
-        pytest.param(SamplingParams(1.0), True, 0.6, id="T1-sampled-chain-sharper-q", marks=pytest.mark.slow),
+        pytest.param(
+            SamplingParams(1.0), True, 0.6, None, id="T1-sampled-chain-sharper-q", marks=pytest.mark.slow
+        ),
     ],
 )
-def test_sampled_output_law_is_the_verifiers(small_verifier, params, sampled_chain, draft_temperature):
+def test_sampled_output_law_is_the_verifiers(
+    small_verifier, params, sampled_chain, draft_temperature, sampled_tree
+):
     law = tokens_2_and_3(small_verifier, params)
     df = len(pooled_cells(law, LAW_RUNS)) - 1
     # power: moving 6 points of the 2nd token's probability is seen with probability > 0.9 (alpha 1e-4)
     assert chi2_power(df, noncentrality(law, first_token_shift(law, 0.06), LAW_RUNS)) > 0.9
-    stat, df, accepted = law_statistic(small_verifier, params, sampled_chain, draft_temperature)
+    stat, df, accepted = law_statistic(small_verifier, params, sampled_chain, draft_temperature, sampled_tree)
     assert stat < chi2_critical(df), (stat, df)
     assert accepted > 0.1 * LAW_RUNS  # the tree's candidates were accepted often
 

@@ -1,15 +1,16 @@
 """``Eagle3Decoder``: an EAGLE-3 drafter on the verifier's fused features, EAGLE-2's dynamic tree,
 one verifier forward per step (docs/eagle3.md); with ``sampled_chain``, at T > 0 a chain drawn from the
-drafter instead (EAGLE-1's sampling).
+drafter instead (EAGLE-1's sampling), with ``sampled_tree`` a tree of siblings drawn without replacement.
 
 The drafting side is :class:`~train.decoding.proposers.eagle3_proposer.Eagle3Proposer`; verification is
 :func:`~train.decoding.rules.tree_walk.verify_tree` in the synchronous loop (greedy at T = 0, the
 recursive rule with point-mass proposals at T > 0, the standard rule with the drafter's q for a sampled
-chain): lossless at every temperature.
+chain, the recursive rule without replacement for a sampled tree): lossless at every temperature.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
@@ -27,7 +28,9 @@ class Eagle3Decoder(DraftTreeDecoder):
     ``total_tokens`` nodes and ``depth`` levels, each expanded level its ``top_k`` best nodes, each node
     its ``top_k`` best children (``top_k=1``: a chain of ``depth`` tokens). ``sampled_chain``: at T > 0,
     a chain of ``depth`` tokens sampled from the drafter instead of the tree, its logits divided by
-    ``draft_temperature`` first. Same ``generate`` as the other decoders."""
+    ``draft_temperature`` first; ``sampled_tree`` (children per depth, e.g. ``[2, 1, 1, 1]``): at T > 0,
+    a tree whose siblings are sampled from it without replacement (RSD-C), verified by the recursive
+    rule. Same ``generate`` as the other decoders."""
 
     accepts: ClassVar[tuple[str, ...]] = ("eagle3",)
 
@@ -40,16 +43,25 @@ class Eagle3Decoder(DraftTreeDecoder):
         total_tokens: int = 32,
         sampled_chain: bool = False,
         draft_temperature: float = 1.0,
+        sampled_tree: Sequence[int] | None = None,
     ) -> None:
         self.verifier = verifier
         self.drafter = drafter
         self._verifier = TimedModel(verifier)
         check_eagle3(verifier, drafter, self._verifier.vocab_size)
         self._proposer = Eagle3Proposer(
-            drafter, self._verifier.vocab_size, depth, top_k, total_tokens, sampled_chain, draft_temperature
+            drafter,
+            self._verifier.vocab_size,
+            depth,
+            top_k,
+            total_tokens,
+            sampled_chain,
+            draft_temperature,
+            sampled_tree,
         )
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
         self.sampled_chain = sampled_chain
+        self.sampled_tree = self._proposer.sampled_tree
         self.draft_temperature = draft_temperature
 
     def models(self) -> tuple[torch.nn.Module, ...]:

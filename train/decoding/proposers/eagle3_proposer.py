@@ -30,10 +30,16 @@ deterministic tree's candidates pass only with probability p(x) each, a sampled 
 1 - TVD(p, q). T = 0 keeps the tree. ``draft_temperature`` divides the drafter's logits first: a drafter
 trained on a few thousand answers is less confident than the verifier, and a sharper q (0.8) is
 accepted more often (docs/eagle3.md); any value stays lossless, since q is what the tokens were drawn from.
+
+``sampled_tree`` (children per depth): at T > 0, a tree instead, each node's children drawn from its q
+(the same warped, ``draft_temperature``-scaled distribution) without replacement, as RSD-C draws them
+(Jeon et al. 2024); the recursive rule without replacement verifies them, so two or three distinct first
+tokens each get their chance where a chain offers one.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 
@@ -43,6 +49,7 @@ from transformers import DynamicCache
 from train.decoding.cache import cache_length, crop_cache
 from train.decoding.draft import Draft
 from train.decoding.metrics import DecodeStats
+from train.decoding.proposers.tree_proposers import gumbel_top_k, on_support
 from train.decoding.sampling import SamplingParams, sample_with_uniform, uniforms, warp
 from train.models.eagle3_drafter import Eagle3Drafter
 
@@ -85,16 +92,28 @@ class Eagle3Proposer:
         total_tokens: int = 32,
         sampled_chain: bool = False,
         draft_temperature: float = 1.0,
+        sampled_tree: Sequence[int] | None = None,
     ) -> None:
         for name, value in (("depth", depth), ("top_k", top_k), ("total_tokens", total_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        branching = tuple(sampled_tree) if sampled_tree is not None else ()
+        if sampled_tree is not None and (
+            not branching or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in branching)
+        ):
+            raise ValueError(f"sampled_tree must be a non-empty list of integers >= 1, got {sampled_tree!r}")
+        if branching and sampled_chain:
+            raise ValueError(
+                "sampled_chain and sampled_tree exclude each other (a chain is sampled_tree [1, 1, ...])"
+            )
         if isinstance(draft_temperature, bool) or not draft_temperature > 0:
             raise ValueError(f"draft_temperature must be > 0, got {draft_temperature!r}")
         self.drafter = drafter
         self.vocab_size = vocab_size
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
         self.sampled_chain = bool(sampled_chain)
+        #: Children per node at each depth of the tree sampled at T > 0 (empty: not sampled).
+        self.sampled_tree: tuple[int, ...] = branching
         self.draft_temperature = float(draft_temperature)
         self.hidden_layers: tuple[int, ...] = tuple(int(i) for i in drafter.aux_layers)
         param = drafter.fc.weight
@@ -159,7 +178,11 @@ class Eagle3Proposer:
             stats.drafter_prefill_calls += 1
             stats.drafter_prefill_time += time.perf_counter() - start
         depth = min(self.depth, budget)
-        if self.sampled_chain and not params.greedy:
+        if self.sampled_tree and not params.greedy:
+            draft, forwards = self._sample_tree(
+                out.logits[0, -1], out.hidden[0, -1], self.sampled_tree[:budget], params, generator, eos
+            )
+        elif self.sampled_chain and not params.greedy:
             draft, forwards = self._sample_chain(
                 out.logits[0, -1], out.hidden[0, -1], depth, params, generator, eos
             )
@@ -214,6 +237,73 @@ class Eagle3Proposer:
             logits, hidden = out.logits[0, -1], out.hidden[0, -1]
             forwards += 1
         return Draft.chain(tokens, torch.stack(qs)), forwards
+
+    def _sample_tree(
+        self,
+        logits: torch.Tensor,
+        hidden: torch.Tensor,
+        branching: Sequence[int],
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        eos: frozenset[int],
+    ) -> tuple[Draft, int]:
+        """A tree sampled from the drafter (``sampled_tree``; RSD-C's tree, Jeon et al. 2024): every node
+        at depth d (the root's children at depth 0) gets ``branching[d]`` children drawn *without
+        replacement* from its q (Gumbel-top-k over the draft vocabulary; fewer where q has fewer
+        tokens), in draw order, each handed its parent's q; a node after an eos is not expanded. From
+        the root's logits (N,) and hidden output (h,); returns the draft and the drafter forwards it
+        took (one per expanded depth). Verified by the recursive rule without replacement: lossless
+        for any q, since every sibling set is a without-replacement sample of the q it carries."""
+        tokens: list[int] = []
+        parents: list[int] = []
+        ranks: list[int] = []
+        qs: list[torch.Tensor] = []
+        frontier: list[int] = [-1]
+        rows_logits, rows_hidden = logits[None], hidden[None]
+        slot: dict[int, int] = {}  # expanded node -> its cache slot after the committed positions
+        lineage: dict[int, list[int]] = {-1: []}  # node -> its expanded ancestors and itself
+        feature: dict[int, torch.Tensor] = {}  # node -> the hidden output of its parent (its input feature)
+        forwards = 0
+        for level, width in enumerate(branching):
+            q = torch.stack([self._distribution(row, params) for row in rows_logits])  # (n, V)
+            sub, ids = on_support(q)
+            drawn, scores = gumbel_top_k(
+                torch.log(sub), width, uniforms(tuple(sub.shape), generator, q.device)
+            )
+            drawn = drawn if ids is None else ids[drawn]
+            level_nodes: list[int] = []
+            for row, parent in enumerate(frontier):
+                for rank, (token, score) in enumerate(
+                    zip(drawn[row].tolist(), scores[row].tolist(), strict=True)
+                ):
+                    if score == -math.inf:  # q has fewer tokens than the width
+                        break
+                    node = len(tokens)
+                    tokens.append(int(token))
+                    parents.append(parent)
+                    ranks.append(rank)
+                    qs.append(q[row])
+                    feature[node] = rows_hidden[row]
+                    lineage[node] = [*lineage[parent], node]
+                    level_nodes.append(node)
+            expand = [n for n in level_nodes if tokens[n] not in eos]
+            if level + 1 == len(branching) or not expand:
+                break
+            for n in expand:
+                slot[n] = len(slot)
+            mask = node_mask(
+                self._fed, len(slot), [[slot[a] for a in lineage[n]] for n in expand], self._device
+            )
+            out = self.drafter(  # the nodes' kv enter the cache, cropped after the draft
+                torch.tensor([[tokens[n] for n in expand]], device=self._device),
+                torch.stack([feature[n] for n in expand])[None],
+                torch.full((1, len(expand)), self._fed + level, device=self._device),
+                attention_mask=mask,
+                past_key_values=self._cache,
+            )
+            forwards += 1
+            frontier, rows_logits, rows_hidden = expand, out.logits[0], out.hidden[0]
+        return Draft(tokens, parents, torch.stack(qs), ranks, kind="without_replacement"), forwards
 
     def _grow(self, root_logits: torch.Tensor, root_hidden: torch.Tensor, depth: int) -> tuple[Draft, int]:
         """EAGLE-2's tree from the root's logits (N,) and hidden output (h,), at most ``depth`` deep, and
