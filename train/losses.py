@@ -68,7 +68,6 @@ __all__ = [
     "DIVERGENCES",
     "divergence",
     "acceptance_from_logits",
-    "argmax_agreement",
 ]
 
 #: Names accepted by :func:`divergence`.
@@ -398,31 +397,3 @@ def acceptance_from_logits(
         p = _log_probs(_take(teacher_logits, start, length, index), temperature, vocab, dtype).exp()
         total += torch.minimum(p, q).sum()
     return total / n
-
-
-@torch.no_grad()
-def argmax_agreement(
-    student_logits: Tensor,
-    teacher_logits: Tensor,
-    mask: Tensor | None = None,
-    draft_ids: Tensor | None = None,
-) -> Tensor:
-    """Fraction of selected positions where the student's most likely token is the teacher's: the
-    per-token acceptance of greedy (T = 0) speculative decoding on these contexts.
-
-    ``student_logits``: ``(B, T, V_s)``, over the teacher's ids (only the first ``min(V_s, V)`` count), or,
-    with ``draft_ids`` ``(N,)``, over those ids (``V_s = N``); ``teacher_logits``: ``(B, T, V)``; ``mask``:
-    ``(B, T)``. An empty mask gives 0. A detached 0-d float32 tensor."""
-    _check_shapes(student_logits, teacher_logits, mask)
-    if draft_ids is None:
-        vocab = min(student_logits.shape[-1], teacher_logits.shape[-1])
-        student_top = student_logits[..., :vocab].argmax(-1)
-        teacher_top = teacher_logits[..., :vocab].argmax(-1)
-    else:
-        student_top = draft_ids.to(student_logits.device)[student_logits.argmax(-1)]
-        teacher_top = teacher_logits.argmax(-1)
-    hit = (student_top == teacher_top).float()
-    if mask is None:
-        return hit.mean() if hit.numel() else hit.new_zeros(())
-    keep = mask.to(torch.bool)
-    return hit[keep].mean() if keep.any() else hit.new_zeros(())

@@ -11,6 +11,7 @@ import torch
 
 from train.losses import acceptance_from_logits
 from train.models.draft_vocab import (
+    argmax_agreement,
     draft_acceptance,
     draft_divergence,
     draft_rows_of,
@@ -102,3 +103,26 @@ def test_draft_rows_of_is_vocab_index_without_the_vocabulary_size():
     draft = torch.tensor([0, 3, 4, 9, 15])
     ids = torch.tensor([[0, 1, 3, 9], [15, 16, 4, 2]])
     torch.testing.assert_close(draft_rows_of(ids, draft), vocab_index(draft, 17)[ids])
+
+
+def test_argmax_agreement_counts_matching_top_tokens():
+    teacher = torch.tensor([[[0.0, 3.0, 1.0], [2.0, 0.0, 1.0], [0.0, 0.0, 5.0]]])  # tops 1, 0, 2
+    student = torch.tensor([[[0.0, 9.0, 1.0], [0.0, 4.0, 1.0], [1.0, 0.0, 2.0]]])  # tops 1, 1, 2
+    assert float(argmax_agreement(student, teacher)) == pytest.approx(2 / 3)
+    mask = torch.tensor([[True, True, False]])
+    assert float(argmax_agreement(student, teacher, mask)) == pytest.approx(0.5)
+    assert float(argmax_agreement(student, teacher, torch.zeros_like(mask))) == 0.0
+    # a student padded past the teacher's vocabulary: only the common ids count
+    padded = torch.cat([student, torch.full((1, 3, 2), 50.0)], dim=-1)
+    assert float(argmax_agreement(padded, teacher)) == pytest.approx(2 / 3)
+
+
+def test_argmax_agreement_over_a_draft_vocabulary():
+    teacher = torch.full((1, 2, 6), -1.0)
+    teacher[0, 0, 4] = 2.0  # the teacher's top: id 4, then id 1
+    teacher[0, 1, 1] = 2.0
+    draft_ids = torch.tensor([1, 4])  # the student's rows are ids 1 and 4
+    student = torch.tensor([[[0.0, 3.0], [0.0, 3.0]]])  # picks id 4 both times
+    assert float(argmax_agreement(student, teacher, draft_ids=draft_ids)) == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="leading"):
+        argmax_agreement(student[:, :1], teacher, draft_ids=draft_ids)

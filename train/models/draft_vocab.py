@@ -38,6 +38,7 @@ from train.models.introspect import cache_keyword, model_device
 
 __all__ = [
     "DraftVocabModel",
+    "argmax_agreement",
     "draft_acceptance",
     "draft_divergence",
     "draft_rows_of",
@@ -161,6 +162,41 @@ def draft_acceptance(
     never accepted). Shapes as :func:`draft_divergence`; a detached 0-d tensor."""
     full = scatter_draft_logits(draft_logits, draft_ids, teacher_logits.shape[-1])
     return acceptance_from_logits(full, teacher_logits, mask, temperature=temperature)
+
+
+@torch.no_grad()
+def argmax_agreement(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    draft_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Fraction of selected positions where the student's most likely token is the teacher's: the
+    per-token acceptance of greedy (T = 0) speculative decoding on these contexts.
+
+    ``student_logits``: ``(B, T, V_s)``, over the teacher's ids (only the first ``min(V_s, V)`` count), or,
+    with ``draft_ids`` ``(N,)``, over those ids (``V_s = N``); ``teacher_logits``: ``(B, T, V)``; ``mask``:
+    ``(B, T)``. An empty mask gives 0. A detached 0-d float32 tensor."""
+    if student_logits.shape[:-1] != teacher_logits.shape[:-1] or (
+        mask is not None and mask.shape != student_logits.shape[:-1]
+    ):
+        raise ValueError(
+            "student logits, teacher logits and mask disagree on the leading (position) shape: "
+            f"{tuple(student_logits.shape[:-1])}, {tuple(teacher_logits.shape[:-1])}, "
+            f"{None if mask is None else tuple(mask.shape)}"
+        )
+    if draft_ids is None:
+        vocab = min(student_logits.shape[-1], teacher_logits.shape[-1])
+        student_top = student_logits[..., :vocab].argmax(-1)
+        teacher_top = teacher_logits[..., :vocab].argmax(-1)
+    else:
+        student_top = draft_ids.to(student_logits.device)[student_logits.argmax(-1)]
+        teacher_top = teacher_logits.argmax(-1)
+    hit = (student_top == teacher_top).float()
+    if mask is None:
+        return hit.mean() if hit.numel() else hit.new_zeros(())
+    keep = mask.to(torch.bool)
+    return hit[keep].mean() if keep.any() else hit.new_zeros(())
 
 
 class DraftVocabModel(torch.nn.Module):

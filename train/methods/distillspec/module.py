@@ -48,11 +48,12 @@ import torch
 
 from train.decoding.metrics import simulated_block_efficiency
 from train.decoding.sampling import SamplingParams
-from train.losses import acceptance_from_logits, argmax_agreement, divergence
+from train.losses import acceptance_from_logits, divergence
 from train.methods.distillspec import finish as finish_step
 from train.methods.distillspec.config import DistillSpecConfig
 from train.models.draft_vocab import (
     DraftVocabModel,
+    argmax_agreement,
     draft_acceptance,
     draft_divergence,
     draft_vocab_of,
