@@ -25,3 +25,16 @@ def tiny_pairs() -> dict[str, tuple[torch.nn.Module, torch.nn.Module]]:
 @pytest.fixture(scope="session")
 def llama_pair(tiny_pairs):
     return tiny_pairs["llama"]
+
+
+@pytest.fixture(scope="session")
+def eagle3_verifiers() -> dict[str, torch.nn.Module]:
+    """{arch: a 4-layer verifier, hidden 32, vocab 128} for the EAGLE-3 tests (EAGLE-3 reads layers 2,
+    L//2, L-3)."""
+    return {arch: build(tiny_config(arch, 32, layers=4), 1) for arch in ("llama", "qwen3")}
+
+
+@pytest.fixture(scope="session")
+def eagle3_law_verifier() -> torch.nn.Module:
+    """The EAGLE-3 law tests' verifier: 4 layers, hidden 32, a 6-token vocabulary, float64."""
+    return build(tiny_config("llama", hidden=32, vocab=6, layers=4), 5).double()

@@ -17,7 +17,7 @@ from train.models.eagle3_drafter import Eagle3Drafter
 
 from .decoding_helpers import build, hf_greedy, tiny_config
 from .spec_reference import chi2_critical, chi2_power, chi_square, noncentrality, pooled_cells, run_many
-from .test_heads_decoding import VOCAB, exact_law
+from .test_heads_decoding import exact_law
 
 PROMPTS = ([0, 5, 9, 3, 7], [0, 44], [3])
 
@@ -32,12 +32,6 @@ def randomized(drafter: Eagle3Drafter, seed: int = 1, scale: float = 0.3) -> Eag
     return drafter.eval()
 
 
-@pytest.fixture(scope="module")
-def verifiers() -> dict[str, torch.nn.Module]:
-    """{arch: a 4-layer verifier, hidden 32, vocab 128} (EAGLE-3 reads layers 2, L//2, L-3)."""
-    return {arch: build(tiny_config(arch, 32, layers=4), 1) for arch in ("llama", "qwen3")}
-
-
 def drafter_for(verifier, vocab: str = "full", seed: int = 1) -> Eagle3Drafter:
     ids = None if vocab == "full" else list(range(0, verifier.config.vocab_size, 3))
     return randomized(Eagle3Drafter.from_verifier(verifier, draft_ids=ids), seed)
@@ -46,8 +40,8 @@ def drafter_for(verifier, vocab: str = "full", seed: int = 1) -> Eagle3Drafter:
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("vocab", ["full", "reduced"])
 @pytest.mark.parametrize("shape", [(5, 8, 32), (4, 3, 10), (3, 1, 32)], ids=["tree", "small", "chain"])
-def test_greedy_equals_hf_generate(arch, vocab, shape, verifiers):
-    verifier = verifiers[arch]
+def test_greedy_equals_hf_generate(arch, vocab, shape, eagle3_verifiers):
+    verifier = eagle3_verifiers[arch]
     depth, top_k, total = shape
     decoder = Eagle3Decoder(verifier, drafter_for(verifier, vocab), depth, top_k, total)
     for prompt in PROMPTS:
@@ -82,8 +76,8 @@ class OracleDrafter(Eagle3Drafter):
 
 
 @pytest.mark.parametrize("shape", [(5, 3, 12), (4, 1, 4)], ids=["tree", "chain"])
-def test_oracle_drafter_accepts_long_paths_eos_and_limits(shape, verifiers):
-    verifier = verifiers["llama"]
+def test_oracle_drafter_accepts_long_paths_eos_and_limits(shape, eagle3_verifiers):
+    verifier = eagle3_verifiers["llama"]
     prompt = PROMPTS[0]
     ids = torch.tensor([prompt])
     reference = hf_greedy(verifier, ids, 40)
@@ -145,8 +139,8 @@ def check_drafter_state(verifier, drafter, spy: Spy) -> None:
 
 
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(1.0)], ids=["T0", "T1"])
-def test_drafter_cache_matches_a_fresh_forward_at_every_block(params, verifiers, monkeypatch):
-    verifier = verifiers["llama"]
+def test_drafter_cache_matches_a_fresh_forward_at_every_block(params, eagle3_verifiers, monkeypatch):
+    verifier = eagle3_verifiers["llama"]
     drafter = drafter_for(verifier, "reduced")
     spy = Spy(monkeypatch)
     decoder = Eagle3Decoder(verifier, drafter, 4, 3, 10)
@@ -154,9 +148,9 @@ def test_drafter_cache_matches_a_fresh_forward_at_every_block(params, verifiers,
     check_drafter_state(verifier, drafter, spy)
 
 
-def test_broken_feature_position_is_caught(verifiers, monkeypatch):
+def test_broken_feature_position_is_caught(eagle3_verifiers, monkeypatch):
     """Broken on purpose: the drafter reads the feature of the position before the right one."""
-    verifier = verifiers["llama"]
+    verifier = eagle3_verifiers["llama"]
     drafter = drafter_for(verifier)
     observe = Eagle3Proposer.observe
 
@@ -204,17 +198,17 @@ def check_tree_children(verifier, drafter, spy: Spy, top_k: int) -> int:
     return checked
 
 
-def test_tree_nodes_match_sequential_drafting(verifiers, monkeypatch):
-    verifier = verifiers["qwen3"]
+def test_tree_nodes_match_sequential_drafting(eagle3_verifiers, monkeypatch):
+    verifier = eagle3_verifiers["qwen3"]
     drafter = drafter_for(verifier, "reduced", seed=2)
     spy = Spy(monkeypatch)
     Eagle3Decoder(verifier, drafter, 4, 2, 64).generate(torch.tensor([PROMPTS[0]]), 8)
     assert check_tree_children(verifier, drafter, spy, 2) > 0
 
 
-def test_broken_tree_mask_is_caught(verifiers, monkeypatch):
+def test_broken_tree_mask_is_caught(eagle3_verifiers, monkeypatch):
     """Broken on purpose: a tree node also sees its siblings (every node fed in the same forward)."""
-    verifier = verifiers["qwen3"]
+    verifier = eagle3_verifiers["qwen3"]
     drafter = drafter_for(verifier, "reduced", seed=2)
     node_mask = proposer_module.node_mask
 
@@ -229,8 +223,8 @@ def test_broken_tree_mask_is_caught(verifiers, monkeypatch):
         check_tree_children(verifier, drafter, spy, 2)
 
 
-def test_top_k_one_gives_chains_and_sizes_are_capped(verifiers, monkeypatch):
-    verifier = verifiers["llama"]
+def test_top_k_one_gives_chains_and_sizes_are_capped(eagle3_verifiers, monkeypatch):
+    verifier = eagle3_verifiers["llama"]
     spy = Spy(monkeypatch)
     Eagle3Decoder(verifier, drafter_for(verifier), 4, 1, 32).generate(torch.tensor([PROMPTS[0]]), 15)
     assert spy.drafts and all(d.is_chain for d in spy.drafts)
@@ -254,8 +248,8 @@ def test_select_nodes_keeps_the_best_closed_under_ancestors():
     assert select_nodes([0.0, 0.0, 0.0], [-1, 0, 1], 2) == [0, 1]  # ties: the older node, parents first
 
 
-def test_refuses_a_drafter_made_for_another_verifier(verifiers):
-    llama = verifiers["llama"]
+def test_refuses_a_drafter_made_for_another_verifier(eagle3_verifiers):
+    llama = eagle3_verifiers["llama"]
     drafter = drafter_for(llama)
     wide = build(tiny_config("llama", 64, layers=4), 1)
     with pytest.raises(ValueError, match="hidden states of size"):
@@ -271,11 +265,6 @@ def test_refuses_a_drafter_made_for_another_verifier(verifiers):
 
 
 # ----------------------------------------------------------------------------- the law at T > 0
-
-
-@pytest.fixture(scope="module")
-def small_verifier():
-    return build(tiny_config("llama", hidden=32, vocab=VOCAB, layers=4), 5).double()
 
 
 LAW_PROMPT, LAW_RUNS = [1, 2], 4000
@@ -361,18 +350,20 @@ def law_statistic(
     ],
 )
 def test_sampled_output_law_is_the_verifiers(
-    small_verifier, params, sampled_chain, draft_temperature, sampled_tree
+    eagle3_law_verifier, params, sampled_chain, draft_temperature, sampled_tree
 ):
-    law = tokens_2_and_3(small_verifier, params)
+    law = tokens_2_and_3(eagle3_law_verifier, params)
     df = len(pooled_cells(law, LAW_RUNS)) - 1
     # power: moving 6 points of the 2nd token's probability is seen with probability > 0.9 (alpha 1e-4)
     assert chi2_power(df, noncentrality(law, first_token_shift(law, 0.06), LAW_RUNS)) > 0.9
-    stat, df, accepted = law_statistic(small_verifier, params, sampled_chain, draft_temperature, sampled_tree)
+    stat, df, accepted = law_statistic(
+        eagle3_law_verifier, params, sampled_chain, draft_temperature, sampled_tree
+    )
     assert stat < chi2_critical(df), (stat, df)
     assert accepted > 0.1 * LAW_RUNS  # the tree's candidates were accepted often
 
 
-def test_law_test_catches_a_residual_drawn_from_p(small_verifier, monkeypatch):
+def test_law_test_catches_a_residual_drawn_from_p(eagle3_law_verifier, monkeypatch):
     """Broken on purpose: after every candidate is rejected, draw from p instead of p without them."""
     import train.decoding.rules.recursive as rules
 
@@ -383,11 +374,11 @@ def test_law_test_catches_a_residual_drawn_from_p(small_verifier, monkeypatch):
         return choice, torch.where(choice >= 0, token, rules.sample_with_uniform(p, u_next))
 
     monkeypatch.setattr("train.decoding.rules.tree_walk.recursive_rejection", residual_from_p)
-    stat, df, _ = law_statistic(small_verifier, SamplingParams(1.0))
+    stat, df, _ = law_statistic(eagle3_law_verifier, SamplingParams(1.0))
     assert stat > chi2_critical(df), (stat, df)
 
 
-def test_accepting_a_child_of_a_rejected_node_is_caught(verifiers, monkeypatch):
+def test_accepting_a_child_of_a_rejected_node_is_caught(eagle3_verifiers, monkeypatch):
     """Broken on purpose: when every first-level node is rejected, accept a second-level one anyway."""
 
     def child_of_rejected(logits, draft, params, generator, eos):
@@ -398,7 +389,7 @@ def test_accepting_a_child_of_a_rejected_node_is_caught(verifiers, monkeypatch):
         return verdict
 
     monkeypatch.setattr(loop_module, "verify_tree", child_of_rejected)
-    verifier = verifiers["llama"]
+    verifier = eagle3_verifiers["llama"]
     ids = torch.tensor([PROMPTS[0]])
     decoder = Eagle3Decoder(verifier, drafter_for(verifier), 4, 3, 12)
     assert decoder.generate(ids, 17).tokens.tolist() != hf_greedy(verifier, ids, 17)

@@ -13,22 +13,9 @@ from train.decoding import Draft, Eagle3Decoder, SamplingParams
 from train.decoding.proposers.eagle3_proposer import Eagle3Proposer
 from train.decoding.sampling import warp
 
-from .decoding_helpers import build, hf_greedy, tiny_config
+from .decoding_helpers import hf_greedy
 from .spec_reference import chi2_critical
 from .test_eagle3_decoding import PROMPTS, drafter_for, law_statistic, sequential_children
-from .test_heads_decoding import VOCAB
-
-
-@pytest.fixture(scope="module")
-def verifiers() -> dict[str, torch.nn.Module]:
-    """As test_eagle3_decoding's: {arch: a 4-layer verifier, hidden 32, vocab 128}."""
-    return {arch: build(tiny_config(arch, 32, layers=4), 1) for arch in ("llama", "qwen3")}
-
-
-@pytest.fixture(scope="module")
-def small_verifier():
-    """As test_eagle3_decoding's law verifier."""
-    return build(tiny_config("llama", hidden=32, vocab=VOCAB, layers=4), 5).double()
 
 
 class ChainSpy:
@@ -48,27 +35,43 @@ class ChainSpy:
         monkeypatch.setattr(Eagle3Proposer, "propose", propose_spy)
 
 
-@pytest.mark.parametrize(
+def sampled_drafts(verifier, vocab: str, params: SamplingParams, monkeypatch, **decoder_kw):
+    """(verifier, drafter, ChainSpy records) of 24 tokens decoded from ``PROMPTS[0]`` by an
+    ``Eagle3Decoder(verifier, drafter, 4, 3, 10, **decoder_kw)`` with a random drafter (seed 2)."""
+    drafter = drafter_for(verifier, vocab, seed=2)
+    spy = ChainSpy(monkeypatch)
+    decoder = Eagle3Decoder(verifier, drafter, 4, 3, 10, **decoder_kw)
+    decoder.generate(torch.tensor([PROMPTS[0]]), 24, params, generator=torch.Generator().manual_seed(0))
+    assert len(spy.records) > 3
+    return verifier, drafter, spy.records
+
+
+#: The regimes every sampled draft's q rows are checked under, times both draft vocabularies.
+SAMPLED_REGIMES = pytest.mark.parametrize(
     ("params", "draft_temperature"),
     [(SamplingParams(1.0), 1.0), (SamplingParams(0.7, top_k=4), 1.0), (SamplingParams(1.0), 0.6)],
     ids=["T1", "T0.7-top_k4", "T1-draft_temperature0.6"],
 )
-@pytest.mark.parametrize("vocab", ["full", "reduced"])
+BOTH_VOCABS = pytest.mark.parametrize("vocab", ["full", "reduced"])
+
+
+@SAMPLED_REGIMES
+@BOTH_VOCABS
 def test_chain_q_rows_are_the_warped_sequential_drafts(
-    params, draft_temperature, vocab, verifiers, monkeypatch
+    params, draft_temperature, vocab, eagle3_verifiers, monkeypatch
 ):
     """Each q row is the drafter's sequential-forward logits divided by ``draft_temperature``, warped like
     the verifier's (temperature, top-k), at the target ids."""
-    verifier = verifiers["llama"]
-    drafter = drafter_for(verifier, vocab, seed=2)
-    spy = ChainSpy(monkeypatch)
-    decoder = Eagle3Decoder(
-        verifier, drafter, 4, 3, 10, sampled_chain=True, draft_temperature=draft_temperature
+    verifier, drafter, records = sampled_drafts(
+        eagle3_verifiers["llama"],
+        vocab,
+        params,
+        monkeypatch,
+        sampled_chain=True,
+        draft_temperature=draft_temperature,
     )
-    decoder.generate(torch.tensor([PROMPTS[0]]), 24, params, generator=torch.Generator().manual_seed(0))
-    assert len(spy.records) > 3
     vocab_size = verifier.config.vocab_size
-    for sequence, draft, cached in spy.records:
+    for sequence, draft, cached in records:
         assert draft.is_chain and 1 <= len(draft) <= 4 and draft.q is not None
         assert cached == len(sequence) - 1  # the chain's nodes left the cache
         for i, token in enumerate(draft.tokens):
@@ -79,8 +82,8 @@ def test_chain_q_rows_are_the_warped_sequential_drafts(
             assert draft.q[i, token] > 0
 
 
-def test_temperature_zero_keeps_the_tree_and_the_greedy_output(verifiers, monkeypatch):
-    verifier = verifiers["qwen3"]
+def test_temperature_zero_keeps_the_tree_and_the_greedy_output(eagle3_verifiers, monkeypatch):
+    verifier = eagle3_verifiers["qwen3"]
     decoder = Eagle3Decoder(verifier, drafter_for(verifier, "reduced"), 4, 3, 10, sampled_chain=True)
     spy = ChainSpy(monkeypatch)
     for prompt in PROMPTS:
@@ -91,8 +94,8 @@ def test_temperature_zero_keeps_the_tree_and_the_greedy_output(verifiers, monkey
     assert all(draft.q is None for _, draft, _ in spy.records)
 
 
-def test_a_sampled_chain_stops_at_eos_and_within_the_budget(verifiers, monkeypatch):
-    verifier = verifiers["llama"]
+def test_a_sampled_chain_stops_at_eos_and_within_the_budget(eagle3_verifiers, monkeypatch):
+    verifier = eagle3_verifiers["llama"]
     spy = ChainSpy(monkeypatch)
     decoder = Eagle3Decoder(verifier, drafter_for(verifier), 5, 2, 8, sampled_chain=True)
     gen = torch.Generator().manual_seed(1)
@@ -109,7 +112,7 @@ def test_a_sampled_chain_stops_at_eos_and_within_the_budget(verifiers, monkeypat
         assert eos not in draft.tokens[:-1]  # drafting stops after an eos
 
 
-def test_a_chain_with_the_wrong_q_is_caught(small_verifier, monkeypatch):
+def test_a_chain_with_the_wrong_q_is_caught(eagle3_law_verifier, monkeypatch):
     """Broken on purpose: each node after the first is handed the q of the node before it (off by one), so
     the rule weighs the token by a distribution it was not drawn from. (Dropping q altogether would not be
     a bug: a candidate drawn independently of the verifier's randomness may be verified as a point mass,
@@ -122,12 +125,12 @@ def test_a_chain_with_the_wrong_q_is_caught(small_verifier, monkeypatch):
         return Draft.chain(draft.tokens, q), forwards
 
     monkeypatch.setattr(Eagle3Proposer, "_sample_chain", off_by_one)
-    stat, df, _ = law_statistic(small_verifier, SamplingParams(1.0), sampled_chain=True)
+    stat, df, _ = law_statistic(eagle3_law_verifier, SamplingParams(1.0), sampled_chain=True)
     assert stat > chi2_critical(df), (stat, df)
 
 
 @pytest.mark.parametrize("value", [0.0, -1.0, True])
-def test_draft_temperature_must_be_positive(verifiers, value):
-    verifier = verifiers["llama"]
+def test_draft_temperature_must_be_positive(eagle3_verifiers, value):
+    verifier = eagle3_verifiers["llama"]
     with pytest.raises(ValueError, match="draft_temperature must be > 0"):
         Eagle3Decoder(verifier, drafter_for(verifier), 4, 3, 10, sampled_chain=True, draft_temperature=value)

@@ -14,49 +14,32 @@ from train.decoding import Draft, Eagle3Decoder, SamplingParams
 from train.decoding.proposers.eagle3_proposer import Eagle3Proposer
 from train.decoding.sampling import warp
 
-from .decoding_helpers import build, hf_greedy, tiny_config
+from .decoding_helpers import hf_greedy
 from .spec_reference import chi2_critical
 from .test_eagle3_decoding import PROMPTS, drafter_for, law_statistic, sequential_children
-from .test_eagle3_sampled_chain import ChainSpy
-from .test_heads_decoding import VOCAB
+from .test_eagle3_sampled_chain import BOTH_VOCABS, SAMPLED_REGIMES, ChainSpy, sampled_drafts
 
 
-@pytest.fixture(scope="module")
-def verifiers() -> dict[str, torch.nn.Module]:
-    """As test_eagle3_decoding's: {arch: a 4-layer verifier, hidden 32, vocab 128}."""
-    return {arch: build(tiny_config(arch, 32, layers=4), 1) for arch in ("llama", "qwen3")}
-
-
-@pytest.fixture(scope="module")
-def small_verifier():
-    """As test_eagle3_decoding's law verifier."""
-    return build(tiny_config("llama", hidden=32, vocab=VOCAB, layers=4), 5).double()
-
-
-@pytest.mark.parametrize(
-    ("params", "draft_temperature"),
-    [(SamplingParams(1.0), 1.0), (SamplingParams(0.7, top_k=4), 1.0), (SamplingParams(1.0), 0.6)],
-    ids=["T1", "T0.7-top_k4", "T1-draft_temperature0.6"],
-)
-@pytest.mark.parametrize("vocab", ["full", "reduced"])
+@SAMPLED_REGIMES
+@BOTH_VOCABS
 def test_tree_q_rows_are_the_parents_warped_sequential_drafts(
-    params, draft_temperature, vocab, verifiers, monkeypatch
+    params, draft_temperature, vocab, eagle3_verifiers, monkeypatch
 ):
     """Node i's q row is the drafter's logits after its *parent's* path (sequential, cache-free forward)
     divided by ``draft_temperature`` and warped, at the target ids; its siblings are distinct, in draw
     order, at most ``branching[depth]`` of them; nothing of the tree stays in the drafter's cache."""
-    verifier = verifiers["llama"]
-    drafter = drafter_for(verifier, vocab, seed=2)
     branching = [3, 2, 1]
-    spy = ChainSpy(monkeypatch)
-    decoder = Eagle3Decoder(
-        verifier, drafter, 4, 3, 10, sampled_tree=branching, draft_temperature=draft_temperature
+    verifier, drafter, records = sampled_drafts(
+        eagle3_verifiers["llama"],
+        vocab,
+        params,
+        monkeypatch,
+        sampled_tree=branching,
+        draft_temperature=draft_temperature,
     )
-    decoder.generate(torch.tensor([PROMPTS[0]]), 24, params, generator=torch.Generator().manual_seed(0))
-    assert len(spy.records) > 3
     vocab_size = verifier.config.vocab_size
     branched = 0
-    for sequence, draft, cached in spy.records:
+    for sequence, draft, cached in records:
         assert draft.q is not None and draft.kind == "without_replacement"
         assert cached == len(sequence) - 1  # the tree's nodes left the cache
         depths = draft.depths()
@@ -79,8 +62,8 @@ def test_tree_q_rows_are_the_parents_warped_sequential_drafts(
     assert branched > 0
 
 
-def test_temperature_zero_keeps_the_deterministic_tree_and_the_greedy_output(verifiers, monkeypatch):
-    verifier = verifiers["qwen3"]
+def test_temperature_zero_keeps_the_deterministic_tree_and_the_greedy_output(eagle3_verifiers, monkeypatch):
+    verifier = eagle3_verifiers["qwen3"]
     decoder = Eagle3Decoder(verifier, drafter_for(verifier, "reduced"), 4, 3, 10, sampled_tree=[2, 2, 1])
     spy = ChainSpy(monkeypatch)
     for prompt in PROMPTS:
@@ -89,8 +72,8 @@ def test_temperature_zero_keeps_the_deterministic_tree_and_the_greedy_output(ver
     assert all(draft.q is None for _, draft, _ in spy.records)
 
 
-def test_a_sampled_tree_stops_at_eos_and_within_the_budget(verifiers, monkeypatch):
-    verifier = verifiers["llama"]
+def test_a_sampled_tree_stops_at_eos_and_within_the_budget(eagle3_verifiers, monkeypatch):
+    verifier = eagle3_verifiers["llama"]
     spy = ChainSpy(monkeypatch)
     decoder = Eagle3Decoder(verifier, drafter_for(verifier), 5, 2, 8, sampled_tree=[2, 2, 2, 1, 1])
     gen = torch.Generator().manual_seed(1)
@@ -109,7 +92,7 @@ def test_a_sampled_tree_stops_at_eos_and_within_the_budget(verifiers, monkeypatc
         assert all(draft.tokens[p] != eos for p in draft.parents if p >= 0)  # an eos is never expanded
 
 
-def test_a_tree_checked_with_replacement_is_caught(small_verifier, monkeypatch):
+def test_a_tree_checked_with_replacement_is_caught(eagle3_law_verifier, monkeypatch):
     """Broken on purpose: the siblings are drawn without replacement but labelled i.i.d., so after a
     rejection the rule checks the next sibling against q instead of q without the rejected token."""
     sample_tree = Eagle3Proposer._sample_tree
@@ -120,19 +103,19 @@ def test_a_tree_checked_with_replacement_is_caught(small_verifier, monkeypatch):
 
     monkeypatch.setattr(Eagle3Proposer, "_sample_tree", mislabelled)
     stat, df, _ = law_statistic(
-        small_verifier, SamplingParams(1.0), draft_temperature=0.6, sampled_tree=[3, 2, 1]
+        eagle3_law_verifier, SamplingParams(1.0), draft_temperature=0.6, sampled_tree=[3, 2, 1]
     )
     assert stat > chi2_critical(df), (stat, df)
 
 
 @pytest.mark.parametrize("value", [[], [2, 0], [1.5], [True]])
-def test_bad_branching_is_refused(verifiers, value):
-    verifier = verifiers["llama"]
+def test_bad_branching_is_refused(eagle3_verifiers, value):
+    verifier = eagle3_verifiers["llama"]
     with pytest.raises(ValueError, match="sampled_tree must be a non-empty list of integers >= 1"):
         Eagle3Decoder(verifier, drafter_for(verifier), 4, 3, 10, sampled_tree=value)
 
 
-def test_a_sampled_chain_and_a_sampled_tree_exclude_each_other(verifiers):
-    verifier = verifiers["llama"]
+def test_a_sampled_chain_and_a_sampled_tree_exclude_each_other(eagle3_verifiers):
+    verifier = eagle3_verifiers["llama"]
     with pytest.raises(ValueError, match="exclude each other"):
         Eagle3Decoder(verifier, drafter_for(verifier), 4, 3, 10, sampled_chain=True, sampled_tree=[2, 1])
