@@ -49,7 +49,7 @@ from transformers import DynamicCache
 from train.decoding.cache import cache_length, crop_cache
 from train.decoding.draft import Draft
 from train.decoding.metrics import DecodeStats
-from train.decoding.proposers.tree_proposers import gumbel_top_k, on_support
+from train.decoding.proposers.tree_proposers import gumbel_top_k
 from train.decoding.sampling import SamplingParams, sample_with_uniform, uniforms, warp
 from train.models.eagle3_drafter import Eagle3Drafter
 
@@ -266,11 +266,11 @@ class Eagle3Proposer:
         forwards = 0
         for level, width in enumerate(branching):
             q = torch.stack([self._distribution(row, params) for row in rows_logits])  # (n, V)
-            sub, ids = on_support(q)
+            sub = q.index_select(1, self._targets)  # q's support is the draft vocabulary
             drawn, scores = gumbel_top_k(
                 torch.log(sub), width, uniforms(tuple(sub.shape), generator, q.device)
             )
-            drawn = drawn if ids is None else ids[drawn]
+            drawn = self._targets[drawn]
             level_nodes: list[int] = []
             for row, parent in enumerate(frontier):
                 for rank, (token, score) in enumerate(

@@ -111,8 +111,8 @@ class DistillSpecModule(L.LightningModule):
         #: A drafter with a reduced vocabulary (``config.draft_vocab``) samples and is trained over it only.
         self.draft_ids: torch.Tensor | None = torch.tensor(ids, dtype=torch.long) if ids else None
         #: The teacher's training continuations (``teacher_temperature``; validation keeps ``sampler``).
-        self.teacher_sampler = ResponseSampler.for_models(
-            tokenizer, cfg.max_new_tokens, cfg.teacher_rollout_temperature, teacher, student
+        self.teacher_sampler = dataclasses.replace(
+            self.sampler, params=SamplingParams(temperature=cfg.teacher_rollout_temperature)
         )
         self._teacher_cache = ResponseCache(
             lambda ids, attn, gen: self.teacher_sampler.sample(self.teacher, ids, attn, gen),
