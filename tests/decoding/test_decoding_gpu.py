@@ -212,8 +212,9 @@ def eagle3_pair(request):
 
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
 def test_eagle3_on_any_devices_equals_cpu(eagle3_pair, placement):
-    """The tree at T = 0 and the sampled chain at T = 1 (a CPU generator) give the all-CPU run's tokens and
-    counts with the verifier and the drafter wherever they are (the fused features and d2t cross devices)."""
+    """The tree at T = 0, the sampled chain and the sampled tree at T = 1 (a CPU generator) give the all-CPU
+    run's tokens and counts with the verifier and the drafter wherever they are (the fused features and d2t
+    cross devices)."""
     verifier, drafter = placed(eagle3_pair, placement)
     for seed, prompt in enumerate(PROMPTS[:2]):
         ids = torch.tensor([prompt])
@@ -221,14 +222,15 @@ def test_eagle3_on_any_devices_equals_cpu(eagle3_pair, placement):
         tree = Eagle3Decoder(verifier, drafter, 4, 3, 10).generate(ids, 24)
         assert tree.tokens.tolist() == tree_ref.tokens.tolist() == hf_greedy(eagle3_pair[0], ids, 24)
         assert counts(tree.stats) == counts(tree_ref.stats)
-        chain = [
-            Eagle3Decoder(v, d, 4, 3, 10, sampled_chain=True).generate(
-                ids, 24, SAMPLING[0], generator=torch.Generator().manual_seed(seed)
-            )
-            for v, d in (eagle3_pair, (verifier, drafter))
-        ]
-        assert chain[1].tokens.tolist() == chain[0].tokens.tolist(), (placement, seed)
-        assert counts(chain[1].stats) == counts(chain[0].stats)
+        for sampled in ({"sampled_chain": True}, {"sampled_tree": [3, 1]}):
+            runs = [
+                Eagle3Decoder(v, d, 4, 3, 10, **sampled).generate(
+                    ids, 24, SAMPLING[0], generator=torch.Generator().manual_seed(seed)
+                )
+                for v, d in (eagle3_pair, (verifier, drafter))
+            ]
+            assert runs[1].tokens.tolist() == runs[0].tokens.tolist(), (placement, seed, sampled)
+            assert counts(runs[1].stats) == counts(runs[0].stats)
 
 
 # ------------------------------------------------------------------ the entry points on CUDA
