@@ -12,6 +12,7 @@ from train.decoding.sampling import (
     LENIENCES,
     apply_lenience,
     expected_acceptance_per_position,
+    greedy_ids,
     sample_with_uniform,
     uniforms,
 )
@@ -100,6 +101,32 @@ def test_sample_depends_on_the_generator_only():
     assert u.dtype == torch.float64
     assert torch.equal(a, sample_with_uniform(probs, u))
     assert torch.equal(sample_with_uniform(probs.double(), u), a)  # dtype of probs does not matter
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_greedy_ids_is_the_argmax_of_the_logits_as_given(dtype):
+    """Picked in float32 for speed, the argmax is the one of the logits' own dtype: the same index,
+    the first one on ties (rows with planted ties, rows of -inf outside a draft vocabulary)."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 300, generator=gen).to(dtype)
+    logits[1, [7, 40, 299]] = logits[1].max() + 1  # a three-way tie: the first index wins
+    logits[2, :] = 0.5  # all tied
+    logits[3, 100:] = float("-inf")
+    logits[4, [5, 9]] = torch.tensor(1e4, dtype=dtype)  # equal after rounding to dtype
+    ids = greedy_ids(logits)
+    assert ids.dtype == torch.long and ids.shape == (6,)
+    assert ids.tolist() == logits.argmax(dim=-1).tolist()
+    assert ids[1] == 7 and ids[2] == 0 and ids[4] == 5
+    assert int(greedy_ids(logits[0])) == int(logits[0].argmax())
+
+
+def test_sample_with_uniform_lands_on_positive_mass_at_u_one():
+    """u at (or rounding to) 1 clamps to the last token with positive mass, whatever zeros sit between
+    or after, row by row."""
+    probs = torch.tensor([[0.25, 0.0, 0.75, 0.0, 0.0], [0.0, 0.5, 0.0, 0.5, 0.0], [1.0, 0.0, 0.0, 0.0, 0.0]])
+    one = torch.ones(3, dtype=torch.float64)
+    assert sample_with_uniform(probs, one).tolist() == [2, 3, 0]
+    assert sample_with_uniform(probs, torch.zeros(3, dtype=torch.float64)).tolist() == [0, 1, 0]
 
 
 def test_warp_combined_rows_sum_to_one():

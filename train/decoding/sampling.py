@@ -21,6 +21,7 @@ __all__ = [
     "SamplingParams",
     "apply_lenience",
     "expected_acceptance_per_position",
+    "greedy_ids",
     "residual",
     "sample",
     "sample_with_uniform",
@@ -70,7 +71,7 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """
     logits = logits.float()
     if params.temperature == 0.0:
-        idx = logits.argmax(dim=-1, keepdim=True)
+        idx = greedy_ids(logits).unsqueeze(-1)
         return torch.zeros_like(logits).scatter_(-1, idx, 1.0)
     if params.temperature != 1.0:
         logits = logits / params.temperature
@@ -81,6 +82,17 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.top_p < 1.0:
         logits = logits.masked_fill(_outside_nucleus(logits.softmax(dim=-1), params.top_p), float("-inf"))
     return logits.softmax(dim=-1)
+
+
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """The argmax of ``logits`` (*, V) over V, computed in float32: (*,) long, the first index on ties.
+
+    Widening bfloat16 or float16 to float32 is exact, so the result is the same as on the logits as
+    given; on a CPU it is 3-5x faster (about 160 us against 45 us for 49,152 bfloat16 logits on two
+    cores, docs/real_pair.md): PyTorch's bfloat16 argmax is not vectorised. Every greedy pick of the
+    engine goes through here.
+    """
+    return logits.float().argmax(dim=-1)
 
 
 def _outside_nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -121,8 +133,8 @@ def sample_with_uniform(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     cdf = probs.double().cumsum(dim=-1)
     target = (u.to(cdf.device, torch.float64) * cdf[..., -1]).unsqueeze(-1)
     idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)
-    vocab = probs.shape[-1]
-    last_positive = vocab - 1 - (probs > 0).flip(-1).int().argmax(dim=-1)
+    # where the cdf first reaches its total: the last token the cdf can land on (its mass is positive)
+    last_positive = torch.searchsorted(cdf, cdf[..., -1:], right=False).squeeze(-1)
     return torch.minimum(idx, last_positive)
 
 

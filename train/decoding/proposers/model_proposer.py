@@ -30,7 +30,7 @@ from train.decoding.cache import crop_cache
 from train.decoding.draft import Draft
 from train.decoding.metrics import DecodeStats
 from train.decoding.model_call import CallResult, TimedModel
-from train.decoding.sampling import SamplingParams, sample_with_uniform, uniforms, warp
+from train.decoding.sampling import SamplingParams, greedy_ids, sample_with_uniform, uniforms, warp
 
 __all__ = ["ModelProposer"]
 
@@ -113,7 +113,7 @@ class ModelProposer:
             self._length += len(feed)
             logits = out.logits[-1]
             if greedy:
-                x = int((logits[: self._shared] if self._slice else logits).argmax())
+                x = int(greedy_ids(logits[: self._shared] if self._slice else logits))
             else:
                 q = self._distribution(logits, params)
                 x = int(sample_with_uniform(q, uniforms((), generator, q.device)))

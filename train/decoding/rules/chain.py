@@ -24,6 +24,7 @@ from train.decoding.sampling import (
     SamplingParams,
     apply_lenience,
     expected_acceptance_per_position,
+    greedy_ids,
     residual,
     sample_with_uniform,
     uniforms,
@@ -120,7 +121,7 @@ def verify_chain(
     """
     k = len(draft)
     if params.greedy:
-        n, nxt = greedy_chain(draft.tokens, logits.argmax(dim=-1).tolist())
+        n, nxt = greedy_chain(draft.tokens, greedy_ids(logits).tolist())
         # one-hot p and q: expected acceptance is 1 where the argmaxes agree (all accepted positions)
         return ChainVerdict(n, nxt, min(n + 1, k), float(n))
     p = warp(logits, params)

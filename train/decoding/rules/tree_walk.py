@@ -16,6 +16,7 @@ from train.decoding.rules.recursive import recursive_rejection
 from train.decoding.sampling import (
     SamplingParams,
     expected_acceptance_per_position,
+    greedy_ids,
     sample_with_uniform,
     uniforms,
     warp,
@@ -53,7 +54,7 @@ def verify_tree(
         kids = children.get(node, [])
         row = logits[node + 1]
         if params.greedy:
-            target = int(row.argmax())
+            target = int(greedy_ids(row))
             match = next((c for c in kids if draft.tokens[c] == target), None)
             if match is None:
                 return TreeVerdict(path, target, len(path) + (1 if kids else 0), expected)
