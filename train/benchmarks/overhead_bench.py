@@ -2,9 +2,12 @@
 
     git archive <commit> train/decoding | tar -x -C /tmp/old     # the engine to compare with
     python scripts/bench.py overhead --baseline /tmp/old/train/decoding
+    python scripts/bench.py overhead --baseline /tmp/old/train/decoding --pair checkpoints/smollm2 --threads 2
 
 Both engines decode the same prompts on the decoding benchmark's random-weight pair
-(:func:`train.benchmarks.decoders_bench.build_pair`), greedy and T = 1, alternating and rotating per prompt,
+(:func:`train.benchmarks.decoders_bench.build_pair`), or with ``--pair`` on a real pair's validation prompts
+in its dtype (the drafter wrapped over its draft vocabulary as the evaluator wraps it: bfloat16 logits
+and 49,152-id distributions are where the loop's own cost shows), greedy and T = 1, alternating and rotating per prompt,
 so machine load hits both alike. Reported per engine and decoder: tokens/s and
 ``loop_overhead = wall / forward time - 1`` (the loop's own cost). A refactor of the engine must not
 raise the loop overhead.
@@ -16,6 +19,7 @@ import argparse
 import importlib.util
 import os
 import sys
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -33,7 +37,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--pair",
+        default=None,
+        help="a real pair's folder (verifier/, drafter/, answers/validation.pt), e.g. checkpoints/smollm2 "
+        "(default: the random-weight pair)",
+    )
     add_device_arguments(parser)
+
+
+def real_pair(folder: str, n: int) -> tuple[torch.nn.Module, torch.nn.Module, list[torch.Tensor]]:
+    """The pair under ``folder`` in its dtype, the drafter over its draft vocabulary, and the first
+    ``n`` validation prompts."""
+    from transformers import AutoModelForCausalLM
+
+    from train.benchmarks.eagle3_step_bench import load_verifier
+    from train.models.answers import load_answers
+    from train.models.draft_vocab import with_draft_vocab
+
+    root = Path(folder)
+    verifier, _, dtype = load_verifier(root)
+    drafter = AutoModelForCausalLM.from_pretrained(str(root / "drafter"), dtype=dtype).eval()
+    answers = load_answers(str(root / "answers" / "validation.pt"))[:n]
+    return verifier, with_draft_vocab(drafter), [torch.tensor([a.prompt]) for a in answers]
 
 
 def load_package(path: str, name: str = "baseline_decoding") -> ModuleType:
@@ -52,11 +78,14 @@ def load_package(path: str, name: str = "baseline_decoding") -> ModuleType:
 def main(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     baseline = load_package(os.path.abspath(args.baseline))
-    verifier, drafter = build_pair()
+    if args.pair:
+        verifier, drafter, prompts = real_pair(args.pair, args.prompts)
+    else:
+        verifier, drafter = build_pair()
+        gen = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(0, 8192, (1, 48), generator=gen) for _ in range(args.prompts)]
     verifier.to(args.device)
     drafter.to(args.drafter_device or args.device)
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 8192, (1, 48), generator=gen) for _ in range(args.prompts)]
     engines = {"baseline": baseline, "current": current}
     decoders = {}
     for label, eng in engines.items():

@@ -58,7 +58,7 @@ class SmolDrafterSpec:
     """The drafter's shape and its pretraining schedule."""
 
     hidden_size: int = 256
-    num_layers: int = 4
+    num_layers: int = 2
     num_heads: int = 4
     num_kv_heads: int = 4
     intermediate_size: int = 768
