@@ -385,8 +385,8 @@ class Workspace:
         return f"{key}={value}" if sep else value
 
     def answered_tiny_pair(self) -> Path:
-        """A pair folder as the real pair's build leaves it (verifier/, answers/) on the tiny pair's
-        verifier, with a few of its greedy answers to random prompts."""
+        """A pair folder as the real pair's build leaves it (verifier/, drafter/, answers/) on the tiny
+        pair, with a few of its verifier's greedy answers to random prompts."""
         folder = self.root / "answered_tiny_pair"
         if not folder.exists():
             verifier_dir = self.root / "checkpoints" / "tiny" / "verifier"
@@ -397,6 +397,7 @@ class Workspace:
             answers = generate_answers(verifier, prompts, eos, max_new_tokens=8, batch_size=6, top_k=1)
             (folder / "answers").mkdir(parents=True)
             (folder / "verifier").symlink_to(verifier_dir)
+            (folder / "drafter").symlink_to(verifier_dir.parent / "drafter")
             for split in ("train", "validation"):
                 save_answers(answers, str(folder / "answers" / f"{split}.pt"))
         return folder
@@ -422,6 +423,9 @@ class Workspace:
                 extra += ["--verifier", str(tiny / "verifier"), "--drafter", str(tiny / "drafter")]
             if sub == "eagle3-step":
                 extra += ["--pair", str(self.answered_tiny_pair())]
+            if sub == "overhead" and "--pair" in args:  # the real pair's layout, on the tiny pair
+                at = args.index("--pair") + 1
+                args[at] = str(self.answered_tiny_pair())
             if sub == "draft-temperature":
                 pair = self.answered_tiny_pair()
                 extra += ["--pair", str(pair), "--drafter", str(self.tiny_eagle3_drafter(pair))]

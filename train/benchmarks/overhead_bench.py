@@ -25,9 +25,12 @@ from typing import Any
 
 import torch
 
+import train
 import train.decoding as current
 from train.benchmarks.decoders_bench import build_pair
 from train.cli.console import add_device_arguments
+
+PACKAGE = "train.decoding"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,16 +65,35 @@ def real_pair(folder: str, n: int) -> tuple[torch.nn.Module, torch.nn.Module, li
     return verifier, with_draft_vocab(drafter), [torch.tensor([a.prompt]) for a in answers]
 
 
-def load_package(path: str, name: str = "baseline_decoding") -> ModuleType:
-    """Import the package at ``path`` under another name (its relative imports keep working)."""
+def load_package(path: str) -> ModuleType:
+    """Import the engine package at ``path`` *as* ``train.decoding``, then put the current engine back.
+
+    The engine's modules import each other by absolute name (``from train.decoding.sampling import
+    ...``): imported under another name they would bind the current engine's parts. So the current
+    ``train.decoding*`` modules leave ``sys.modules`` while the old package and everything it imports of
+    itself load from ``path``; the old modules keep the objects they bound, and the current ones return.
+    """
     init = os.path.join(path, "__init__.py")
     if not os.path.isfile(init):
         raise FileNotFoundError(f"--baseline: no package at {path!r} (expected {init})")
-    spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[path])
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
+
+    def engine_modules() -> dict[str, ModuleType]:
+        return {k: m for k, m in sys.modules.items() if k == PACKAGE or k.startswith(PACKAGE + ".")}
+
+    current_modules = engine_modules()
+    for key in current_modules:
+        del sys.modules[key]
+    try:
+        spec = importlib.util.spec_from_file_location(PACKAGE, init, submodule_search_locations=[path])
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[PACKAGE] = module
+        spec.loader.exec_module(module)
+    finally:
+        for key in engine_modules():
+            del sys.modules[key]
+        sys.modules.update(current_modules)
+        train.decoding = current  # the import system may have set the parent's attribute to the old one
     return module
 
 
