@@ -114,7 +114,7 @@ def test_the_cache_is_reused_only_for_the_same_recipe(tmp_path: Path) -> None:
         (tmp_path / role).mkdir()
         (tmp_path / role / "config.json").write_text("{}")
     assert stale_reason(cfg) is None
-    other = replace(cfg, drafter=replace(cfg.drafter, num_layers=2))
+    other = replace(cfg, drafter=replace(cfg.drafter, num_layers=3))
     assert "another recipe" in str(stale_reason(other))
 
 
