@@ -55,6 +55,20 @@ SAMPLED_REGIMES = pytest.mark.parametrize(
 BOTH_VOCABS = pytest.mark.parametrize("vocab", ["full", "reduced"])
 
 
+def stops_at_the_limit_and_at_eos(decoder: Eagle3Decoder, eos: int = 7) -> int:
+    """Sampled decoding gives exactly n tokens for small limits, and nothing after an eos; returns eos."""
+    gen = torch.Generator().manual_seed(1)
+    for n in (1, 2, 3, 9):
+        out = decoder.generate(torch.tensor([PROMPTS[1]]), n, SamplingParams(1.0), generator=gen)
+        assert len(out.tokens) == n
+    for _ in range(20):
+        out = decoder.generate(
+            torch.tensor([PROMPTS[1]]), 30, SamplingParams(1.5), eos_token_id=eos, generator=gen
+        ).tokens.tolist()
+        assert eos not in out[:-1]
+    return eos
+
+
 @SAMPLED_REGIMES
 @BOTH_VOCABS
 def test_chain_q_rows_are_the_warped_sequential_drafts(
@@ -98,16 +112,7 @@ def test_a_sampled_chain_stops_at_eos_and_within_the_budget(eagle3_verifiers, mo
     verifier = eagle3_verifiers["llama"]
     spy = ChainSpy(monkeypatch)
     decoder = Eagle3Decoder(verifier, drafter_for(verifier), 5, 2, 8, sampled_chain=True)
-    gen = torch.Generator().manual_seed(1)
-    for n in (1, 2, 3, 9):
-        out = decoder.generate(torch.tensor([PROMPTS[1]]), n, SamplingParams(1.0), generator=gen)
-        assert len(out.tokens) == n
-    eos = 7
-    for _ in range(20):
-        out = decoder.generate(
-            torch.tensor([PROMPTS[1]]), 30, SamplingParams(1.5), eos_token_id=eos, generator=gen
-        ).tokens.tolist()
-        assert eos not in out[:-1]
+    eos = stops_at_the_limit_and_at_eos(decoder)
     for _, draft, _ in spy.records:
         assert eos not in draft.tokens[:-1]  # drafting stops after an eos
 

@@ -17,7 +17,13 @@ from train.decoding.sampling import warp
 from .decoding_helpers import hf_greedy
 from .spec_reference import chi2_critical
 from .test_eagle3_decoding import PROMPTS, drafter_for, law_statistic, sequential_children
-from .test_eagle3_sampled_chain import BOTH_VOCABS, SAMPLED_REGIMES, ChainSpy, sampled_drafts
+from .test_eagle3_sampled_chain import (
+    BOTH_VOCABS,
+    SAMPLED_REGIMES,
+    ChainSpy,
+    sampled_drafts,
+    stops_at_the_limit_and_at_eos,
+)
 
 
 @SAMPLED_REGIMES
@@ -76,18 +82,7 @@ def test_a_sampled_tree_stops_at_eos_and_within_the_budget(eagle3_verifiers, mon
     verifier = eagle3_verifiers["llama"]
     spy = ChainSpy(monkeypatch)
     decoder = Eagle3Decoder(verifier, drafter_for(verifier), 5, 2, 8, sampled_tree=[2, 2, 2, 1, 1])
-    gen = torch.Generator().manual_seed(1)
-    for n in (1, 2, 3, 9):
-        assert (
-            len(decoder.generate(torch.tensor([PROMPTS[1]]), n, SamplingParams(1.0), generator=gen).tokens)
-            == n
-        )
-    eos = 7
-    for _ in range(20):
-        out = decoder.generate(
-            torch.tensor([PROMPTS[1]]), 30, SamplingParams(1.5), eos_token_id=eos, generator=gen
-        ).tokens.tolist()
-        assert eos not in out[:-1]
+    eos = stops_at_the_limit_and_at_eos(decoder)
     for _, draft, _ in spy.records:
         assert all(draft.tokens[p] != eos for p in draft.parents if p >= 0)  # an eos is never expanded
 
