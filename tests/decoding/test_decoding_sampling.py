@@ -127,6 +127,10 @@ def test_sample_with_uniform_lands_on_positive_mass_at_u_one():
     one = torch.ones(3, dtype=torch.float64)
     assert sample_with_uniform(probs, one).tolist() == [2, 3, 0]
     assert sample_with_uniform(probs, torch.zeros(3, dtype=torch.float64)).tolist() == [0, 1, 0]
+    # one row at a time (the decoders' path, with Python scalars): the same tokens
+    for u, want in ((1.0, [2, 3, 0]), (0.0, [0, 1, 0]), (0.3, [2, 1, 0]), (0.25, [2, 1, 0])):
+        got = [int(sample_with_uniform(row, torch.tensor(u, dtype=torch.float64))) for row in probs]
+        assert got == want == sample_with_uniform(probs, torch.full((3,), u, dtype=torch.float64)).tolist()
 
 
 def test_warp_combined_rows_sum_to_one():

@@ -27,6 +27,7 @@ import torch
 
 from train.decoding.cache import SlidingLayout, rollback_cache, sliding_layout
 from train.decoding.tree_attention import sliding_window_mask
+from train.models.draft_vocab import draft_support
 from train.models.introspect import (
     cache_keyword,
     input_vocab_size,
@@ -73,6 +74,15 @@ class TimedModel:
         self._cache_kw = cache_keyword(model)
         #: Sliding-window layers, which get full-length cache layers and windowed tree masks (None: none).
         self._sliding: SlidingLayout | None = sliding_layout(model)
+        self._has_support = draft_support(model) is not None
+        self._support_kw = {"full_logits": False}
+
+    @property
+    def support(self) -> torch.Tensor | None:
+        """A drafter over a reduced vocabulary: the ascending ids it drafts over (on its device), whose
+        logits alone a call with ``support_only=True`` returns, (n, N); None for any other model
+        (train/models/draft_vocab.py)."""
+        return draft_support(self.model)
 
     def synchronize(self) -> None:
         """Wait for this model's device (only its own: the other model may sit on another GPU)."""
@@ -88,6 +98,7 @@ class TimedModel:
         attention_mask: torch.Tensor | None = None,
         logits_to_keep: int | None = 1,
         hidden_layers: Sequence[int] | None = None,
+        support_only: bool = False,
     ) -> CallResult:
         """Forward ``tokens`` (T new ids, or a (1, T) tensor) after what ``cache`` holds.
 
@@ -95,6 +106,8 @@ class TimedModel:
         (1, 1, T, cache + T) mask for tree attention (True / 0.0 = attend), default causal.
         logits_to_keep: logits of the last n positions only (None: all T). hidden_layers: indices into
         Hugging Face's ``hidden_states`` tuple (0 = embeddings, i = input of layer i) to capture.
+        support_only: logits over :attr:`support` only, where the model has one (a drafter's sampling
+        over 8,192 draft ids instead of 49,152 costs a sixth: docs/decoding.md).
         """
         if isinstance(tokens, torch.Tensor):
             ids = tokens.reshape(1, -1).to(self.device)
@@ -103,16 +116,21 @@ class TimedModel:
         keep = logits_to_keep is not None and self.supports_logits_to_keep
         if cache is None and self._sliding is not None:
             cache = rollback_cache(self.model)
+        extra = self._support_kw if support_only and self._has_support else {}
         if position_ids is None and attention_mask is None and not hidden_layers:  # the hot path
             start = time.perf_counter()
             if keep:
                 out = self.model(
-                    input_ids=ids, **{self._cache_kw: cache}, use_cache=True, logits_to_keep=logits_to_keep
+                    input_ids=ids,
+                    **{self._cache_kw: cache},
+                    use_cache=True,
+                    logits_to_keep=logits_to_keep,
+                    **extra,
                 )
             else:
-                out = self.model(input_ids=ids, **{self._cache_kw: cache}, use_cache=True)
+                out = self.model(input_ids=ids, **{self._cache_kw: cache}, use_cache=True, **extra)
         else:
-            kwargs: dict[str, Any] = {self._cache_kw: cache, "use_cache": True}
+            kwargs: dict[str, Any] = {self._cache_kw: cache, "use_cache": True, **extra}
             if position_ids is not None:
                 kwargs["position_ids"] = position_ids.to(self.device)
             if attention_mask is not None:

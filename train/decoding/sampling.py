@@ -23,6 +23,7 @@ __all__ = [
     "expected_acceptance_per_position",
     "greedy_ids",
     "residual",
+    "residual_mass",
     "sample",
     "sample_with_uniform",
     "uniforms",
@@ -130,12 +131,23 @@ def sample_with_uniform(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     probs: (*, V) non-negative (need not be normalised); u: (*,) in [0, 1). Returns (*,) long. A token
     with zero mass is never returned (the last token with positive mass absorbs rounding at u -> 1).
     """
-    cdf = probs.double().cumsum(dim=-1)
+    cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)
+    if cdf.dim() == 1:  # one draw (the decoders' case): the same search, with Python scalars
+        return _draw_one(cdf, float(u))
     target = (u.to(cdf.device, torch.float64) * cdf[..., -1]).unsqueeze(-1)
     idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)
     # where the cdf first reaches its total: the last token the cdf can land on (its mass is positive)
     last_positive = torch.searchsorted(cdf, cdf[..., -1:], right=False).squeeze(-1)
     return torch.minimum(idx, last_positive)
+
+
+def _draw_one(cdf: torch.Tensor, u: float) -> torch.Tensor:
+    """:func:`sample_with_uniform` for one row, given its float64 cdf (V,): a 0-d long tensor."""
+    total = float(cdf[-1])
+    idx = int(torch.searchsorted(cdf, u * total, right=True))
+    if idx == cdf.shape[0]:  # u * total rounded up to the total: the last token with positive mass
+        idx = int(torch.searchsorted(cdf, total, right=False))
+    return torch.tensor(idx, device=cdf.device)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -153,10 +165,15 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     p, q: (*, V) probabilities. Returns (*, V). Rows whose residual sums to 0 in floating point (p <= q
     everywhere, e.g. p == q) fall back to p, as docs/decoding.md prescribes.
     """
+    r = residual_mass(p, q)
+    return r / r.sum(dim=-1, keepdim=True)
+
+
+def residual_mass(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """max(0, p - q) *unnormalised*, or p where that sums to 0: what :func:`sample_with_uniform` draws
+    the residual from without the division. p, q: (*, V). Returns (*, V)."""
     r = (p - q).clamp_min_(0.0)
-    total = r.sum(dim=-1, keepdim=True)
-    ok = total > 0
-    return torch.where(ok, r / torch.where(ok, total, torch.ones_like(total)), p)
+    return torch.where(r.sum(dim=-1, keepdim=True) > 0, r, p)
 
 
 def _linear(p: torch.Tensor, eps: float) -> torch.Tensor:

@@ -42,6 +42,7 @@ __all__ = [
     "draft_acceptance",
     "draft_divergence",
     "draft_rows_of",
+    "draft_support",
     "draft_vocab_of",
     "frequent_tokens",
     "restrict_logits",
@@ -304,8 +305,11 @@ class DraftVocabModel(torch.nn.Module):
         use_cache: bool | None = None,
         cache_position: torch.Tensor | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        full_logits: bool | None = None,
         **kwargs: Any,
     ) -> CausalLMOutputWithPast:
+        """The model's forward, logits over the whole vocabulary (``-inf`` outside the draft ids) or,
+        ``full_logits=False`` (default: the wrapper's own setting), over the draft ids only."""
         if kwargs.get("labels") is not None:
             raise ValueError("DraftVocabModel computes no loss: train on draft_logits (draft_divergence)")
         kwargs.pop("labels", None)
@@ -325,7 +329,7 @@ class DraftVocabModel(torch.nn.Module):
         hidden = out.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.draft_logits(hidden[:, keep, :])
-        if self.full_logits:
+        if self.full_logits if full_logits is None else full_logits:
             logits = scatter_draft_logits(logits, self.draft_ids, self.vocab_size)
         # the installed transformers' own name only: reading the other one logs a deprecation
         returned = getattr(out, _OUTPUT_CACHE_FIELD, None)
@@ -351,6 +355,12 @@ def _logit_scaling(logits: torch.Tensor, config: Any) -> torch.Tensor:
     if isinstance(cap, int | float) and cap:
         logits = torch.tanh(logits / cap) * cap
     return logits
+
+
+def draft_support(model: Any) -> torch.Tensor | None:
+    """The ascending ids a :class:`DraftVocabModel` drafts over, when a call with ``full_logits=False``
+    can return its logits over them alone; None for any other model."""
+    return model.draft_ids if isinstance(model, DraftVocabModel) else None
 
 
 def with_draft_vocab(model: Any) -> Any:

@@ -14,6 +14,10 @@ drafters, trees) are new proposers; the schedule and the verification rules stay
 - a committed token the drafter cannot embed (an id past its input embeddings, in practice a padding
   id of a larger verifier vocabulary) is fed to it as its pad id (else 0): its later drafts may be
   worse, the output is not affected;
+- a drafter over a reduced draft vocabulary (train/models/draft_vocab.py) is asked for the logits of its
+  draft ids only: its greedy pick and its q are computed over those N ids, and q is placed in the
+  verifier's vocabulary once per block (zero elsewhere, the same distribution as the full-vocabulary
+  logits give, drawn by the same uniform to the same token), a sixth of the work over 8,192 of 49,152;
 - its cache holds a prefix of the committed tokens plus the drafts it was fed; a block first feeds, in
   one call, every committed token it has not seen (the previous block's correction or bonus token and
   the last accepted draft, which a drafter never consumes).
@@ -50,6 +54,11 @@ class ModelProposer:
         self._slice = self._shared < drafter.vocab_size  # drop the drafter's extra logits
         self._cache: Any = None
         self._length = 0
+        support = drafter.support
+        #: The verifier ids of the drafter's draft vocabulary when it drafts over them alone, else None.
+        self._support_ids: list[int] | None = (
+            support.tolist() if support is not None and int(support.max()) < vocab_size else None
+        )
         #: Called as ``(first position, count)`` before every drafter forward, whose tokens sit at
         #: positions first .. first + count - 1 (a steered drafter sets their guides, train/decoding/proposers/steered_proposer.py).
         self.before_forward: Callable[[int, int], None] | None = None
@@ -75,8 +84,10 @@ class ModelProposer:
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         logits_to_keep: int | None = 1,
+        support_only: bool = False,
     ) -> CallResult:
-        """One drafter forward on top of its cache, recorded in ``stats`` (the first one as prefill)."""
+        """One drafter forward on top of its cache, recorded in ``stats`` (the first one as prefill);
+        ``support_only``: the logits of its draft ids only (:attr:`TimedModel.support`)."""
         prefill = self._cache is None
         if self.before_forward is not None:
             self.before_forward(self._length, len(feed))
@@ -86,6 +97,7 @@ class ModelProposer:
             position_ids=position_ids,
             attention_mask=attention_mask,
             logits_to_keep=logits_to_keep,
+            support_only=support_only,
         )
         self._cache = out.cache
         stats.drafter_calls += 1
@@ -107,23 +119,38 @@ class ModelProposer:
         tokens: list[int] = []
         qs: list[torch.Tensor] = []
         greedy = params.greedy
+        ids = self._support_ids
         feed = self._embeddable(sequence[self._length :])
         for _ in range(budget):
-            out = self._call(feed, stats)
+            out = self._call(feed, stats, support_only=ids is not None)
             self._length += len(feed)
             logits = out.logits[-1]
-            if greedy:
-                x = int(greedy_ids(logits[: self._shared] if self._slice else logits))
+            if ids is not None:  # logits, and q, over the draft ids
+                q = logits if greedy else warp(logits, params)
             else:
-                q = self._distribution(logits, params)
-                x = int(sample_with_uniform(q, uniforms((), generator, q.device)))
+                q = logits[: self._shared] if self._slice else logits
+                q = q if greedy else self._distribution(logits, params)
+            if greedy:
+                i = int(greedy_ids(q))
+            else:
+                i = int(sample_with_uniform(q, uniforms((), generator, q.device)))
                 qs.append(q)
+            x = i if ids is None else ids[i]
             tokens.append(x)
             if x in eos:
                 break
             feed = self._embeddable([x])
         q_all = torch.stack(qs) if qs else None
+        if q_all is not None and ids is not None:
+            q_all = self._place(q_all)
         return Draft.chain(tokens, q_all)
+
+    def _place(self, q: torch.Tensor) -> torch.Tensor:
+        """(k, N) distributions over the draft ids -> (k, V) over the verifier's vocabulary, 0 elsewhere."""
+        support = self.drafter.support
+        assert support is not None
+        full = q.new_zeros(q.shape[0], self.vocab_size)
+        return full.index_copy_(1, support.to(q.device), q)
 
     def observe(self, states: torch.Tensor) -> None:
         """Never called: ``hidden_layers`` is None."""

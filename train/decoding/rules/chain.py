@@ -25,7 +25,7 @@ from train.decoding.sampling import (
     apply_lenience,
     expected_acceptance_per_position,
     greedy_ids,
-    residual,
+    residual_mass,
     sample_with_uniform,
     uniforms,
     warp,
@@ -35,7 +35,9 @@ __all__ = [
     "ChainVerdict",
     "accepted_length",
     "chain_rejection",
+    "correction",
     "greedy_chain",
+    "passes",
     "verify_chain",
 ]
 
@@ -62,6 +64,22 @@ def greedy_chain(draft: Sequence[int], verifier_argmax: Sequence[int]) -> tuple[
     return n, int(verifier_argmax[n])
 
 
+def passes(
+    u: torch.Tensor, q_x: torch.Tensor, p_x: torch.Tensor, lenience: str | None, eps: float
+) -> torch.Tensor:
+    """The acceptance test of a drafted token x: ``u * q(x) < f(p(x), eps)``, i.e. U < min(1, f(p)/q).
+
+    All three any (matching) shape; computed in float64, where the product of two float32 values is
+    exact, so the batched rule and the one-chain walk of :func:`verify_chain` decide alike."""
+    return u.double() * q_x.double() < apply_lenience(p_x.double(), lenience, eps)
+
+
+def correction(p_n: torch.Tensor, q_n: torch.Tensor | None, u: torch.Tensor) -> torch.Tensor:
+    """The token emitted after the accepted drafts: drawn from norm(max(0, p_n - q_n)) after a
+    rejection, from p_n itself when every draft passed (``q_n`` None, or a zero row). (*, V) -> (*,)."""
+    return sample_with_uniform(p_n if q_n is None else residual_mass(p_n, q_n), u)
+
+
 def chain_rejection(
     p: torch.Tensor,
     q: torch.Tensor,
@@ -77,22 +95,23 @@ def chain_rejection(
     q: (*, k, V) the proposals the draft tokens were drawn from; draft: (*, k) long;
     u_accept: (*, k) and u_next: (*,) uniforms in [0, 1).
 
-    Draft token i is accepted while ``u_i * q_i(x_i) < f(p_i(x_i), eps)`` (i.e. U < min(1, f(p)/q)).
-    At the first rejection n the next token is drawn from norm(max(0, p_n - q_n)); when all k pass,
-    from p_k (the bonus token). Returns (n, next), both (*,) long. With eps = 1 every emitted token is
-    distributed exactly as the verifier's p.
+    Draft token i is accepted while it :func:`passes`. At the first rejection n the next token is drawn
+    from norm(max(0, p_n - q_n)); when all k pass, from p_k (the bonus token): :func:`correction`.
+    Returns (n, next), both (*,) long. With eps = 1 every emitted token is distributed exactly as the
+    verifier's p.
     """
     k = draft.shape[-1]
     idx = draft.unsqueeze(-1)
     p_x = p[..., :k, :].gather(-1, idx).squeeze(-1)
     q_x = q.gather(-1, idx).squeeze(-1)
-    n = accepted_length(u_accept.to(p_x.dtype) * q_x < apply_lenience(p_x, lenience, eps))
-    # q padded with a zero row: at n == k the "residual" of p_k against nothing is p_k itself.
-    q_pad = torch.cat([q, torch.zeros_like(p[..., :1, :])], dim=-2)
-    pick = n.view(*n.shape, 1, 1).expand(*n.shape, 1, p.shape[-1])
-    p_n = p.gather(-2, pick).squeeze(-2)
-    q_n = q_pad.gather(-2, pick).squeeze(-2)
-    return n, sample_with_uniform(residual(p_n, q_n), u_next)
+    n = accepted_length(passes(u_accept, q_x, p_x, lenience, eps))
+    row = n.view(*n.shape, 1, 1).expand(*n.shape, 1, p.shape[-1])
+    p_n = p.gather(-2, row).squeeze(-2)
+    if k == 0:
+        return n, correction(p_n, None, u_next)
+    # the rejected draft's proposal; a zero row where every draft passed (the bonus token's "residual")
+    q_n = q.gather(-2, row.clamp(max=k - 1)).squeeze(-2) * (n < k).unsqueeze(-1)
+    return n, correction(p_n, q_n, u_next)
 
 
 class ChainVerdict:
@@ -124,17 +143,27 @@ def verify_chain(
         n, nxt = greedy_chain(draft.tokens, greedy_ids(logits).tolist())
         # one-hot p and q: expected acceptance is 1 where the argmaxes agree (all accepted positions)
         return ChainVerdict(n, nxt, min(n + 1, k), float(n))
-    p = warp(logits, params)
-    u = uniforms(k + 1, generator, p.device)
+    u = uniforms(k + 1, generator, logits.device)
     if k == 0:
-        return ChainVerdict(0, int(sample_with_uniform(p[0], u[0])), 0, 0.0)
-    drafted = torch.tensor(draft.tokens, dtype=torch.long, device=p.device)
-    if draft.q is None:
-        q = torch.zeros(k, p.shape[-1], dtype=p.dtype, device=p.device).scatter_(1, drafted[:, None], 1.0)
+        return ChainVerdict(0, int(correction(warp(logits[0], params), None, u[0])), 0, 0.0)
+    tokens = draft.tokens
+    if draft.q is None:  # a deterministic draft: point masses
+        q = torch.zeros(k, logits.shape[-1], dtype=torch.float32, device=logits.device)
+        q[range(k), tokens] = 1.0
     else:
-        q = draft.q.to(p.device)
-    n_t, next_t = chain_rejection(p, q, drafted, u[:k], u[k], lenience, eps)
-    n = int(n_t)
+        q = draft.q.to(logits.device)
+    # Walk the chain, warping the verifier's rows only as far as the first rejection: at T = 1 most
+    # blocks stop after one or two of k + 1 rows (docs/decoding.md, "The loop's own cost").
+    p_rows: list[torch.Tensor] = []
+    n = 0
+    while n <= k:
+        p_rows.append(warp(logits[n], params))
+        if n == k or not bool(passes(u[n], q[n, tokens[n]], p_rows[n][tokens[n]], lenience, eps)):
+            break
+        n += 1
     tested = min(n + 1, k)
-    expected = float(expected_acceptance_per_position(p[:tested], q[:tested], lenience, eps).sum())
-    return ChainVerdict(n, int(next_t), tested, expected)
+    expected = sum(
+        float(expected_acceptance_per_position(p_rows[i], q[i], lenience, eps)) for i in range(tested)
+    )
+    next_token = correction(p_rows[n], q[n] if n < k else None, u[k])
+    return ChainVerdict(n, int(next_token), tested, expected)
