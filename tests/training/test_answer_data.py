@@ -338,6 +338,11 @@ def test_sampled_answers_are_cached_per_recipe(sampling_verifier, tmp_path, monk
     (tmp_path / "answers.pt").unlink()  # a cache cut short is regenerated
     sampled_answers(sampling_verifier, [0], prompts[:2], 2, 0.5, 6, 4, 0, tmp_path)
     assert calls == [6, 6, 4, 4]
+    # more top tokens than cached: regenerated; fewer (EAGLE-3 reading the real pair's top-16 answers): read
+    wide = sampled_answers(sampling_verifier, [0], prompts[:2], 2, 0.5, 6, 4, 0, tmp_path, top_k=3)
+    assert calls == [6, 6, 4, 4, 4] and all(a.top_ids.shape[1] == 3 for a in wide)
+    narrow = sampled_answers(sampling_verifier, [0], prompts[:2], 2, 0.5, 6, 4, 0, tmp_path, top_k=1)
+    assert calls == [6, 6, 4, 4, 4] and [a.answer for a in narrow] == [a.answer for a in wide]
 
 
 def test_eagle3_config_checks_the_sampled_answers_keys():

@@ -8,10 +8,14 @@ Stages, each with a progress bar, all cached under ``out_dir`` (``checkpoints/sm
    (``data=chat``), with its top-k distribution at each token (:mod:`train.models.answers`), plus a
    few validation-split answers to measure the drafter on. Cached apart, so a change of the drafter's
    recipe does not regenerate them.
-3. **drafter**: a small Llama with the verifier's tokenizer, its embeddings started from the
+3. **sampled answers**: ``sampled_answers`` more answers per training prompt, sampled at T = 1 with the
+   same top-k (:func:`train.training.answer_data.sampled_answers`, cached in ``answers_sampled/``, where
+   EAGLE-3's experiment reads them too): the contexts sampled decoding visits, which greedy answers
+   never show the drafter (docs/real_pair.md, "Sampled answers").
+4. **drafter**: a small Llama with the verifier's tokenizer, its embeddings started from the
    verifier's (projected on their principal directions), drafting over the ``draft_vocab_size`` tokens
    most frequent in the answers (FR-Spec; ``config.draft_vocab``), trained on the answers by
-   :mod:`train.methods.answer_distill.module`.
+   :mod:`train.methods.answer_distill.module` on both kinds of answers.
 
 :func:`ensure_smol_pair` reuses what is cached when its manifest records the same recipe.
 """
@@ -47,6 +51,7 @@ from train.models.answers import Answer, generate_answers, load_answers, save_an
 from train.models.draft_vocab import frequent_tokens, set_draft_vocab, vocab_index
 from train.models.smollm2 import ensure_smollm2, eos_ids
 from train.progress import StepProgressBar
+from train.training.answer_data import sampled_answers
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +102,8 @@ class SmolPairConfig:
     answer_batch: int = 32
     top_k: int = 16
     prompt_len: int = 256
+    #: Answers per training prompt sampled from the verifier at T = 1, beside its greedy one (0: none).
+    sampled_answers: int = 1
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -106,6 +113,7 @@ class SmolPairConfig:
         require(self.val_prompts >= 1, "model.smollm2.val_prompts", ">= 1", self.val_prompts)
         require(self.answer_tokens >= 1, "model.smollm2.answer_tokens", ">= 1", self.answer_tokens)
         require(self.top_k >= 1, "model.smollm2.top_k", ">= 1", self.top_k)
+        require(self.sampled_answers >= 0, "model.smollm2.sampled_answers", ">= 0", self.sampled_answers)
 
     def answers_recipe(self) -> dict[str, Any]:
         keys = ("train_prompts", "val_prompts", "answer_tokens", "top_k", "prompt_len", "seed")
@@ -196,7 +204,7 @@ def ensure_answers(cfg: SmolPairConfig, verifier: Any, tokenizer: Any) -> dict[s
                 cfg.answer_tokens,
                 batch_size=cfg.answer_batch,
                 top_k=cfg.top_k,
-                on_batch=functools.partial(advance, bar, task),
+                on_batch=functools.partial(bar.advance, task),
             )
             save_answers(out[split], str(folder / f"{split}.pt"))
     seconds = time.perf_counter() - start
@@ -210,10 +218,6 @@ def ensure_answers(cfg: SmolPairConfig, verifier: Any, tokenizer: Any) -> dict[s
     (folder / "answers.json").write_text(json.dumps(meta, indent=2) + "\n")
     log.info("answers: %s tokens in %.0f s", tokens, seconds)
     return out
-
-
-def advance(bar: Progress, task: Any, n: int) -> None:
-    bar.advance(task, n)
 
 
 def coverage(answers: list[Answer], ids: list[int]) -> float:
@@ -336,6 +340,19 @@ def build_smol_pair(cfg: SmolPairConfig) -> dict[str, Any]:
     verifier.to("cuda" if torch.cuda.is_available() else "cpu")  # the answers are generated where it is
     answers = ensure_answers(cfg, verifier, tokenizer)
     t_answers = time.perf_counter()
+    sampled = sampled_answers(
+        verifier,
+        eos_ids(tokenizer),
+        [a.prompt for a in answers["train"]],
+        cfg.sampled_answers,
+        1.0,
+        cfg.answer_tokens,
+        cfg.answer_batch,
+        cfg.seed,
+        Path(cfg.out_dir) / "answers_sampled",
+        top_k=cfg.top_k,
+    )
+    t_sampled = time.perf_counter()
 
     spec = cfg.drafter
     draft_ids = frequent_tokens(
@@ -345,7 +362,8 @@ def build_smol_pair(cfg: SmolPairConfig) -> dict[str, Any]:
     del verifier
     tmp = out / "drafter.building"
     shutil.rmtree(tmp, ignore_errors=True)
-    metrics = train_drafter(drafter, answers, spec, str(out / "logs"), cfg.seed)
+    training = {"train": answers["train"] + sampled, "validation": answers["validation"]}
+    metrics = train_drafter(drafter, training, spec, str(out / "logs"), cfg.seed)
     drafter.eval()
     drafter.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
@@ -361,34 +379,20 @@ def build_smol_pair(cfg: SmolPairConfig) -> dict[str, Any]:
         "drafter_parameters": sum(p.numel() for p in drafter.parameters()),
         "draft_vocab_size": len(draft_ids),
         "draft_vocab_coverage": {split: coverage(a, draft_ids) for split, a in answers.items()},
-        "answer_tokens": {split: sum(len(x.answer) for x in a) for split, a in answers.items()},
+        "answer_tokens": {
+            **{split: sum(len(x.answer) for x in a) for split, a in answers.items()},
+            "sampled": sum(len(x.answer) for x in sampled),
+        },
         "metrics": metrics,
         "dtype": str(dtype).removeprefix("torch."),
         "seconds": {
             "verifier": t_convert - t0,
             "answers": t_answers - t_convert,
-            "drafter": t_drafter - t_answers,
+            "sampled_answers": t_sampled - t_answers,
+            "drafter": t_drafter - t_sampled,
             "total": t_drafter - t0,
         },
         "built_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
-
-
-def format_report(manifest: dict[str, Any]) -> str:
-    """A short table of the built pair for the terminal."""
-    seconds = manifest.get("seconds", {})
-    cover = manifest.get("draft_vocab_coverage", {})
-    metrics = manifest.get("metrics", {})
-    lines = [
-        "| SmolLM2 pair | value |",
-        "|---|---:|",
-        f"| verifier parameters | {manifest.get('verifier', {}).get('parameters', 0):,} |",
-        f"| drafter parameters (full head) | {manifest.get('drafter_parameters', 0):,} |",
-        f"| draft vocabulary | {manifest.get('draft_vocab_size', 0):,} tokens, {cover.get('validation', 0):.1%} of validation answer tokens |",
-        f"| answer tokens (train / validation) | {manifest.get('answer_tokens', {}).get('train', 0):,} / {manifest.get('answer_tokens', {}).get('validation', 0):,} |",
-        f"| drafter top-1 agreement (validation answers) | {metrics.get('val/agreement', float('nan')):.3f} |",
-        f"| build time (verifier / answers / drafter) | {seconds.get('verifier', 0):.0f} / {seconds.get('answers', 0):.0f} / {seconds.get('drafter', 0):.0f} s |",
-    ]
-    return "\n".join(lines)

@@ -169,12 +169,15 @@ def sampled_answers(
     batch_size: int,
     seed: int,
     folder: str | os.PathLike[str] | None = None,
+    top_k: int = 1,
 ) -> list[Answer]:
     """``per_prompt`` answers to each prompt sampled from the verifier at ``temperature`` (full
-    distribution, ``answer_tokens`` at most), generated once: with a ``folder`` they are cached there
-    (``answers.pt``, and ``sampled.json`` whose recipe names the prompts by hash) and reused while the
-    recipe holds; a new recipe regenerates them. ``<folder>.lock`` is held meanwhile, so ranks or runs
-    started together generate them once. [] for ``per_prompt`` 0."""
+    distribution, ``answer_tokens`` at most), with its ``top_k`` most likely tokens at each answer token,
+    generated once: with a ``folder`` they are cached there (``answers.pt``, and ``sampled.json`` whose
+    recipe names the prompts by hash) and reused while the recipe holds (a cache keeping more than
+    ``top_k`` serves too: the real pair's build keeps 16 for its drafter, EAGLE-3 reads the same answers);
+    a new recipe regenerates them. ``<folder>.lock`` is held meanwhile, so ranks or runs started together
+    generate them once. [] for ``per_prompt`` 0."""
     if per_prompt <= 0 or not prompts:
         return []
     recipe = {
@@ -184,6 +187,7 @@ def sampled_answers(
         "answer_tokens": answer_tokens,
         "seed": seed,
         "verifier": str(getattr(verifier.config, "_name_or_path", "")),
+        "top_k": top_k,
     }
 
     def generate() -> list[Answer]:
@@ -196,7 +200,7 @@ def sampled_answers(
                 eos,
                 answer_tokens,
                 batch_size=batch_size,
-                top_k=1,
+                top_k=top_k,
                 temperature=temperature,
                 seed=seed,
                 on_batch=lambda n: bar.advance(task, n),
@@ -210,7 +214,7 @@ def sampled_answers(
         meta_path = root / "sampled.json"
         if meta_path.is_file():
             meta = json.loads(meta_path.read_text())
-            if meta.get("recipe") == recipe and (root / "answers.pt").is_file():
+            if _serves(meta.get("recipe"), recipe) and (root / "answers.pt").is_file():
                 return load_answers(str(root / "answers.pt"))
         start = time.perf_counter()
         out = generate()
@@ -223,6 +227,17 @@ def sampled_answers(
         meta = {"recipe": recipe, "answers": len(out), "tokens": tokens, "seconds": round(seconds, 1)}
         meta_path.write_text(json.dumps(meta, indent=2) + "\n")  # last: a cut-off write is regenerated
     return out
+
+
+def _serves(cached: Any, wanted: dict[str, Any]) -> bool:
+    """Whether sampled answers cached under recipe ``cached`` serve ``wanted``: the same recipe, keeping
+    at least as many top tokens (a recipe from before ``top_k`` was recorded kept 1)."""
+    if not isinstance(cached, dict):
+        return False
+    rest = {k: v for k, v in cached.items() if k != "top_k"}
+    return rest == {k: v for k, v in wanted.items() if k != "top_k"} and int(cached.get("top_k", 1)) >= int(
+        wanted["top_k"]
+    )
 
 
 def answer_batches(
