@@ -77,6 +77,12 @@ def test_real_pair_main_job_runs_end_to_end_on_a_micro_recipe(tmp_path: Path) ->
     )
     pair = json.loads((tmp_path / "checkpoints" / "smollm2" / "pair.json").read_text())
     assert pair["verifier"]["check"]["max_logit_diff"] <= 1e-4 and pair["draft_vocab_size"] == 1024
+    # the drafter also learnt from answers sampled at T = 1, cached with their top-16 for EAGLE-3 too
+    assert pair["answer_tokens"]["sampled"] > 0 and pair["recipe"]["sampled_answers"] == 1
+    sampled = json.loads(
+        (tmp_path / "checkpoints" / "smollm2" / "answers_sampled" / "sampled.json").read_text()
+    )
+    assert sampled["answers"] == 16 and sampled["recipe"]["top_k"] == 16
     (run_dir,) = [p for p in (tmp_path / "checkpoints" / "distillspec").iterdir() if p.is_dir()]
     report = json.loads((run_dir / "report.json").read_text())
     assert set(report["drafters"]) == {"before", "after"}
