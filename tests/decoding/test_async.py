@@ -117,13 +117,14 @@ def test_sampled_output_law_is_the_verifiers(delays, min_ahead):
 
 @pytest.mark.slow
 def test_sampling_law_test_catches_a_biased_acceptance(monkeypatch):
-    """Broken on purpose: accept drafts 10% less often than the rule says."""
-    original = loop_module.chain_rejection
+    """Broken on purpose: accept drafts 10% less often than the rule says (the acceptance test every
+    chain rule applies, batched or walked)."""
+    original = loop_module.passes
 
-    def biased(p, q, drafted, u_accept, u_next, lenience=None, eps=1.0):
-        return original(p, q, drafted, torch.clamp(u_accept / 0.9, max=1.0), u_next, lenience, eps)
+    def biased(u, q_x, p_x, lenience, eps):
+        return original(torch.clamp(u / 0.9, max=1.0), q_x, p_x, lenience, eps)
 
-    monkeypatch.setattr(loop_module, "chain_rejection", biased)
+    monkeypatch.setattr(loop_module, "passes", biased)
     verifier, drafter = _law_case(None)
     law = verifier_joint(table_next(verifier, T1), PROMPT, 5, (EOS,))
     runs = 2000
