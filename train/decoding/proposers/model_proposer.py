@@ -127,9 +127,10 @@ class ModelProposer:
             logits = out.logits[-1]
             if ids is not None:  # logits, and q, over the draft ids
                 q = logits if greedy else warp(logits, params)
-            else:
+            elif greedy:
                 q = logits[: self._shared] if self._slice else logits
-                q = q if greedy else self._distribution(logits, params)
+            else:
+                q = self._distribution(logits, params)
             if greedy:
                 i = int(greedy_ids(q))
             else:

@@ -6,9 +6,12 @@ drive with millions of draws at once. Shapes: ``V`` the vocabulary, ``k`` the ch
 the number of sibling candidates, ``*`` any batch dimensions.
 
 - :func:`greedy_chain`: temperature 0; keep the longest prefix equal to the verifier's argmax.
-- :func:`chain_rejection`: docs/decoding.md (Leviathan et al.; Chen et al.), with the lossy
-  DistillSpec lenience f(p, eps) (eps = 1 is lossless).
-- :func:`verify_chain`: applies them to the verifier's logits over a chain draft (the loops call it).
+- :func:`passes` (the acceptance test of one draft) and :func:`correction` (the token after the
+  accepted drafts): the two steps of rejection sampling, docs/decoding.md (Leviathan et al.; Chen et
+  al.), with the lossy DistillSpec lenience f(p, eps) (eps = 1 is lossless).
+- :func:`chain_rejection`: both, batched over any number of chains (what the exact-law tests drive).
+- :func:`verify_chain`: both, walked along one chain from the verifier's logits, warping its rows only
+  up to the first rejection (the loops call it).
 
 The multi-round rule for trees is :mod:`train.decoding.rules.recursive`.
 """
