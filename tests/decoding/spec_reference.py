@@ -194,6 +194,7 @@ class ExactSpec:
 
     ``p_next`` / ``q_next`` map a prefix (tuple of ids) to the warped verifier / drafter distribution
     over the verifier's vocabulary. ``mutation`` (a key of :data:`MUTATIONS`) models a broken rule.
+    ``confidence_threshold``: the chain ends after a draft x with q(x) below it (adaptive length).
 
     - :meth:`distribution`: {emitted tokens: probability};
     - :meth:`expectations`: E[count] of accepted, drafted, tested, verifier_calls, drafter_calls,
@@ -212,6 +213,7 @@ class ExactSpec:
         lenience: str | None = None,
         eps: float = 1.0,
         mutation: str | None = None,
+        confidence_threshold: float = 0.0,
     ) -> None:
         if mutation not in MUTATIONS:
             raise ValueError(f"unknown mutation {mutation!r}")
@@ -225,6 +227,7 @@ class ExactSpec:
         self.f = lenience_fn(lenience, eps)
         self.scale = {"accept_x0.9": 0.9, "accept_x0.97": 0.97}.get(mutation, 1.0)
         self.mutation = mutation
+        self.threshold = confidence_threshold
         self._blocks: dict = {}
         self._dist: dict = {}
         self._exp: dict = {}
@@ -238,7 +241,8 @@ class ExactSpec:
         stack: list = [((), 1.0, [])]
         while stack:
             draft, dprob, qs = stack.pop()
-            if len(draft) < budget and not (draft and draft[-1] in self.eos):
+            stopped = bool(draft) and (draft[-1] in self.eos or qs[-1][draft[-1]] < self.threshold)
+            if len(draft) < budget and not stopped:
                 q = self.q_next(seq + draft)
                 for x, qx in enumerate(q):
                     if qx > 0:

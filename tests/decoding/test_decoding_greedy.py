@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -31,6 +33,25 @@ def test_greedy_matches_hf_generate(tiny_pairs, arch):
             assert 1 <= s.new_tokens / s.verifier_calls <= gamma + 1
             assert s.drafter_calls == s.drafted  # one drafter forward per drafted token
             assert s.accepted <= s.drafted
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt2"])
+def test_adaptive_draft_length_keeps_the_greedy_output(tiny_pairs, arch):
+    """A confidence threshold ends some chains early (and lets others run to gamma); the output is
+    still the verifier's greedy one, and every stop follows a draft below the threshold."""
+    verifier, drafter = tiny_pairs[arch]
+    sharp = copy.deepcopy(drafter)
+    with torch.no_grad():  # a random tiny drafter is near uniform over 128 ids: spread its confidences
+        sharp.get_output_embeddings().weight.mul_(12.0 if arch == "gpt2" else 40.0)  # medians 0.5-0.9
+    gamma = 5
+    for seed in (0, 1):
+        ids = prompt(6 + 5 * seed, seed)
+        ref = hf_greedy(verifier, ids, 32, eos=None)
+        res = SpeculativeDecoder(verifier, sharp, gamma=gamma, confidence_threshold=0.5).generate(ids, 32)
+        assert res.tokens.tolist() == ref, (arch, seed)
+        drafted = res.stats.position_drafted
+        assert drafted[0] > drafted[-1] > 0, drafted  # some chains stopped early, some ran to gamma
+        assert res.stats.drafter_calls == res.stats.drafted
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
@@ -184,6 +205,9 @@ def test_bad_inputs(llama_pair):
     for eps in (0.0, 1.5):
         with pytest.raises(ValueError, match="eps"):
             SpeculativeDecoder(verifier, drafter, lenience="linear", eps=eps)
+    for t in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="confidence_threshold"):
+            SpeculativeDecoder(verifier, drafter, confidence_threshold=t)
     for dec in (SpeculativeDecoder(verifier, drafter), AutoregressiveDecoder(verifier)):
         with pytest.raises(ValueError, match="empty prompt"):
             dec.generate(torch.zeros(1, 0, dtype=torch.long), 4)

@@ -164,6 +164,7 @@ def test_greedy_output_is_the_verifiers_generate(tiny_pairs, arch):
     model = DraftVocabModel(drafter, IDS)
     decoders = {
         **{f"sd@g{g}": SpeculativeDecoder(verifier, model, gamma=g) for g in (1, 3, 5)},
+        "sd@g5 adaptive": SpeculativeDecoder(verifier, model, gamma=5, confidence_threshold=0.02),
         **{name: TreeSpeculativeDecoder(verifier, model, **kw) for name, kw in TREES.items()},
     }
     outside = 0

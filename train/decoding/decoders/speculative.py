@@ -36,6 +36,10 @@ class SpeculativeDecoder(Decoder):
     drafter (one carrying its own module, :class:`train.models.steering_module.SteeredDrafter`) is unpacked
     into the two, so the evaluator measures it under the same ``sd`` configs as plain drafters.
 
+    ``confidence_threshold`` t in [0, 1): gamma becomes a cap, and a block's chain ends after the
+    first draft the drafter gives a probability below t (0: always ``gamma`` drafts; lossless either
+    way, :class:`~train.decoding.proposers.model_proposer.ModelProposer`).
+
     Verifier and drafter must share a tokenizer. Their output sizes may differ (padded embeddings):
     the verifier's distribution is always kept whole, the drafter proposes only ids it has (zero mass
     elsewhere), so the output is exactly the verifier's either way.
@@ -51,6 +55,7 @@ class SpeculativeDecoder(Decoder):
         lenience: str | None = None,
         eps: float = 1.0,
         steering: Any = None,
+        confidence_threshold: float = 0.0,
     ) -> None:
         if getattr(drafter, "drafter_kind", "model") == "steered":
             if steering is not None:
@@ -68,7 +73,8 @@ class SpeculativeDecoder(Decoder):
         self.lenience = lenience if eps != 1.0 else None
         self.eps = float(eps)
         self._verifier = TimedModel(verifier)
-        self._proposer = ModelProposer(TimedModel(drafter), self._verifier.vocab_size)
+        self._proposer = ModelProposer(TimedModel(drafter), self._verifier.vocab_size, confidence_threshold)
+        self.confidence_threshold = self._proposer.confidence_threshold
         self.vocab_size = self._verifier.vocab_size
         self.steering = steering
         if steering is not None and hasattr(steering, "check_pair"):

@@ -20,11 +20,17 @@ drafters, trees) are new proposers; the schedule and the verification rules stay
   logits give, drawn by the same uniform to the same token), a sixth of the work over 8,192 of 49,152;
 - its cache holds a prefix of the committed tokens plus the drafts it was fed; a block first feeds, in
   one call, every committed token it has not seen (the previous block's correction or bonus token and
-  the last accepted draft, which a drafter never consumes).
+  the last accepted draft, which a drafter never consumes);
+- with a ``confidence_threshold`` t > 0 the chain stops early, after the first draft whose probability
+  under the drafter is below t (:func:`draft_confidence`; the draft itself is kept, as in Hugging Face's
+  ``assistant_confidence_threshold``): gamma becomes a cap and the drafter's calls that would mostly
+  be rejected are saved. The stop depends only on the drafter's own output for the committed prefix,
+  so the output law is unchanged (docs/decoding.md#adaptive-draft-length).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,7 +42,15 @@ from train.decoding.metrics import DecodeStats
 from train.decoding.model_call import CallResult, TimedModel
 from train.decoding.sampling import SamplingParams, greedy_ids, sample_with_uniform, uniforms, warp
 
-__all__ = ["ModelProposer"]
+__all__ = ["ModelProposer", "draft_confidence"]
+
+
+def draft_confidence(row: torch.Tensor, index: int, is_logits: bool) -> float:
+    """The drafter's probability of the token it drafted: ``row[index]`` of a distribution, or of
+    ``softmax(row)`` when ``row`` holds logits (greedy drafting, where no distribution is formed)."""
+    if is_logits:
+        return math.exp(float(row[index].float() - torch.logsumexp(row.float(), dim=-1)))
+    return float(row[index])
 
 
 class ModelProposer:
@@ -45,9 +59,15 @@ class ModelProposer:
     #: A plain drafter reads none of the verifier's hidden states (see the Proposer protocol).
     hidden_layers: tuple[int, ...] | None = None
 
-    def __init__(self, drafter: TimedModel, vocab_size: int) -> None:
+    def __init__(self, drafter: TimedModel, vocab_size: int, confidence_threshold: float = 0.0) -> None:
+        if not 0.0 <= confidence_threshold < 1.0:
+            raise ValueError(
+                f"confidence_threshold must be in [0, 1) (0 = off), got {confidence_threshold!r}"
+            )
         self.drafter = drafter
         self.vocab_size = vocab_size
+        #: Stop the chain after a draft the drafter gives less than this probability (0: never).
+        self.confidence_threshold = float(confidence_threshold)
         pad = getattr(getattr(drafter.model, "config", None), "pad_token_id", None)
         self.substitute_id = pad if isinstance(pad, int) and 0 <= pad < drafter.embed_size else 0
         self._shared = min(vocab_size, drafter.vocab_size)
@@ -139,6 +159,8 @@ class ModelProposer:
             x = i if ids is None else ids[i]
             tokens.append(x)
             if x in eos:
+                break
+            if self.confidence_threshold and draft_confidence(q, i, greedy) < self.confidence_threshold:
                 break
             feed = self._embeddable([x])
         q_all = torch.stack(qs) if qs else None
