@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from train.decoding import DecodeStats, Draft, ModelProposer, SamplingParams, SpeculativeDecoder, TimedModel
@@ -79,3 +81,28 @@ def test_loop_counts_budget_rollbacks_discards_and_prefill():
     assert sum(s.position_drafted) == s.drafted and sum(s.position_accepted) == s.accepted
     assert sum(s.position_tested) == s.tested
     assert s.new_tokens == 30 == s.accepted + s.verifier_calls  # no EOS: one verifier token per call
+
+
+def test_draft_confidence_is_the_drafted_tokens_probability():
+    """From logits (greedy drafting) it is the softmax at the token; from a distribution, its entry."""
+    from train.decoding.proposers.model_proposer import draft_confidence
+
+    logits = torch.log(torch.tensor([1.0, 3.0, 4.0]))
+    assert abs(draft_confidence(logits.to(torch.bfloat16), 2, True) - 0.5) < 1e-2
+    assert abs(draft_confidence(logits, 1, True) - 0.375) < 1e-6
+    assert draft_confidence(torch.tensor([0.1, 0.7, 0.2]), 2, False) == torch.tensor(0.2).item()
+
+
+def test_a_confident_drafter_drafts_to_the_cap_and_an_unsure_one_stops_after_one():
+    """The stop follows the threshold: a table drafter with q(x) = 0.9 drafts gamma tokens per block at
+    t = 0.5 and one at t = 0.95 (the unsure draft itself is proposed)."""
+    table = torch.full((8, 8), math.log(0.1 / 7))
+    table[:, 5] = math.log(0.9)  # every row: token 5 with probability 0.9
+    drafter = TableLM(table)
+    proposer = ModelProposer(TimedModel(drafter), 8, confidence_threshold=0.5)
+    proposer.start()
+    stats = DecodeStats(max_draft=4)
+    assert proposer.propose([1, 2], 4, SamplingParams(), None, frozenset(), stats).tokens == [5] * 4
+    unsure = ModelProposer(TimedModel(drafter), 8, confidence_threshold=0.95)
+    unsure.start()
+    assert unsure.propose([1, 2], 4, SamplingParams(), None, frozenset(), stats).tokens == [5]
