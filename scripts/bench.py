@@ -13,6 +13,7 @@ def build_parser() -> argparse.ArgumentParser:
     # the benchmarks load torch and transformers: only when a subcommand runs, not for --help
     from train.benchmarks import decoders_bench as decoding
     from train.benchmarks import distill_bench as distill
+    from train.benchmarks import draft_length_bench as draft_length
     from train.benchmarks import draft_temperature_bench as draft_temperature
     from train.benchmarks import draft_vocab_bench as draft_vocab
     from train.benchmarks import eagle3_step_bench as eagle3_step
@@ -28,6 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("distill", help="on-policy distillation throughput: ours vs TRL's GKDTrainer")
     distill.add_arguments(p)
     p.set_defaults(func=distill.main)
+
+    p = sub.add_parser("draft-length", help="chain SD: fixed against adaptive draft length, interleaved")
+    draft_length.add_arguments(p)
+    p.set_defaults(func=draft_length.main)
 
     p = sub.add_parser(
         "draft-temperature", help="an EAGLE-3 drafter's first-token acceptance per draft temperature"

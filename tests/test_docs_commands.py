@@ -330,6 +330,7 @@ MICRO_ARGS: dict[str, list[str]] = {
 BENCH_MICRO = {
     "decoding": "--prompts 1 --min-prompt-len 8 --max-prompt-len 8 --max-new-tokens 8 --repeats 1",
     "overhead": "--prompts 1 --max-new-tokens 8 --repeats 1",
+    "draft-length": "--prompts 1 --max-new-tokens 8 --repeats 1 --gammas 2 --thresholds 0.3",
     "distill": "--batch-size 2 --max-new-tokens 4 --prompt-len 16 --steps 1 --warmup 0 --threads 1",
     "draft-vocab": "--vocab 512 --draft-vocab 64 --prefix 8 --repeats 1",
     "eagle3-step": "--batches 1 --warmup 0 --batch-size 2 --max-len 64 --draft-vocab 64 --aux-layers 0 1 1",
