@@ -34,7 +34,9 @@ def _compose(config_name: str, overrides: list[str]):
 def test_defaults_fit_the_main_job():
     cfg = EvalConfig()
     assert cfg.temperatures == [0.0, 1.0] and cfg.seeds == [0, 1] and cfg.gammas is None
-    assert cfg.decoder_configs == {"sd": {"_target_": SD, "gamma": 4, "lenience": None, "eps": 1.0}}
+    assert cfg.decoder_configs == {
+        "sd": {"_target_": SD, "gamma": 4, "lenience": None, "eps": 1.0, "confidence_threshold": 0.0}
+    }
     assert not hasattr(cfg, "lenience") and not hasattr(cfg, "eps")
 
 
