@@ -46,6 +46,7 @@ def test_perfect_drafter_accepts_everything(verifier, prompts, tmp_path):
         "gamma": 4,
         "lenience": None,
         "eps": 1.0,
+        "confidence_threshold": 0.0,
     }
     assert m["acceptance_rate"]["mean"] == 1.0
     assert m["block_efficiency"] == {"mean": GAMMA + 1, "std": 0.0, "n": 2}

@@ -131,7 +131,15 @@ def test_experiment_composes_and_sources_enumerate(tmp_path):
     assert spec.name == "distillspec" and isinstance(spec.method, DistillSpecConfig)
     assert spec.model.name == "smollm2" and spec.model.smollm2 is not None and spec.data.name == "chat"
     ev = spec.eval
-    assert ev.temperatures == [0.0, 1.0] and ev.gammas == [2, 3, 4, 5] and len(ev.seeds) == 1
+    assert ev.temperatures == [0.0, 1.0] and ev.gammas is None and len(ev.seeds) == 1
+    # fixed gammas 2-4 and the adaptive chain (cap 6)
+    assert {label: c["gamma"] for label, c in ev.decoder_configs.items()} == {
+        "sd_g2": 2,
+        "sd_g3": 3,
+        "sd": 4,
+        "sd_adaptive": 6,
+    }
+    assert ev.decoder_configs["sd_adaptive"]["confidence_threshold"] == 0.3
     assert (ev.num_prompts, ev.prompt_len, ev.max_new_tokens) == (8, 256, 64)
     tiny = load_spec(_compose(["experiment=distillspec_tiny"], tmp_path))
     assert tiny.model.name == "tiny" and tiny.data.name == "stdlib" and tiny.eval.gammas == [1, 2, 4]
