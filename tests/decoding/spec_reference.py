@@ -189,12 +189,31 @@ def table_next(model, params: SamplingParams, vocab: int | None = None, pad_id: 
     return nxt
 
 
+def copied_draft(
+    seq: tuple[int, ...], num_tokens: int, max_ngram: int, min_ngram: int, eos: frozenset[int]
+) -> tuple[int, ...]:
+    """Prompt lookup, written independently of the engine's: the tokens after the last earlier
+    occurrence of the longest matching tail n-gram (n from max_ngram down to min_ngram), up to
+    ``num_tokens``, cut after an EOS."""
+    for n in range(max_ngram, min_ngram - 1, -1):
+        if len(seq) <= n:
+            continue
+        starts = [s for s in range(len(seq) - n) if seq[s : s + n] == seq[len(seq) - n :]]
+        if starts:
+            copied = seq[max(starts) + n :][:num_tokens]
+            ends = [j for j, x in enumerate(copied) if x in eos]
+            return copied[: ends[0] + 1] if ends else copied
+    return ()
+
+
 class ExactSpec:
     """Exact law of one sampled ``SpeculativeDecoder.generate`` (small vocabularies only).
 
     ``p_next`` / ``q_next`` map a prefix (tuple of ids) to the warped verifier / drafter distribution
     over the verifier's vocabulary. ``mutation`` (a key of :data:`MUTATIONS`) models a broken rule.
     ``confidence_threshold``: the chain ends after a draft x with q(x) below it (adaptive length).
+    ``lookup`` = (num_tokens, max_ngram, min_ngram): prompt lookup first (:func:`copied_draft`, a point
+    mass per token, no drafter call); the drafter's chain where it copies nothing.
 
     - :meth:`distribution`: {emitted tokens: probability};
     - :meth:`expectations`: E[count] of accepted, drafted, tested, verifier_calls, drafter_calls,
@@ -214,6 +233,7 @@ class ExactSpec:
         eps: float = 1.0,
         mutation: str | None = None,
         confidence_threshold: float = 0.0,
+        lookup: tuple[int, int, int] | None = None,
     ) -> None:
         if mutation not in MUTATIONS:
             raise ValueError(f"unknown mutation {mutation!r}")
@@ -228,6 +248,7 @@ class ExactSpec:
         self.scale = {"accept_x0.9": 0.9, "accept_x0.97": 0.97}.get(mutation, 1.0)
         self.mutation = mutation
         self.threshold = confidence_threshold
+        self.lookup = lookup
         self._blocks: dict = {}
         self._dist: dict = {}
         self._exp: dict = {}
@@ -236,8 +257,18 @@ class ExactSpec:
         """Every outcome of one block after ``seq``: (probability, emitted tokens, finished, counts)."""
         if seq in self._blocks:
             return self._blocks[seq]
-        budget = min(self.gamma, self.limit - len(seq) - 1)
+        room = self.limit - len(seq) - 1
         out: list = []
+        if self.lookup is not None and room > 0:
+            num_tokens, max_ngram, min_ngram = self.lookup
+            copied = copied_draft(seq, min(num_tokens, room), max_ngram, min_ngram, self.eos)
+            if copied:
+                vocab = len(self.p_next(seq))
+                points = [[1.0 if v == x else 0.0 for v in range(vocab)] for x in copied]
+                self._verify(seq, copied, 1.0, points, out, drafter_calls=0)
+                self._blocks[seq] = out
+                return out
+        budget = min(self.gamma, room)
         stack: list = [((), 1.0, [])]
         while stack:
             draft, dprob, qs = stack.pop()
@@ -252,7 +283,7 @@ class ExactSpec:
         self._blocks[seq] = out
         return out
 
-    def _verify(self, seq, draft, dprob, qs, out) -> None:
+    def _verify(self, seq, draft, dprob, qs, out, drafter_calls: int | None = None) -> None:
         k = len(draft)
         f = self.f
         ps = [self.p_next(seq + draft[:i]) for i in range(k + 1)]
@@ -268,7 +299,8 @@ class ExactSpec:
             tested = min(n + 1, k)
             c = {
                 "verifier_calls": 1.0,
-                "drafter_calls": float(k),
+                "drafter_calls": float(k if drafter_calls is None else drafter_calls),
+                "lookup_blocks": 0.0 if drafter_calls is None else 1.0,
                 "drafted": float(k),
                 "accepted": float(n),
                 "tested": float(tested),

@@ -33,6 +33,11 @@ The "position" case (3 ids, a drafter whose proposals depend on the position's p
 7 tokens, acceptance ~0.52) exists for the count tests: a drafter cache that is not cropped after a
 rejection feeds the drafter at the wrong positions and moves its mean accepted count by ~7 se.
 
+The "lookup" cases copy a block's draft from the context where its last 1-2 ids occurred before (prompt
+lookup) and let the drafter draft elsewhere; the enumerator copies with its own implementation, so an
+off-by-one in the copy, a drafter that misses a commit, or a copied token verified against the drafter's
+q moves the counts or the law.
+
 The "conf" cases end a chain after a draft the drafter gives less than a threshold (adaptive draft
 length): the enumerator applies the same stop, so a decoder that drops the unsure draft, or tests
 another token's probability, moves the expected draft counts per depth and fails the count tests.
@@ -106,16 +111,21 @@ CASES = {
     "position g2": ("position", T1, 2, 7, 3000, None, 1.0),
     "peaked g4 conf0.9": ("peaked", T1, 4, 5, 4000, None, 1.0),
     "position g3 conf0.5": ("position", T1, 3, 7, 3000, None, 1.0),
+    "peaked g2 lookup3": ("peaked", T1, 2, 5, 4000, None, 1.0),
+    "position g2 lookup3": ("position", T1, 2, 7, 3000, None, 1.0),
     "random g4 slow": ("random", T1, 4, 5, 30000, None, 1.0),
     "peaked g4 slow": ("peaked", T1, 4, 5, 40000, None, 1.0),
 }
 #: adaptive draft length: the chain ends after a draft the drafter gives less than this probability
 #: (the peaked pair at 0.9 stops about one block in two: 3.5 drafts per call against 4.3 without)
 THRESHOLD = {"peaked g4 conf0.9": 0.9, "position g3 conf0.5": 0.5}
+#: prompt lookup first: (num_tokens, max_ngram, min_ngram); on 3-4 ids most blocks find a 1- or
+#: 2-gram to copy, the others are drafted by the drafter (both kinds are counted and checked)
+LOOKUP = {"peaked g2 lookup3": (3, 2, 1), "position g2 lookup3": (3, 2, 2)}
 #: the distribution tests' required power against acceptance x 0.9 (the position case is built for
 #: the count tests: a drafter cache of the wrong length moves its mean accepted count by ~7 se)
-MIN_POWER = {"position g2": 0.5, "position g3 conf0.5": 0.5}
-DEFAULT = ["peaked g1", "peaked g2", "peaked g4", "peaked g3 T0.8 top_k3", "position g2", *THRESHOLD]
+MIN_POWER = {"position g2": 0.5, "position g3 conf0.5": 0.5, "position g2 lookup3": 0.5}
+DEFAULT = ["peaked g1", "peaked g2", "peaked g4", "peaked g3 T0.8 top_k3", "position g2", *THRESHOLD, *LOOKUP]
 SLOW = ["random g4 slow", "peaked g4 slow"]
 
 
@@ -133,6 +143,7 @@ def exact_law(case: str, mutation: str | None = None) -> ExactSpec:
         eps,
         mutation,
         THRESHOLD.get(case, 0.0),
+        LOOKUP.get(case),
     )
 
 
@@ -141,6 +152,13 @@ def setup(case: str):
     """(verifier, drafter, exact law of the correct decoder, eos, prompt)."""
     verifier, drafter, _, eos, prompt = PAIRS[CASES[case][0]]()
     return verifier, drafter, exact_law(case), eos, prompt
+
+
+def _lookup_kwargs(case: str) -> dict[str, int]:
+    if case not in LOOKUP:
+        return {}
+    num_tokens, max_ngram, min_ngram = LOOKUP[case]
+    return {"lookup_tokens": num_tokens, "lookup_max_ngram": max_ngram, "lookup_min_ngram": min_ngram}
 
 
 @functools.cache
@@ -155,6 +173,7 @@ def sampled(case: str, seed: int = 0) -> Runs:
         lenience=lenience,
         eps=eps,
         confidence_threshold=THRESHOLD.get(case, 0.0),
+        **_lookup_kwargs(case),
     )
     return run_many(dec, prompt, max_new, params, n, seed, eos=eos)
 
@@ -201,6 +220,7 @@ def test_emitted_distribution_is_the_verifiers_slow(case):
 
 def check_counts(case: str) -> None:
     _, _, gamma, _, _, _, _ = CASES[case]
+    depth = max(gamma, LOOKUP.get(case, (0,))[0])
     exact = setup(case)[2]
     want = exact.expectations()
     runs = sampled(case)
@@ -214,13 +234,16 @@ def check_counts(case: str) -> None:
     assert abs(accepted - expected) <= Z * math.sqrt(tested * abar * (1 - abar)), (accepted, expected, tested)
     # 2) every count's mean over N runs equals its exact expectation (per depth too)
     names = ["accepted", "tested", "drafted", "verifier_calls", "drafter_calls", "new_tokens", "sum_expected"]
-    names += [f"pos_{f}_{i}" for f in ("drafted", "tested", "accepted") for i in range(gamma)]
+    names += ["lookup_blocks"]
+    names += [f"pos_{f}_{i}" for f in ("drafted", "tested", "accepted") for i in range(depth)]
     for name in names:
         m, se = mean_and_se(per_run(runs, name))
         exp = want.get(name, 0.0)
         assert abs(m - exp) <= Z * se + 1e-9, (case, name, m, exp, se)
     # 3) per depth, empirical acceptance accepted_i / tested_i against the exact ratio
-    for i in range(gamma):
+    if case in LOOKUP:  # both kinds of block are in play
+        assert 0.1 < want["lookup_blocks"] / want["verifier_calls"] < 0.9, want
+    for i in range(depth):
         t_i = sum(per_run(runs, f"pos_tested_{i}"))
         a_i = sum(per_run(runs, f"pos_accepted_{i}"))
         if not want.get(f"pos_tested_{i}"):  # a depth an adaptive chain never reaches

@@ -35,7 +35,16 @@ def test_defaults_fit_the_main_job():
     cfg = EvalConfig()
     assert cfg.temperatures == [0.0, 1.0] and cfg.seeds == [0, 1] and cfg.gammas is None
     assert cfg.decoder_configs == {
-        "sd": {"_target_": SD, "gamma": 4, "lenience": None, "eps": 1.0, "confidence_threshold": 0.0}
+        "sd": {
+            "_target_": SD,
+            "gamma": 4,
+            "lenience": None,
+            "eps": 1.0,
+            "confidence_threshold": 0.0,
+            "lookup_tokens": 0,
+            "lookup_max_ngram": 3,
+            "lookup_min_ngram": 2,
+        }
     }
     assert not hasattr(cfg, "lenience") and not hasattr(cfg, "eps")
 

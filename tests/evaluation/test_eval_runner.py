@@ -47,6 +47,9 @@ def test_perfect_drafter_accepts_everything(verifier, prompts, tmp_path):
         "lenience": None,
         "eps": 1.0,
         "confidence_threshold": 0.0,
+        "lookup_tokens": 0,
+        "lookup_max_ngram": 3,
+        "lookup_min_ngram": 2,
     }
     assert m["acceptance_rate"]["mean"] == 1.0
     assert m["block_efficiency"] == {"mean": GAMMA + 1, "std": 0.0, "n": 2}

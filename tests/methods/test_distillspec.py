@@ -136,10 +136,11 @@ def test_experiment_composes_and_sources_enumerate(tmp_path):
     assert {label: c["gamma"] for label, c in ev.decoder_configs.items()} == {
         "sd_g2": 2,
         "sd_g3": 3,
-        "sd": 4,
         "sd_adaptive": 6,
+        "sd_lookup": 6,
     }
     assert ev.decoder_configs["sd_adaptive"]["confidence_threshold"] == 0.3
+    assert ev.decoder_configs["sd_lookup"]["lookup_tokens"] == 6
     assert (ev.num_prompts, ev.prompt_len, ev.max_new_tokens) == (8, 256, 64)
     tiny = load_spec(_compose(["experiment=distillspec_tiny"], tmp_path))
     assert tiny.model.name == "tiny" and tiny.data.name == "stdlib" and tiny.eval.gammas == [1, 2, 4]

@@ -1,4 +1,4 @@
-"""Fixed against adaptive draft length, paired and interleaved in one process.
+"""Fixed against adaptive draft length, and prompt lookup first, paired and interleaved in one process.
 
     python scripts/bench.py draft-length                                     # the random-weight pair
     python scripts/bench.py draft-length --pair checkpoints/smollm2 --threads 2 --prompts 8 --max-new-tokens 64
@@ -6,7 +6,9 @@
 
 Decodes the same prompts with the verifier alone, chain SD at each ``--gammas`` and chain SD with an
 adaptive draft length at each ``--cap`` x ``--thresholds`` (:class:`~train.decoding.SpeculativeDecoder`'s
-``confidence_threshold``, docs/decoding.md#adaptive-draft-length), greedy and T = 1, every prompt through
+``confidence_threshold``, docs/decoding.md#adaptive-draft-length), and, for each ``--lookup-tokens`` K,
+prompt lookup first with the drafter where nothing matches (``lookup_tokens``, docs/decoding.md#prompt-lookup),
+under a fixed ``--lookup-gamma`` and under the first adaptive setting, greedy and T = 1, every prompt through
 every decoder in a rotating order, so machine load hits them alike (a between-run comparison of one
 seed moves by a few percent on a 2-core machine). Reports tokens/s, speedup over the verifier alone in
 the same loop, block efficiency and drafts per block.
@@ -33,6 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--thresholds", type=float, nargs="+", default=[0.2, 0.3], help="confidence thresholds"
     )
+    parser.add_argument(
+        "--lookup-tokens", type=int, nargs="*", default=[8], help="prompt lookup's most copied tokens"
+    )
+    parser.add_argument("--lookup-gamma", type=int, default=3, help="the drafter's gamma beside lookup")
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3, help="passes over the prompts (seeds at T = 1)")
@@ -76,6 +82,15 @@ def main(args: argparse.Namespace) -> list[dict[str, Any]]:
         decoders[f"cap {args.cap}, t {t:g}"] = SpeculativeDecoder(
             verifier, drafter, gamma=args.cap, confidence_threshold=t
         )
+    for k in args.lookup_tokens:
+        decoders[f"lookup {k}, gamma {args.lookup_gamma}"] = SpeculativeDecoder(
+            verifier, drafter, gamma=args.lookup_gamma, lookup_tokens=k
+        )
+        if args.thresholds:
+            t = args.thresholds[0]
+            decoders[f"lookup {k}, cap {args.cap} t {t:g}"] = SpeculativeDecoder(
+                verifier, drafter, gamma=args.cap, confidence_threshold=t, lookup_tokens=k
+            )
     for decoder in decoders.values():  # warm-up
         decoder.generate(prompts[0][:, :8], 4)
     names = list(decoders)

@@ -89,6 +89,8 @@ class DecodeStats:
     overlap_time: float = 0.0
     #: Seconds spent projecting steering guides from the verifier's states (SD^2), once per block.
     guide_time: float = 0.0
+    #: Blocks whose draft was copied from the context (prompt lookup), not drafted by a model.
+    lookup_blocks: int = 0
 
     @property
     def forward_time(self) -> float:
@@ -278,6 +280,7 @@ def summarize(stats: DecodeStats, c_param: float | None = None) -> dict[str, flo
         "verifier_time": stats.verifier_time,
         "overlap_fraction": _div(stats.overlap_time, stats.wall_time),
         "guide_time": stats.guide_time,
+        "lookup_blocks": float(stats.lookup_blocks),
     }
     if c_param is not None:
         out["mbsu"] = mbsu(tau, c_param, drafter_calls_per_verifier_call(stats))

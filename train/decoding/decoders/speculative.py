@@ -18,6 +18,8 @@ from train.decoding.decoders.base import Decoder
 from train.decoding.loop import run_synchronous
 from train.decoding.metrics import DecodeResult
 from train.decoding.model_call import TimedModel
+from train.decoding.proposers.fallback_proposer import FallbackProposer
+from train.decoding.proposers.lookup_proposer import PromptLookupProposer
 from train.decoding.proposers.model_proposer import ModelProposer
 from train.decoding.proposers.steered_proposer import SteeredProposer
 from train.decoding.sampling import LENIENCES, SamplingParams
@@ -40,6 +42,11 @@ class SpeculativeDecoder(Decoder):
     first draft the drafter gives a probability below t (0: always ``gamma`` drafts; lossless either
     way, :class:`~train.decoding.proposers.model_proposer.ModelProposer`).
 
+    ``lookup_tokens`` K > 0: prompt lookup first (:mod:`train.decoding.proposers.lookup_proposer`): where
+    the committed sequence's last ``lookup_max_ngram`` .. ``lookup_min_ngram`` tokens occurred before,
+    the block drafts the (up to K) tokens that followed, at no model cost; elsewhere the drafter drafts
+    its ``gamma``. Lossless: the copied draft is a function of the committed sequence.
+
     Verifier and drafter must share a tokenizer. Their output sizes may differ (padded embeddings):
     the verifier's distribution is always kept whole, the drafter proposes only ids it has (zero mass
     elsewhere), so the output is exactly the verifier's either way.
@@ -56,6 +63,9 @@ class SpeculativeDecoder(Decoder):
         eps: float = 1.0,
         steering: Any = None,
         confidence_threshold: float = 0.0,
+        lookup_tokens: int = 0,
+        lookup_max_ngram: int = 3,
+        lookup_min_ngram: int = 2,
     ) -> None:
         if getattr(drafter, "drafter_kind", "model") == "steered":
             if steering is not None:
@@ -75,6 +85,12 @@ class SpeculativeDecoder(Decoder):
         self._verifier = TimedModel(verifier)
         self._proposer = ModelProposer(TimedModel(drafter), self._verifier.vocab_size, confidence_threshold)
         self.confidence_threshold = self._proposer.confidence_threshold
+        if isinstance(lookup_tokens, bool) or not isinstance(lookup_tokens, int) or lookup_tokens < 0:
+            raise ValueError(f"lookup_tokens must be an integer >= 0 (0 = off), got {lookup_tokens!r}")
+        self.lookup_tokens = lookup_tokens
+        self._lookup = (
+            PromptLookupProposer(lookup_tokens, lookup_max_ngram, lookup_min_ngram) if lookup_tokens else None
+        )
         self.vocab_size = self._verifier.vocab_size
         self.steering = steering
         if steering is not None and hasattr(steering, "check_pair"):
@@ -102,12 +118,14 @@ class SpeculativeDecoder(Decoder):
             proposer: Any = self._proposer
             if handle is not None:
                 proposer = SteeredProposer(self._proposer, self.steering, handle)
+            if self._lookup is not None:
+                proposer = FallbackProposer(self._lookup, proposer, self.gamma)
             result = run_synchronous(
                 self._verifier,
                 proposer,
                 prompt,
                 max_new_tokens,
-                self.gamma,
+                max(self.gamma, self.lookup_tokens),
                 params,
                 eos,
                 generator,

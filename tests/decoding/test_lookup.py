@@ -1,0 +1,164 @@
+"""Prompt lookup: the copy rule, the proposer, the fallback to a drafter, and greedy losslessness.
+
+The law at T > 0 and every count per depth are checked against the exact enumerator in
+test_decoding_exact_sampling.py (the "lookup" cases); here: the pure lookup, edge cases, and greedy
+equality with Hugging Face ``generate`` for real (tiny, random) models, whose outputs repeat enough
+for both kinds of block to occur.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from train.decoding import SamplingParams, SpeculativeDecoder
+from train.decoding.metrics import DecodeStats
+from train.decoding.proposers.fallback_proposer import FallbackProposer
+from train.decoding.proposers.lookup_proposer import PromptLookupProposer, lookup_continuation
+
+from .decoding_helpers import hf_greedy
+
+GREEDY = SamplingParams()
+
+
+@pytest.mark.parametrize(
+    ("sequence", "max_ngram", "min_ngram", "k", "want"),
+    [
+        ([5, 6, 7, 8, 5, 6], 2, 1, 4, [7, 8, 5, 6]),  # the 2-gram (5, 6) occurred at 0
+        ([5, 6, 7, 6, 9, 5, 6], 2, 2, 3, [7, 6, 9]),  # 2-gram beats the later 1-gram (6)
+        ([5, 6, 7, 6, 9, 4, 6], 2, 1, 3, [9, 4, 6]),  # no 2-gram: the latest 1-gram (6 at 3)
+        ([1, 2, 9, 1, 2, 8, 1, 2], 2, 2, 1, [8]),  # the latest occurrence, not the first
+        ([3, 3, 3], 2, 1, 5, [3]),  # a repeat continues itself, cut at the sequence's end
+        ([1, 2, 3, 4], 3, 1, 4, []),  # nothing repeats
+        ([7], 2, 1, 4, []),  # too short
+        ([4, 5, 4, 5], 3, 3, 2, []),  # no 3-gram, and 1-2-grams are not asked for
+    ],
+)
+def test_lookup_continuation(sequence, max_ngram, min_ngram, k, want):
+    assert lookup_continuation(sequence, max_ngram, min_ngram, k) == want
+
+
+def test_lookup_proposer_cuts_at_budget_and_eos_and_counts_its_blocks():
+    stats = DecodeStats()
+    proposer = PromptLookupProposer(num_tokens=6, max_ngram=2, min_ngram=2)
+    seq = [10, 11, 12, 13, 2, 14, 10, 11]
+    draft = proposer.propose(seq, 3, GREEDY, None, frozenset(), stats)
+    assert draft.tokens == [12, 13, 2] and draft.q is None and draft.is_chain
+    draft = proposer.propose(seq, 5, GREEDY, None, frozenset({2}), stats)
+    assert draft.tokens == [12, 13, 2]  # nothing past an end of sequence
+    assert stats.lookup_blocks == 2
+    assert len(proposer.propose([1, 2, 3], 5, GREEDY, None, frozenset(), stats)) == 0
+    assert stats.lookup_blocks == 2 and stats.drafter_calls == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"num_tokens": 0}, "num_tokens"),
+        ({"max_ngram": 0}, "max_ngram"),
+        ({"min_ngram": 3, "max_ngram": 2}, "must not exceed"),
+        ({"num_tokens": True}, "num_tokens"),
+    ],
+)
+def test_lookup_proposer_rejects_bad_settings(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        PromptLookupProposer(**kwargs)
+
+
+class _Recorder:
+    """A second proposer that records what it is asked and told."""
+
+    hidden_layers = None
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, object]] = []
+
+    def start(self) -> None:
+        self.calls.append(("start", None))
+
+    def propose(self, sequence, budget, params, generator, eos, stats):
+        from train.decoding.draft import Draft
+
+        self.calls.append(("propose", budget))
+        return Draft.chain([0] * budget)
+
+    def commit(self, length, path=None) -> None:
+        self.calls.append(("commit", length))
+
+    def observe(self, states) -> None:
+        self.calls.append(("observe", tuple(states.shape)))
+
+
+def test_fallback_drafts_with_the_second_only_where_nothing_is_copied_and_tells_it_every_commit():
+    second = _Recorder()
+    hybrid = FallbackProposer(PromptLookupProposer(8, 2, 2), second, second_budget=3)
+    stats = DecodeStats()
+    hybrid.start()
+    copied = hybrid.propose([1, 2, 3, 1, 2], 8, GREEDY, None, frozenset(), stats)
+    assert copied.tokens == [3, 1, 2]
+    hybrid.commit(6)
+    drafted = hybrid.propose([1, 2, 3, 4], 8, GREEDY, None, frozenset(), stats)
+    assert len(drafted) == 3  # the second proposer's own cap, not the block's budget
+    drafted = hybrid.propose([1, 2, 3, 4], 2, GREEDY, None, frozenset(), stats)
+    assert len(drafted) == 2  # nor more than the block allows
+    hybrid.observe(torch.zeros(1, 1, 4))
+    assert second.calls == [
+        ("start", None),
+        ("commit", 6),
+        ("propose", 3),
+        ("propose", 2),
+        ("observe", (1, 1, 4)),
+    ]
+    with pytest.raises(ValueError, match="second_budget"):
+        FallbackProposer(PromptLookupProposer(), second, 0)
+
+
+def _repetitive_prompt(seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    motif = torch.randint(2, 128, (5,), generator=gen)
+    return torch.cat([motif, torch.randint(2, 128, (3,), generator=gen), motif[:3]]).reshape(1, -1)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt2"])
+def test_lookup_first_keeps_the_greedy_output(tiny_pairs, arch):
+    """Copied blocks and drafted blocks alternate (the drafter catching up on copied tokens in one
+    call); the output is the verifier's greedy one, for chains of every length and the adaptive stop."""
+    verifier, drafter = tiny_pairs[arch]
+    copied_blocks = drafted_blocks = 0
+    for seed in (0, 1, 2):
+        ids = _repetitive_prompt(seed)
+        ref = hf_greedy(verifier, ids, 40, eos=None)
+        for gamma, k, threshold in ((1, 4, 0.0), (3, 8, 0.0), (2, 3, 0.02)):
+            dec = SpeculativeDecoder(
+                verifier, drafter, gamma=gamma, lookup_tokens=k, lookup_min_ngram=1, confidence_threshold=threshold
+            )
+            res = dec.generate(ids, 40)
+            assert res.tokens.tolist() == ref, (arch, seed, gamma, k)
+            s = res.stats
+            assert s.drafter_calls <= s.drafted  # copied drafts cost no drafter call
+            assert len(s.position_drafted) <= max(gamma, k)
+            copied_blocks += s.lookup_blocks
+            drafted_blocks += s.verifier_calls - s.lookup_blocks
+    assert copied_blocks > 10 and drafted_blocks > 10, (copied_blocks, drafted_blocks)
+
+
+def test_lookup_with_eos_and_a_short_limit_matches_hf(llama_pair):
+    verifier, drafter = llama_pair
+    ids = _repetitive_prompt(3)
+    free = hf_greedy(verifier, ids, 30, eos=None)
+    eos = free[7]  # a token the greedy output reaches: generation must stop right after it
+    ref = hf_greedy(verifier, ids, 30, eos=eos)
+    assert ref[-1] == eos and len(ref) < 30
+    for n in (1, 2, 5, 30):
+        dec = SpeculativeDecoder(verifier, drafter, gamma=2, lookup_tokens=6, lookup_min_ngram=1)
+        res = dec.generate(ids, n, eos_token_id=eos)
+        assert res.tokens.tolist() == ref[:n], n
+
+
+def test_bad_lookup_settings_raise(llama_pair):
+    verifier, drafter = llama_pair
+    for k in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="lookup_tokens"):
+            SpeculativeDecoder(verifier, drafter, lookup_tokens=k)
+    with pytest.raises(ValueError, match="min_ngram"):
+        SpeculativeDecoder(verifier, drafter, lookup_tokens=4, lookup_min_ngram=4, lookup_max_ngram=3)

@@ -1,0 +1,90 @@
+"""Drafts copied from the context: prompt lookup (:class:`PromptLookupProposer`).
+
+Answers repeat their context: code quotes the signature and docstring it was asked about, an
+explanation repeats the names it explains, a list repeats its own item pattern. Prompt lookup
+decoding (Saxena 2023; Hugging Face's ``prompt_lookup_num_tokens``; vLLM's n-gram speculator) drafts
+by finding the committed sequence's last n tokens earlier in the sequence (prompt and answer alike)
+and proposing the tokens that followed that occurrence. It costs no model call, so a copied draft can
+be long; where the sequence has no such n-gram it proposes nothing, and a
+:class:`~train.decoding.proposers.fallback_proposer.FallbackProposer` lets a drafter model draft instead
+(the hybrid that SAM-Decoding, Hu et al. 2024, builds with a suffix automaton).
+
+The draft is a deterministic function of the committed sequence, so every verification rule keeps
+the verifier's output law: the rule treats it as a point mass (``Draft.q is None``): at T = 0 it is
+accepted while it equals the verifier's argmax, at T > 0 a token x is accepted with probability p(x),
+and a rejection draws from p with x removed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from train.decoding.draft import Draft
+from train.decoding.metrics import DecodeStats
+from train.decoding.sampling import SamplingParams
+
+__all__ = ["PromptLookupProposer", "lookup_continuation"]
+
+
+def lookup_continuation(sequence: Sequence[int], max_ngram: int, min_ngram: int, num_tokens: int) -> list[int]:
+    """The up to ``num_tokens`` tokens that followed the latest earlier occurrence of ``sequence``'s
+    last n tokens, for the largest n in ``max_ngram .. min_ngram`` that occurs; [] when none does.
+
+    An occurrence counts when at least one token follows it inside ``sequence`` (the tail itself is
+    not an occurrence); its continuation may run into the tail (a repeating pattern continues itself).
+    """
+    length = len(sequence)
+    for n in range(max_ngram, min_ngram - 1, -1):
+        if length <= n:
+            continue
+        tail = list(sequence[length - n :])
+        first = tail[0]
+        for start in range(length - n - 1, -1, -1):  # latest first
+            if sequence[start] == first and list(sequence[start : start + n]) == tail:
+                return list(sequence[start + n : start + n + num_tokens])
+    return []
+
+
+class PromptLookupProposer:
+    """A chain copied from the committed sequence (see the module docstring); no model, no cache."""
+
+    hidden_layers: tuple[int, ...] | None = None
+
+    def __init__(self, num_tokens: int = 8, max_ngram: int = 3, min_ngram: int = 2) -> None:
+        for name, value in (("num_tokens", num_tokens), ("max_ngram", max_ngram), ("min_ngram", min_ngram)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"prompt lookup: {name} must be an integer >= 1, got {value!r}")
+        if min_ngram > max_ngram:
+            raise ValueError(f"prompt lookup: min_ngram ({min_ngram}) must not exceed max_ngram ({max_ngram})")
+        self.num_tokens = num_tokens
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    def start(self) -> None:
+        """Nothing to forget: the draft is a function of the sequence alone."""
+
+    def propose(
+        self,
+        sequence: list[int],
+        budget: int,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        eos: frozenset[int],
+        stats: DecodeStats,
+    ) -> Draft:
+        tokens = lookup_continuation(sequence, self.max_ngram, self.min_ngram, min(budget, self.num_tokens))
+        for i, x in enumerate(tokens):
+            if x in eos:  # nothing is drafted past an end of sequence
+                tokens = tokens[: i + 1]
+                break
+        if tokens:
+            stats.lookup_blocks += 1
+        return Draft.chain(tokens)
+
+    def commit(self, length: int, path: Sequence[int] | None = None) -> None:
+        """Nothing cached."""
+
+    def observe(self, states: torch.Tensor) -> None:
+        """Never called: ``hidden_layers`` is None."""
