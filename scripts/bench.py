@@ -17,6 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     from train.benchmarks import draft_temperature_bench as draft_temperature
     from train.benchmarks import draft_vocab_bench as draft_vocab
     from train.benchmarks import eagle3_step_bench as eagle3_step
+    from train.benchmarks import lookup_bench as lookup
     from train.benchmarks import overhead_bench as overhead
 
     parser = argparse.ArgumentParser(prog="bench.py", description=__doc__)
@@ -47,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eagle3-step", help="an EAGLE-3 training step: online, grouped, cached features")
     eagle3_step.add_arguments(p)
     p.set_defaults(func=eagle3_step.main)
+
+    p = sub.add_parser("lookup", help="prompt lookup against the drafter on the verifier's greedy answers")
+    lookup.add_arguments(p)
+    p.set_defaults(func=lookup.main)
 
     p = sub.add_parser("overhead", help="loop overhead of this engine vs an older copy, interleaved")
     overhead.add_arguments(p)

@@ -335,6 +335,7 @@ BENCH_MICRO = {
     "draft-vocab": "--vocab 512 --draft-vocab 64 --prefix 8 --repeats 1",
     "eagle3-step": "--batches 1 --warmup 0 --batch-size 2 --max-len 64 --draft-vocab 64 --aux-layers 0 1 1",
     "draft-temperature": "--prompts 2 --answer-tokens 6 --scales 0.8 1.0",
+    "lookup": "--answers 2",
 }
 OUTPUT_FLAGS = ("--out", "--json", "--plot")
 IN_SUBPROCESS = {"scripts/async_bench.py"}
@@ -424,7 +425,7 @@ class Workspace:
                 extra += ["--verifier", str(tiny / "verifier"), "--drafter", str(tiny / "drafter")]
             if sub == "eagle3-step":
                 extra += ["--pair", str(self.answered_tiny_pair())]
-            if sub == "overhead" and "--pair" in args:  # the real pair's layout, on the tiny pair
+            if sub in ("overhead", "lookup") and "--pair" in args:  # the real pair's layout, on the tiny pair
                 at = args.index("--pair") + 1
                 args[at] = str(self.answered_tiny_pair())
             if sub == "draft-temperature":

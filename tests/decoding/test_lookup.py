@@ -130,7 +130,12 @@ def test_lookup_first_keeps_the_greedy_output(tiny_pairs, arch):
         ref = hf_greedy(verifier, ids, 40, eos=None)
         for gamma, k, threshold in ((1, 4, 0.0), (3, 8, 0.0), (2, 3, 0.02)):
             dec = SpeculativeDecoder(
-                verifier, drafter, gamma=gamma, lookup_tokens=k, lookup_min_ngram=1, confidence_threshold=threshold
+                verifier,
+                drafter,
+                gamma=gamma,
+                lookup_tokens=k,
+                lookup_min_ngram=1,
+                confidence_threshold=threshold,
             )
             res = dec.generate(ids, 40)
             assert res.tokens.tolist() == ref, (arch, seed, gamma, k)
@@ -162,3 +167,47 @@ def test_bad_lookup_settings_raise(llama_pair):
             SpeculativeDecoder(verifier, drafter, lookup_tokens=k)
     with pytest.raises(ValueError, match="min_ngram"):
         SpeculativeDecoder(verifier, drafter, lookup_tokens=4, lookup_min_ngram=4, lookup_max_ngram=3)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(1.0)], ids=["T0", "T1"])
+def test_eagle3_behind_lookup_keeps_its_state_and_the_greedy_output(params, eagle3_verifiers, monkeypatch):
+    """Copied blocks between the EAGLE-3 drafter's trees: it reads the verifier's features of every
+    committed position (copied ones included) when it next drafts, its cache then equals a cache-free
+    forward, and the greedy output is the verifier's."""
+    from train.decoding import Eagle3Decoder
+
+    from .test_eagle3_decoding import Spy, check_drafter_state, drafter_for
+
+    verifier = eagle3_verifiers["llama"]
+    drafter = drafter_for(verifier, "reduced")
+    spy = Spy(monkeypatch)
+    decoder = Eagle3Decoder(verifier, drafter, 4, 3, 10, lookup_tokens=5, lookup_min_ngram=1)
+    copied = trees = 0
+    for seed in (0, 1):
+        ids = _repetitive_prompt(seed)
+        gen = torch.Generator().manual_seed(seed)
+        res = decoder.generate(ids, 30, params, generator=gen)
+        if params.greedy:
+            assert res.tokens.tolist() == hf_greedy(verifier, ids, 30), seed
+        copied += res.stats.lookup_blocks
+        trees += res.stats.verifier_calls - res.stats.lookup_blocks
+    assert copied >= 3 and trees >= 3, (copied, trees)
+    check_drafter_state(verifier, drafter, spy)
+
+
+@pytest.mark.parametrize(
+    "tree", [{"method": "specinfer", "branching": [2, 1]}, {"method": "rsd_s", "depth": 3, "beam_width": 2}]
+)
+def test_trees_behind_lookup_keep_the_greedy_output(tiny_pairs, tree):
+    from train.decoding import TreeSpeculativeDecoder
+
+    verifier, drafter = tiny_pairs["llama"]
+    copied = trees = 0
+    for seed in (0, 1):
+        ids = _repetitive_prompt(seed)
+        dec = TreeSpeculativeDecoder(verifier, drafter, **tree, lookup_tokens=5, lookup_min_ngram=1)
+        res = dec.generate(ids, 30)
+        assert res.tokens.tolist() == hf_greedy(verifier, ids, 30), (tree, seed)
+        copied += res.stats.lookup_blocks
+        trees += res.stats.verifier_calls - res.stats.lookup_blocks
+    assert copied >= 3 and trees >= 3, (copied, trees)

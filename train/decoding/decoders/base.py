@@ -16,6 +16,7 @@ import torch
 from train.decoding.loop import run_synchronous
 from train.decoding.metrics import DecodeResult
 from train.decoding.model_call import TimedModel
+from train.decoding.proposers.lookup_proposer import PromptLookupProposer, lookup_first
 from train.decoding.proposers.protocol import Proposer
 from train.decoding.rules.typical import TypicalAcceptance
 from train.decoding.sampling import SamplingParams
@@ -129,12 +130,15 @@ class Decoder:
 class DraftTreeDecoder(Decoder):
     """A decoder whose proposer drafts up to ``depth`` tokens a block (a tree, or a chain as a one-child
     tree) under the synchronous schedule, verified by the loop's rules (``_typical``: Medusa's lossy
-    rule instead). Subclasses set ``_verifier``, ``_proposer`` and ``depth``."""
+    rule instead). Subclasses set ``_verifier``, ``_proposer`` and ``depth``, and ``_lookup`` for prompt
+    lookup first (:func:`~train.decoding.proposers.lookup_proposer.prompt_lookup`; the proposer drafts
+    where the context offers nothing to copy)."""
 
     _verifier: TimedModel
     _proposer: Proposer
     depth: int
     _typical: TypicalAcceptance | None = None
+    _lookup: PromptLookupProposer | None = None
 
     def decode(
         self,
@@ -144,12 +148,13 @@ class DraftTreeDecoder(Decoder):
         eos: frozenset[int],
         generator: torch.Generator | None,
     ) -> DecodeResult:
+        lookup_tokens = self._lookup.num_tokens if self._lookup is not None else 0
         return run_synchronous(
             self._verifier,
-            self._proposer,
+            lookup_first(self._proposer, self.depth, self._lookup),
             prompt,
             max_new_tokens,
-            self.depth,
+            max(self.depth, lookup_tokens),
             params,
             eos,
             generator,

@@ -18,6 +18,7 @@ import torch
 from train.decoding.decoders.base import DraftTreeDecoder
 from train.decoding.model_call import TimedModel
 from train.decoding.proposers.eagle3_proposer import Eagle3Proposer
+from train.decoding.proposers.lookup_proposer import prompt_lookup
 from train.models.eagle3_drafter import Eagle3Drafter
 
 __all__ = ["Eagle3Decoder", "check_eagle3"]
@@ -30,7 +31,8 @@ class Eagle3Decoder(DraftTreeDecoder):
     a chain of ``depth`` tokens sampled from the drafter instead of the tree, its logits divided by
     ``draft_temperature`` first; ``sampled_tree`` (children per depth, e.g. ``[2, 1, 1, 1]``): at T > 0,
     a tree whose siblings are sampled from it without replacement (RSD-C), verified by the recursive
-    rule. Same ``generate`` as the other decoders."""
+    rule. ``lookup_tokens`` K > 0: prompt lookup first, the drafter's tree where the context offers
+    nothing to copy (docs/decoding.md#prompt-lookup). Same ``generate`` as the other decoders."""
 
     accepts: ClassVar[tuple[str, ...]] = ("eagle3",)
 
@@ -44,6 +46,9 @@ class Eagle3Decoder(DraftTreeDecoder):
         sampled_chain: bool = False,
         draft_temperature: float = 1.0,
         sampled_tree: Sequence[int] | None = None,
+        lookup_tokens: int = 0,
+        lookup_max_ngram: int = 3,
+        lookup_min_ngram: int = 2,
     ) -> None:
         self.verifier = verifier
         self.drafter = drafter
@@ -63,6 +68,8 @@ class Eagle3Decoder(DraftTreeDecoder):
         self.sampled_chain = sampled_chain
         self.sampled_tree = self._proposer.sampled_tree
         self.draft_temperature = draft_temperature
+        self._lookup = prompt_lookup(lookup_tokens, lookup_max_ngram, lookup_min_ngram)
+        self.lookup_tokens = lookup_tokens
 
     def models(self) -> tuple[torch.nn.Module, ...]:
         return (self.verifier,)

@@ -18,8 +18,7 @@ from train.decoding.decoders.base import Decoder
 from train.decoding.loop import run_synchronous
 from train.decoding.metrics import DecodeResult
 from train.decoding.model_call import TimedModel
-from train.decoding.proposers.fallback_proposer import FallbackProposer
-from train.decoding.proposers.lookup_proposer import PromptLookupProposer
+from train.decoding.proposers.lookup_proposer import lookup_first, prompt_lookup
 from train.decoding.proposers.model_proposer import ModelProposer
 from train.decoding.proposers.steered_proposer import SteeredProposer
 from train.decoding.sampling import LENIENCES, SamplingParams
@@ -85,12 +84,8 @@ class SpeculativeDecoder(Decoder):
         self._verifier = TimedModel(verifier)
         self._proposer = ModelProposer(TimedModel(drafter), self._verifier.vocab_size, confidence_threshold)
         self.confidence_threshold = self._proposer.confidence_threshold
-        if isinstance(lookup_tokens, bool) or not isinstance(lookup_tokens, int) or lookup_tokens < 0:
-            raise ValueError(f"lookup_tokens must be an integer >= 0 (0 = off), got {lookup_tokens!r}")
+        self._lookup = prompt_lookup(lookup_tokens, lookup_max_ngram, lookup_min_ngram)
         self.lookup_tokens = lookup_tokens
-        self._lookup = (
-            PromptLookupProposer(lookup_tokens, lookup_max_ngram, lookup_min_ngram) if lookup_tokens else None
-        )
         self.vocab_size = self._verifier.vocab_size
         self.steering = steering
         if steering is not None and hasattr(steering, "check_pair"):
@@ -118,11 +113,9 @@ class SpeculativeDecoder(Decoder):
             proposer: Any = self._proposer
             if handle is not None:
                 proposer = SteeredProposer(self._proposer, self.steering, handle)
-            if self._lookup is not None:
-                proposer = FallbackProposer(self._lookup, proposer, self.gamma)
             result = run_synchronous(
                 self._verifier,
-                proposer,
+                lookup_first(proposer, self.gamma, self._lookup),
                 prompt,
                 max_new_tokens,
                 max(self.gamma, self.lookup_tokens),

@@ -17,6 +17,7 @@ import torch
 
 from train.decoding.decoders.base import DraftTreeDecoder
 from train.decoding.model_call import TimedModel
+from train.decoding.proposers.lookup_proposer import prompt_lookup
 from train.decoding.proposers.tree_proposers import TREE_METHODS, TreeProposer
 
 __all__ = ["TreeSpeculativeDecoder", "tree_size"]
@@ -36,8 +37,9 @@ class TreeSpeculativeDecoder(DraftTreeDecoder):
 
     ``method="specinfer"`` or ``"rsd_c"`` with ``branching`` (children of every depth-d node, so depth
     d + 1 holds prod(branching[:d + 1]) nodes); ``method="rsd_s"`` with ``depth`` and ``beam_width``
-    (at most ``beam_width`` nodes per depth). Same ``generate`` interface and result as
-    :class:`~train.decoding.decoders.speculative.SpeculativeDecoder`.
+    (at most ``beam_width`` nodes per depth). ``lookup_tokens`` K > 0: prompt lookup first, the tree
+    where the context offers nothing to copy (docs/decoding.md#prompt-lookup). Same ``generate``
+    interface and result as :class:`~train.decoding.decoders.speculative.SpeculativeDecoder`.
     """
 
     def __init__(
@@ -48,6 +50,9 @@ class TreeSpeculativeDecoder(DraftTreeDecoder):
         branching: Sequence[int] | None = None,
         depth: int | None = None,
         beam_width: int | None = None,
+        lookup_tokens: int = 0,
+        lookup_max_ngram: int = 3,
+        lookup_min_ngram: int = 2,
     ) -> None:
         if method not in TREE_METHODS:
             raise ValueError(f"method must be one of {sorted(TREE_METHODS)}, got {method!r}")
@@ -73,6 +78,8 @@ class TreeSpeculativeDecoder(DraftTreeDecoder):
         self.method = method
         self.beam_width = beam_width
         self._verifier = TimedModel(verifier)
+        self._lookup = prompt_lookup(lookup_tokens, lookup_max_ngram, lookup_min_ngram)
+        self.lookup_tokens = lookup_tokens
         self._proposer = TreeProposer(
             TimedModel(drafter),
             self._verifier.vocab_size,

@@ -23,12 +23,16 @@ import torch
 
 from train.decoding.draft import Draft
 from train.decoding.metrics import DecodeStats
+from train.decoding.proposers.fallback_proposer import FallbackProposer
+from train.decoding.proposers.protocol import Proposer
 from train.decoding.sampling import SamplingParams
 
-__all__ = ["PromptLookupProposer", "lookup_continuation"]
+__all__ = ["PromptLookupProposer", "lookup_continuation", "lookup_first", "prompt_lookup"]
 
 
-def lookup_continuation(sequence: Sequence[int], max_ngram: int, min_ngram: int, num_tokens: int) -> list[int]:
+def lookup_continuation(
+    sequence: Sequence[int], max_ngram: int, min_ngram: int, num_tokens: int
+) -> list[int]:
     """The up to ``num_tokens`` tokens that followed the latest earlier occurrence of ``sequence``'s
     last n tokens, for the largest n in ``max_ngram .. min_ngram`` that occurs; [] when none does.
 
@@ -57,7 +61,9 @@ class PromptLookupProposer:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"prompt lookup: {name} must be an integer >= 1, got {value!r}")
         if min_ngram > max_ngram:
-            raise ValueError(f"prompt lookup: min_ngram ({min_ngram}) must not exceed max_ngram ({max_ngram})")
+            raise ValueError(
+                f"prompt lookup: min_ngram ({min_ngram}) must not exceed max_ngram ({max_ngram})"
+            )
         self.num_tokens = num_tokens
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
@@ -88,3 +94,18 @@ class PromptLookupProposer:
 
     def observe(self, states: torch.Tensor) -> None:
         """Never called: ``hidden_layers`` is None."""
+
+
+def lookup_first(proposer: Proposer, budget: int, lookup: PromptLookupProposer | None) -> Proposer:
+    """``proposer`` behind prompt lookup (its drafts capped at ``budget`` tokens), or itself when
+    ``lookup`` is None."""
+    if lookup is None:
+        return proposer
+    return FallbackProposer(lookup, proposer, budget)
+
+
+def prompt_lookup(num_tokens: int, max_ngram: int, min_ngram: int) -> PromptLookupProposer | None:
+    """A decoder's ``lookup_tokens`` (0: off), checked, as a proposer (None when off)."""
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+        raise ValueError(f"lookup_tokens must be an integer >= 0 (0 = off), got {num_tokens!r}")
+    return PromptLookupProposer(num_tokens, max_ngram, min_ngram) if num_tokens else None
