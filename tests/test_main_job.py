@@ -63,7 +63,7 @@ def test_real_pair_main_job_runs_end_to_end_on_a_micro_recipe(tmp_path: Path) ->
         "method.max_new_tokens=8",
         "eval.num_prompts=2",
         "eval.max_new_tokens=16",
-        "eval.decoders=[sd_g2,sd_adaptive]",
+        "eval.decoders=[sd_g2,sd_lookup]",  # sd_lookup: prompt lookup, then the adaptive chain
         "eval.plots=false",
     ]
     cmd = [sys.executable, "train.py", "experiment=distillspec", *MICRO_SMOLLM2, *micro]
