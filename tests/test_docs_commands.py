@@ -425,9 +425,11 @@ class Workspace:
                 extra += ["--verifier", str(tiny / "verifier"), "--drafter", str(tiny / "drafter")]
             if sub == "eagle3-step":
                 extra += ["--pair", str(self.answered_tiny_pair())]
-            if sub in ("overhead", "lookup") and "--pair" in args:  # the real pair's layout, on the tiny pair
-                at = args.index("--pair") + 1
-                args[at] = str(self.answered_tiny_pair())
+            if sub in ("overhead", "lookup", "draft-length") and "--pair" in args:
+                pair = self.answered_tiny_pair()  # the real pair's layout, on the tiny pair
+                args[args.index("--pair") + 1] = str(pair)
+                if "--drafter" in args:  # another drafter folder (a run's drafter/): the pair's own
+                    args[args.index("--drafter") + 1] = str(pair / "drafter")
             if sub == "draft-temperature":
                 pair = self.answered_tiny_pair()
                 extra += ["--pair", str(pair), "--drafter", str(self.tiny_eagle3_drafter(pair))]
