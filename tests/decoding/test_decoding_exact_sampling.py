@@ -34,9 +34,10 @@ The "position" case (3 ids, a drafter whose proposals depend on the position's p
 rejection feeds the drafter at the wrong positions and moves its mean accepted count by ~7 se.
 
 The "lookup" cases copy a block's draft from the context where its last 1-2 ids occurred before (prompt
-lookup) and let the drafter draft elsewhere; the enumerator copies with its own implementation, so an
-off-by-one in the copy, a drafter that misses a commit, or a copied token verified against the drafter's
-q moves the counts or the law.
+lookup) and let the drafter draft elsewhere; the enumerator copies with its own implementation, so a
+copy one token too far, or from the first occurrence instead of the latest, moves the counts. (A drafter
+that misses a commit is invisible here, where drafters read only the last token and the position; the
+greedy tests of test_lookup.py catch it.)
 
 The "conf" cases end a chain after a draft the drafter gives less than a threshold (adaptive draft
 length): the enumerator applies the same stop, so a decoder that drops the unsure draft, or tests

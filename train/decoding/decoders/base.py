@@ -148,13 +148,13 @@ class DraftTreeDecoder(Decoder):
         eos: frozenset[int],
         generator: torch.Generator | None,
     ) -> DecodeResult:
-        lookup_tokens = self._lookup.num_tokens if self._lookup is not None else 0
+        proposer, max_draft = lookup_first(self._proposer, self.depth, self._lookup)
         return run_synchronous(
             self._verifier,
-            lookup_first(self._proposer, self.depth, self._lookup),
+            proposer,
             prompt,
             max_new_tokens,
-            max(self.depth, lookup_tokens),
+            max_draft,
             params,
             eos,
             generator,

@@ -69,7 +69,6 @@ class Eagle3Decoder(DraftTreeDecoder):
         self.sampled_tree = self._proposer.sampled_tree
         self.draft_temperature = draft_temperature
         self._lookup = prompt_lookup(lookup_tokens, lookup_max_ngram, lookup_min_ngram)
-        self.lookup_tokens = lookup_tokens
 
     def models(self) -> tuple[torch.nn.Module, ...]:
         return (self.verifier,)

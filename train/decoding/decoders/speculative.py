@@ -85,7 +85,6 @@ class SpeculativeDecoder(Decoder):
         self._proposer = ModelProposer(TimedModel(drafter), self._verifier.vocab_size, confidence_threshold)
         self.confidence_threshold = self._proposer.confidence_threshold
         self._lookup = prompt_lookup(lookup_tokens, lookup_max_ngram, lookup_min_ngram)
-        self.lookup_tokens = lookup_tokens
         self.vocab_size = self._verifier.vocab_size
         self.steering = steering
         if steering is not None and hasattr(steering, "check_pair"):
@@ -113,12 +112,13 @@ class SpeculativeDecoder(Decoder):
             proposer: Any = self._proposer
             if handle is not None:
                 proposer = SteeredProposer(self._proposer, self.steering, handle)
+            proposer, max_draft = lookup_first(proposer, self.gamma, self._lookup)
             result = run_synchronous(
                 self._verifier,
-                lookup_first(proposer, self.gamma, self._lookup),
+                proposer,
                 prompt,
                 max_new_tokens,
-                max(self.gamma, self.lookup_tokens),
+                max_draft,
                 params,
                 eos,
                 generator,

@@ -79,7 +79,6 @@ class TreeSpeculativeDecoder(DraftTreeDecoder):
         self.beam_width = beam_width
         self._verifier = TimedModel(verifier)
         self._lookup = prompt_lookup(lookup_tokens, lookup_max_ngram, lookup_min_ngram)
-        self.lookup_tokens = lookup_tokens
         self._proposer = TreeProposer(
             TimedModel(drafter),
             self._verifier.vocab_size,

@@ -96,12 +96,14 @@ class PromptLookupProposer:
         """Never called: ``hidden_layers`` is None."""
 
 
-def lookup_first(proposer: Proposer, budget: int, lookup: PromptLookupProposer | None) -> Proposer:
+def lookup_first(
+    proposer: Proposer, budget: int, lookup: PromptLookupProposer | None
+) -> tuple[Proposer, int]:
     """``proposer`` behind prompt lookup (its drafts capped at ``budget`` tokens), or itself when
-    ``lookup`` is None."""
+    ``lookup`` is None; with the most tokens a block may then draft (the loop's ``max_draft``)."""
     if lookup is None:
-        return proposer
-    return FallbackProposer(lookup, proposer, budget)
+        return proposer, budget
+    return FallbackProposer(lookup, proposer, budget), max(budget, lookup.num_tokens)
 
 
 def prompt_lookup(num_tokens: int, max_ngram: int, min_ngram: int) -> PromptLookupProposer | None:
