@@ -28,11 +28,12 @@ def random_steering(verifier, drafter, scale: float = 0.5, seed: int = 0) -> Ste
     return module
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_greedy_equals_hf_generate_with_a_nonzero_steering_module(arch, tiny_pairs):
+@pytest.mark.parametrize(("arch", "lookup"), [("llama", 0), ("qwen3", 0), ("llama", 3)])
+def test_greedy_equals_hf_generate_with_a_nonzero_steering_module(arch, lookup, tiny_pairs):
+    """Also behind prompt lookup (the steered drafter drafts where nothing is copied)."""
     verifier, drafter = tiny_pairs[arch]
     steering = random_steering(verifier, drafter)
-    decoder = SpeculativeDecoder(verifier, drafter, gamma=4, steering=steering)
+    decoder = SpeculativeDecoder(verifier, drafter, gamma=4, steering=steering, lookup_tokens=lookup)
     plain = SpeculativeDecoder(verifier, drafter, gamma=4)
     ids = torch.tensor([[0, 5, 9, 3, 7]])
     before = drafter(ids).logits
@@ -52,7 +53,7 @@ def test_greedy_equals_hf_generate_with_a_nonzero_steering_module(arch, tiny_pai
 
 
 class RecordingProposer(SteeredProposer):
-    """Records the committed length at every draft and, through a hook on the drafter's first MLP
+    """Records the committed length after every verification and, through a hook on the drafter's first MLP
     (after the steering hook), the bias that reached each drafter position, whatever sets it."""
 
     made: list[RecordingProposer] = []
@@ -69,28 +70,32 @@ class RecordingProposer(SteeredProposer):
         bias = output - torch.nn.functional.linear(inputs[0], module.weight, module.bias)
         self.forwards.append((self.base._length, bias[0].clone()))  # the forward's first position
 
-    def propose(self, sequence, *args):
-        self.lengths.append(len(sequence))
-        return super().propose(sequence, *args)
+    def commit(self, length, path=None) -> None:  # after every verification, whoever drafted the block
+        self.lengths.append(length + 1)  # the loop commits all but the last committed token
+        super().commit(length, path)
 
 
-def test_decode_time_guides_are_the_training_guides(monkeypatch):
+@pytest.mark.parametrize("lookup", [0, 4])
+def test_decode_time_guides_are_the_training_guides(monkeypatch, lookup):
     """Which verifier position's state steered each drafter position during real steered decoding equals
     what training's :func:`stale_guide_states` gives for the same guide positions (the producers of each
     verification's last committed token), and that is the latest guide strictly before the position.
     The drafter is a copy of the verifier, so blocks are fully accepted (the last draft is read in the
-    next block's catch-up: it must keep the previous guide) as well as rejected."""
+    next block's catch-up: it must keep the previous guide) as well as rejected. Behind prompt lookup
+    the steered drafter skips the copied blocks and catches up over them with the same guides."""
     verifier = build(tiny_config("llama", 64), 1).double()
     drafter = copy.deepcopy(verifier)
     steering = random_steering(verifier, drafter, scale=0.05).double()
     monkeypatch.setattr(speculative, "SteeredProposer", RecordingProposer)
     prompt, gamma = [0, 5, 9, 3, 7], 3
-    decoder = SpeculativeDecoder(verifier, drafter, gamma=gamma, steering=steering)
+    decoder = SpeculativeDecoder(verifier, drafter, gamma=gamma, steering=steering, lookup_tokens=lookup)
     result = decoder.generate(torch.tensor([prompt]), 40)
     rec = RecordingProposer.made[-1]
     rec.hook.remove()
     assert result.tokens.tolist() == hf_greedy(verifier, torch.tensor([prompt]), 40)
-    commits = [b - a for a, b in zip(rec.lengths, rec.lengths[1:], strict=False)]
+    assert (result.stats.lookup_blocks > 0) == (lookup > 0)
+    lengths = [len(prompt), *rec.lengths]
+    commits = [b - a for a, b in zip(lengths, lengths[1:], strict=False)]
     assert gamma + 1 in commits[1:] and min(commits) < gamma + 1  # steered full acceptances and rejections
     guides = guide_positions(len(prompt), commits)
 

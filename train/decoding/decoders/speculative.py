@@ -109,10 +109,8 @@ class SpeculativeDecoder(Decoder):
         # SD^2: hooks on the drafter for the duration of this call only (the drafter stays plain)
         attached = self.steering.attach(self.drafter) if self.steering is not None else nullcontext(None)
         with attached as handle:
-            proposer: Any = self._proposer
-            if handle is not None:
-                proposer = SteeredProposer(self._proposer, self.steering, handle)
-            proposer, max_draft = lookup_first(proposer, self.gamma, self._lookup)
+            steered = SteeredProposer(self._proposer, self.steering, handle) if handle is not None else None
+            proposer, max_draft = lookup_first(steered or self._proposer, self.gamma, self._lookup)
             result = run_synchronous(
                 self._verifier,
                 proposer,
@@ -125,6 +123,6 @@ class SpeculativeDecoder(Decoder):
                 self.lenience,
                 self.eps,
             )
-        if handle is not None:
-            result.stats.guide_time += proposer.guide_time
+        if steered is not None:
+            result.stats.guide_time += steered.guide_time
         return result
