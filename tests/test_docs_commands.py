@@ -5,7 +5,8 @@ Default suite: each command's entry point exists; Hydra commands compose against
 model; argparse scripts accept their arguments; install and test commands are the ones CI runs.
 Slow (``test_documented_commands_run_on_micro_recipes``): every command that can run on this machine
 runs, in document order, in one workspace (``DRAFTSMITH_ROOT``) on a micro tiny pair, with micro
-sizes appended and placeholders (``PATH``, ``<run>``) replaced by what the earlier commands produced.
+sizes appended and placeholders (``PATH``, ``<run>``) replaced by what the earlier commands produced;
+a ``-m`` sweep runs the first two values of each swept key (each of its points composes above).
 Commands that need GPUs, a cluster launcher or the network are composed only, each with its reason;
 a few two-process runs are left to the slow test that already runs them (``RUN_ELSEWHERE``).
 """
@@ -414,6 +415,8 @@ class Workspace:
 
     def argv(self, command: DocCommand) -> list[str]:
         args = [self.resolve(a) for a in command.args]
+        if command.multirun:  # a 2 x 2 grid runs the sweep; every point composes in the default suite
+            args = [_first_sweep_values(a, 2) for a in args]
         for i in range(1, len(args)):  # outputs a command writes go to the workspace, not the checkout
             if args[i - 1] in OUTPUT_FLAGS and not os.path.isabs(args[i]):
                 args[i] = str(self.root / args[i])
@@ -463,6 +466,14 @@ class Workspace:
         if command.entry == "scripts/trees.py":  # the real pair by default, written to docs/trees_real.md
             extra += ["--pair", str(self.root / "checkpoints" / "tiny"), "--out", str(self.root / "trees.md")]
         return [*command.flags, *args, *extra]
+
+
+def _first_sweep_values(arg: str, n: int) -> str:
+    """A sweep override (``key=a,b,c``) cut to its first ``n`` values; any other argument unchanged."""
+    key, sep, value = arg.partition("=")
+    if not sep or "," not in value or value.startswith(("[", "{", "'", '"')):
+        return arg
+    return f"{key}={','.join(value.split(',')[:n])}"
 
 
 def _order(commands: list[DocCommand]) -> list[DocCommand]:

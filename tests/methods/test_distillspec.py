@@ -132,10 +132,9 @@ def test_experiment_composes_and_sources_enumerate(tmp_path):
     assert spec.model.name == "smollm2" and spec.model.smollm2 is not None and spec.data.name == "chat"
     ev = spec.eval
     assert ev.temperatures == [0.0, 1.0] and ev.gammas is None and len(ev.seeds) == 1
-    # fixed gammas 2-4 and the adaptive chain (cap 6)
+    # a fixed gamma 2, the adaptive chain (cap 6) and the same behind prompt lookup
     assert {label: c["gamma"] for label, c in ev.decoder_configs.items()} == {
         "sd_g2": 2,
-        "sd_g3": 3,
         "sd_adaptive": 6,
         "sd_lookup": 6,
     }

@@ -150,11 +150,9 @@ def verify_chain(
     if k == 0:
         return ChainVerdict(0, int(correction(warp(logits[0], params), None, u[0])), 0, 0.0)
     tokens = draft.tokens
-    if draft.q is None:  # a deterministic draft: point masses
-        q = torch.zeros(k, logits.shape[-1], dtype=torch.float32, device=logits.device)
-        q[range(k), tokens] = 1.0
-    else:
-        q = draft.q.to(logits.device)
+    if draft.q is None:  # a deterministic draft (prompt lookup): point masses, no (k, V) rows built
+        return _verify_point_masses(logits, tokens, params, u, lenience, eps)
+    q = draft.q.to(logits.device)
     # Walk the chain, warping the verifier's rows only as far as the first rejection: at T = 1 most
     # blocks stop after one or two of k + 1 rows (docs/decoding.md, "The loop's own cost").
     p_rows: list[torch.Tensor] = []
@@ -170,3 +168,32 @@ def verify_chain(
     )
     next_token = correction(p_rows[n], q[n] if n < k else None, u[k])
     return ChainVerdict(n, int(next_token), tested, expected)
+
+
+def _verify_point_masses(
+    logits: torch.Tensor,
+    tokens: Sequence[int],
+    params: SamplingParams,
+    u: torch.Tensor,
+    lenience: str | None,
+    eps: float,
+) -> ChainVerdict:
+    """:func:`verify_chain` for a chain drafted with q = one-hot on each token, without forming q: the
+    test is ``u < f(p(x))``, the expected acceptance ``min(1, f(p(x)))``, and the residual after a
+    rejection ``max(0, p - onehot(x))``, i.e. p with x's mass removed (bit for bit what the dense rule
+    computes: p(v) - 0 elsewhere, p(x) - 1 <= 0 clamped to 0)."""
+    k = len(tokens)
+    one = torch.ones((), dtype=torch.float32, device=logits.device)
+    n, expected = 0, 0.0
+    while True:
+        p_row = warp(logits[n], params)
+        if n == k:  # every draft passed: the bonus token from p_k
+            return ChainVerdict(k, int(correction(p_row, None, u[k])), k, expected)
+        p_x = p_row[tokens[n]]
+        expected += float(torch.minimum(one, apply_lenience(p_x, lenience, eps)))
+        if not bool(passes(u[n], one, p_x, lenience, eps)):
+            rest = p_row.clone()
+            rest[tokens[n]] = 0.0
+            next_token = sample_with_uniform(rest if bool(rest.sum() > 0) else p_row, u[k])
+            return ChainVerdict(n, int(next_token), n + 1, expected)
+        n += 1
