@@ -146,6 +146,7 @@ def test_cpu_ddp_distillspec_two_processes(tmp_path: Path, tiny_pair_dir: Path) 
         "trainer.enable_progress_bar=false",
         "~callbacks.progress_bar",
         "method.data_source=mixed_teacher",
+        "method.validate_before=true",  # trainer.validate, then fit, under two processes
         "method.max_new_tokens=6",
         "method.prompt_len=12",
         "method.batch_size=4",
@@ -177,3 +178,4 @@ def test_cpu_ddp_distillspec_two_processes(tmp_path: Path, tiny_pair_dir: Path) 
     assert len(list(tmp_path.rglob("report.json"))) == 1  # rank 1 reported nothing
     metrics = (run_dir / "csv" / "metrics.csv").read_text()
     assert "val/expected_acceptance" in metrics
+    assert [e["step"] for e in report["method"]["validation"]] == [0, 2, 4]  # validated before training

@@ -91,6 +91,9 @@ def test_real_pair_main_job_runs_end_to_end_on_a_micro_recipe(tmp_path: Path) ->
     results = json.loads((run_dir / "eval" / "results.json").read_text())
     assert all(r["greedy_match"] for r in results["runs"] if r["temperature"] == 0.0)
     assert "speedup" in out and f"Run directory: {run_dir}" in out
+    # the experiment validates the starting drafter too: the report compares step 0 with the last step
+    assert [e["step"] for e in report["method"]["validation"]] == [0, 2]
+    assert "## Validation before and after training" in (run_dir / "report.md").read_text()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -89,6 +89,7 @@ def _module(cfg: DistillSpecConfig) -> tuple[DistillSpecModule, PromptDataModule
         ({"lora": {"enabled": True, "r": 0}}, "method.lora.r"),
         ({"lora": {"rank": 4}}, "method.lora"),
         ({"optimizer": functools.partial(torch.optim.AdamW, lr=-1.0)}, "method.optimizer.lr"),
+        ({"validate_before": "yes"}, "method.validate_before must be true or false"),
     ],
 )
 def test_bad_config_fails_naming_the_key(kw, message):
@@ -379,6 +380,37 @@ def test_fit_logs_validation_and_checkpoint_has_no_teacher(tmp_path):
     )
 
 
+def test_validating_first_records_the_starting_drafter_and_the_report_compares_it(tmp_path):
+    """What the train command does with ``validate_before``: ``trainer.validate`` at step 0, then ``fit``
+    (its state from inference mode does not reach training); every validation is recorded, the teacher's
+    continuations are generated once, and the report's table compares step 0 with the last step."""
+    from train.methods.distillspec.finish import report_sections, report_summary
+
+    module, data = _module(_cfg(data_source="mixed_teacher", lmbda=0.5, validate_before=True))
+    assert module.validate_before_fit
+    trainer = _trainer(tmp_path, 4)
+    trainer.validate(module, datamodule=data, verbose=False)
+    start = dict(module.validation_history[0])
+    trainer.fit(module, datamodule=data)
+    assert [e["step"] for e in module.validation_history] == [0, 2, 4]
+    assert len(module._val_cache) == len(module._val_greedy_cache) == 1  # generated once, reused
+    last = module.validation_history[-1]
+    assert float(trainer.callback_metrics["val/expected_acceptance"]) == pytest.approx(
+        last["expected_acceptance"]
+    )
+    assert last["loss"] != start["loss"]  # the drafter moved between the two
+    (table,) = report_sections(module)
+    assert "| metric | step 0 | step 4 | ratio |" in table
+    ratio = last["expected_acceptance"] / start["expected_acceptance"]
+    assert (
+        f"| {start['expected_acceptance']:.4f} | {last['expected_acceptance']:.4f} | {ratio:.3f} |" in table
+    )
+    assert report_summary(module)["validation"] == module.validation_history
+    plain, _ = _module(_cfg())  # without validate_before: no table (a single validation has no "before")
+    plain.validation_history = [start]
+    assert not plain.validate_before_fit and report_sections(plain) == []
+
+
 def test_resume_continues_global_step(tmp_path):
     module, data = _module(_cfg(data_source="student"))
     _trainer(tmp_path, 3).fit(module, datamodule=data)
@@ -467,6 +499,7 @@ def test_main_job_end_to_end_builds_a_micro_pair_on_first_use(tmp_path):
         ),
         "trainer.max_steps=6",
         "trainer.val_check_interval=3",
+        "method.validate_before=true",
         "method.num_prompts=64",
         "eval.num_prompts=2",
         "eval.max_new_tokens=16",
@@ -492,6 +525,8 @@ def test_main_job_end_to_end_builds_a_micro_pair_on_first_use(tmp_path):
         assert set(report["best"][side]) == {"0", "1"}
     assert set(report["ratios"]["after"][report["decoders"][0]]) == {"0", "1"}
     assert (run_dir / "report.md").exists() and (run_dir / "drafter" / "config.json").exists()
+    assert [e["step"] for e in report["method"]["validation"]] == [0, 3, 6]  # validated before training
+    assert "## Validation before and after training" in (run_dir / "report.md").read_text()
     assert "| after |" in (run_dir / "drafter" / "README.md").read_text()
     assert str(run_dir) in proc.stdout
     out = proc.stdout + proc.stderr  # short: the plan, progress bars, the summary, where things are

@@ -254,6 +254,9 @@ def fit(spec: RunSpec) -> Any:
     trainer = build_trainer(spec.trainer, [*build_callbacks(spec.callbacks), stop], loggers, spec.run_dir)
     try:
         try:
+            if not ckpt and getattr(module, "validate_before_fit", False):
+                # the starting model's validation, logged at step 0 (a method's before/after comparison)
+                trainer.validate(module, datamodule=datamodule, verbose=False)
             trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt)
         except SIGTERMException:
             if stop.signum is None:

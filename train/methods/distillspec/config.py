@@ -47,10 +47,20 @@ class DistillSpecConfig(ResponseDistillSettings):
     see greedy contexts from the teacher and sampled ones from itself."""
     lora: Any = None
     """LoRA on the drafter (:class:`train.models.lora.LoraSettings`); None: a full fine-tune."""
+    validate_before: bool = False
+    """Also validate the starting drafter before the first step (not on resume): the report then
+    compares the same held-out measurements before and after training. The teacher's validation
+    continuations are generated then and reused at the end, so this costs one scoring pass."""
 
     def __post_init__(self) -> None:
         check_optimizer("method", self.optimizer, self.scheduler)
         self.check_response_settings()
+        require(
+            isinstance(self.validate_before, bool),
+            "method.validate_before",
+            "true or false",
+            self.validate_before,
+        )
         require(_in_unit(self.lmbda), "method.lmbda", "in [0, 1]", self.lmbda)
         require(
             self.data_source in DATA_SOURCES, "method.data_source", f"one of {DATA_SOURCES}", self.data_source

@@ -36,7 +36,35 @@ def evaluation_verifier(module: DistillSpecModule, verifier: torch.nn.Module) ->
 
 
 def report_sections(module: DistillSpecModule) -> list[str]:
-    return []
+    """The validation before and after training, when the run validated the starting drafter."""
+    table = validation_table(module.validation_history, module.cfg.num_val_prompts)
+    return [table] if table else []
+
+
+def validation_table(history: list[dict[str, float]], num_prompts: int) -> str:
+    """A markdown section comparing the first validation (step 0: the starting drafter) with the last;
+    empty unless both exist."""
+    if len(history) < 2 or history[0]["step"] != 0:
+        return ""
+    first, last = history[0], history[-1]
+    rows = [
+        ("expected acceptance, the teacher's sampled continuations (T = 1 contexts)", "expected_acceptance"),
+        ("greedy agreement, the teacher's greedy continuations (T = 0 contexts)", "greedy_agreement"),
+        ("loss", "loss"),
+    ]
+    lines = [
+        "## Validation before and after training",
+        "",
+        f"Teacher-forced on the same {num_prompts} held-out prompts' continuations at every validation.",
+        "",
+        f"| metric | step 0 | step {int(last['step'])} | ratio |",
+        "|---|---:|---:|---:|",
+    ]
+    for label, key in rows:
+        if key in first and key in last:
+            ratio = last[key] / first[key] if first[key] else float("nan")
+            lines.append(f"| {label} | {first[key]:.4f} | {last[key]:.4f} | {ratio:.3f} |")
+    return "\n".join(lines)
 
 
 def export(module: DistillSpecModule, out_dir: str) -> Path:
@@ -63,4 +91,5 @@ def report_summary(module: DistillSpecModule) -> dict[str, Any]:
         "method": "distillspec",
         **{k: getattr(module.cfg, k) for k in keys},
         "lora": asdict(module.cfg.lora),
+        "validation": list(module.validation_history),
     }

@@ -123,6 +123,8 @@ class DistillSpecModule(L.LightningModule):
         self._val_cache: dict[int, Rollout] = {}
         self._val_greedy_cache: dict[int, Rollout] = {}
         self._val_sums: dict[str, float] = {}
+        #: One entry per validation (sanity checks excluded): the step and the validation metrics.
+        self.validation_history: list[dict[str, float]] = []
         self.last_num_tokens = 0
 
     # ---------------------------------------------------------------- plumbing
@@ -338,6 +340,27 @@ class DistillSpecModule(L.LightningModule):
         if sums["greedy_tokens"]:
             agreement = sums["greedy_agreement"] / sums["greedy_tokens"]
             self.log("val/greedy_agreement", agreement, prog_bar=True, sync_dist=True)
+        if not self.trainer.sanity_checking:
+            self.validation_history.append(self._validation_entry(sums))
+
+    def _validation_entry(self, sums: dict[str, float]) -> dict[str, float]:
+        """This validation's metrics, token-weighted over every rank (a collective: all ranks call it)."""
+        keys = ("loss", "acceptance", "tokens", "greedy_agreement", "greedy_tokens")
+        local = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.device)
+        total = dict(zip(keys, self.trainer.strategy.reduce(local, reduce_op="sum").tolist(), strict=True))
+        entry = {
+            "step": float(self.global_step),
+            "expected_acceptance": min(max(total["acceptance"] / total["tokens"], 0.0), 1.0),
+            "loss": total["loss"] / total["tokens"],
+        }
+        if total["greedy_tokens"]:
+            entry["greedy_agreement"] = total["greedy_agreement"] / total["greedy_tokens"]
+        return entry
+
+    @property
+    def validate_before_fit(self) -> bool:
+        """Whether the train command validates the starting drafter before fitting (``validate_before``)."""
+        return bool(self.cfg.validate_before)
 
     # ---- the finish step (finish.py): what the run exports, evaluates and reports
 
