@@ -248,6 +248,61 @@ def test_sampling_keeps_the_verifiers_law_with_a_reduced_vocabulary(case):
     assert stat < chi2_critical(df), (case, stat, df)
 
 
+def test_a_chain_over_the_draft_ids_keeps_q_compact_and_is_verified_as_if_placed(llama_pair):
+    """At T > 0 the proposer hands the chain rule q over the draft ids alone (``Draft.support``); the rule
+    decides every block exactly as on q placed in the verifier's vocabulary (zero elsewhere)."""
+    from train.decoding import DecodeStats, Draft, ModelProposer, TimedModel
+    from train.decoding.rules.chain import verify_chain
+
+    verifier, drafter = llama_pair
+    proposer = ModelProposer(TimedModel(DraftVocabModel(drafter, IDS, full_logits=False)), vocab_size=128)
+    gen = torch.Generator().manual_seed(0)
+    decisions = set()
+    for trial in range(40):
+        proposer.start()
+        params = SamplingParams(temperature=1.0) if trial % 2 else SamplingParams(0.8, top_k=20)
+        draft = proposer.propose(prompt(seed=trial)[0].tolist(), 3, params, gen, frozenset(), DecodeStats())
+        assert draft.support is not None and draft.q is not None and draft.q.shape == (len(draft), len(IDS))
+        assert draft.tokens == [IDS[c] for c in draft.columns]
+        dense = draft.dense_q(128)
+        assert dense.shape == (len(draft), 128) and bool((dense[:, OUTSIDE] == 0).all())
+        torch.testing.assert_close(dense.sum(-1), torch.ones(len(draft)))
+        logits = torch.randn(len(draft) + 1, 128, generator=torch.Generator().manual_seed(trial)) * 2
+        for lenience, eps in ((None, 1.0), ("linear", 0.5)):
+            seed = 1000 + trial
+            compact = verify_chain(logits, draft, params, torch.Generator().manual_seed(seed), lenience, eps)
+            placed = verify_chain(
+                logits,
+                Draft.chain(draft.tokens, dense),
+                params,
+                torch.Generator().manual_seed(seed),
+                lenience,
+                eps,
+            )
+            assert (compact.accepted, compact.next, compact.tested) == (
+                placed.accepted,
+                placed.next,
+                placed.tested,
+            )
+            assert compact.expected == pytest.approx(placed.expected, abs=1e-6)
+            decisions.add((compact.accepted, compact.accepted < len(draft)))
+    assert len(decisions) >= 3  # rejections and full acceptances both met
+
+
+def test_a_compact_q_names_its_support_and_columns():
+    from train.decoding import Draft
+
+    q = torch.full((2, 4), 0.25)
+    with pytest.raises(ValueError, match="one column per draft token"):
+        Draft.chain([2, 4], q, support=torch.tensor([0, 2, 4, 6]))
+    with pytest.raises(ValueError, match="4 columns for a support of 3"):
+        Draft.chain([2, 4], q, support=torch.tensor([0, 2, 4]), columns=[1, 2])
+    with pytest.raises(ValueError, match="give its support"):
+        Draft.chain([2, 4], q, columns=[1, 2])
+    placed = Draft.chain([2, 4], q, support=torch.tensor([0, 2, 4, 6]), columns=[1, 2]).dense_q(8)
+    assert placed is not None and placed[:, 1::2].eq(0).all() and placed[:, ::2].eq(0.25).all()
+
+
 def test_every_cell_of_the_law_is_in_play():
     """The law test's 64 cells all carry mass (no empty expected cell hides a defect)."""
     _, _, joint = _law_pair()

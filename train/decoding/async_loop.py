@@ -172,7 +172,8 @@ def _draft(
             fresh = shared.epoch == epoch and len(shared.verified) + len(shared.drafts) == len(local)
             if fresh and len(draft):
                 shared.drafts.append(draft.tokens[0])
-                shared.qs.append(None if draft.q is None else draft.q[0])
+                q = draft.dense_q(proposer.vocab_size)  # the block's rows are stacked: all over V
+                shared.qs.append(None if q is None else q[0])
                 shared.cond.notify_all()
             elif len(draft):
                 stats.discarded += 1  # computed on a sequence that changed meanwhile

@@ -20,6 +20,8 @@ __all__ = [
     "LENIENCES",
     "SamplingParams",
     "apply_lenience",
+    "compact_residual_mass",
+    "draw_index",
     "expected_acceptance_per_position",
     "greedy_ids",
     "residual",
@@ -70,10 +72,15 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     how the vocabulary is permuted). Temperature 0 returns the one-hot
     distribution on the argmax (first index on ties, like ``torch.argmax``).
     """
-    logits = logits.float()
     if params.temperature == 0.0:
         idx = greedy_ids(logits).unsqueeze(-1)
-        return torch.zeros_like(logits).scatter_(-1, idx, 1.0)
+        return torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_(-1, idx, 1.0)
+    if params.temperature == 1.0 and params.top_k == 0 and params.top_p == 1.0:
+        # one operation, widening to float32 first (the same values as ``logits.float().softmax``):
+        # in the decoding loop every operation costs ~10 us more than its arithmetic, caches cold after a
+        # forward (docs/decoding.md, "The loop's own cost")
+        return torch.softmax(logits, dim=-1, dtype=torch.float32)
+    logits = logits.float()
     if params.temperature != 1.0:
         logits = logits / params.temperature
     vocab = logits.shape[-1]
@@ -131,9 +138,9 @@ def sample_with_uniform(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     probs: (*, V) non-negative (need not be normalised); u: (*,) in [0, 1). Returns (*,) long. A token
     with zero mass is never returned (the last token with positive mass absorbs rounding at u -> 1).
     """
+    if probs.dim() == 1:  # one draw (the decoders' case): the same search, with Python scalars
+        return torch.tensor(draw_index(probs, float(u)), device=probs.device)
     cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)
-    if cdf.dim() == 1:  # one draw (the decoders' case): the same search, with Python scalars
-        return _draw_one(cdf, float(u))
     target = (u.to(cdf.device, torch.float64) * cdf[..., -1]).unsqueeze(-1)
     idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)
     # where the cdf first reaches its total: the last token the cdf can land on (its mass is positive)
@@ -141,13 +148,15 @@ def sample_with_uniform(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.minimum(idx, last_positive)
 
 
-def _draw_one(cdf: torch.Tensor, u: float) -> torch.Tensor:
-    """:func:`sample_with_uniform` for one row, given its float64 cdf (V,): a 0-d long tensor."""
+def draw_index(probs: torch.Tensor, u: float) -> int:
+    """:func:`sample_with_uniform` for one row (V,) and a Python uniform: the index as a Python int (the
+    same float64 cdf and search; the decoders draw one token at a time and want the int)."""
+    cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)
     total = float(cdf[-1])
     idx = int(torch.searchsorted(cdf, u * total, right=True))
     if idx == cdf.shape[0]:  # u * total rounded up to the total: the last token with positive mass
         idx = int(torch.searchsorted(cdf, total, right=False))
-    return torch.tensor(idx, device=cdf.device)
+    return idx
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -174,6 +183,15 @@ def residual_mass(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     the residual from without the division. p, q: (*, V). Returns (*, V)."""
     r = (p - q).clamp_min_(0.0)
     return torch.where(r.sum(dim=-1, keepdim=True) > 0, r, p)
+
+
+def compact_residual_mass(p: torch.Tensor, q: torch.Tensor, support: torch.Tensor) -> torch.Tensor:
+    """:func:`residual_mass` of one row for a q kept compact: ``q`` (N,) over the ids ``support`` (N,),
+    zero on every other id of p (V,). The same values as on q placed in the vocabulary (p - 0 = p off
+    the support), without forming that row."""
+    r = p.clone()
+    r.index_copy_(0, support, (p.index_select(0, support) - q).clamp_min_(0.0))
+    return r if bool(r.sum() > 0) else p
 
 
 def _linear(p: torch.Tensor, eps: float) -> torch.Tensor:

@@ -15,9 +15,10 @@ drafters, trees) are new proposers; the schedule and the verification rules stay
   id of a larger verifier vocabulary) is fed to it as its pad id (else 0): its later drafts may be
   worse, the output is not affected;
 - a drafter over a reduced draft vocabulary (train/models/draft_vocab.py) is asked for the logits of its
-  draft ids only: its greedy pick and its q are computed over those N ids, and q is placed in the
-  verifier's vocabulary once per block (zero elsewhere, the same distribution as the full-vocabulary
-  logits give, drawn by the same uniform to the same token), a sixth of the work over 8,192 of 49,152;
+  draft ids only: its greedy pick and its q are computed over those N ids (the same distribution as
+  the full-vocabulary logits give, zero elsewhere, drawn by the same uniform to the same token), a
+  sixth of the work over 8,192 of 49,152, and the draft keeps q compact (:class:`Draft`'s ``support``);
+- at T > 0 a block's uniforms for its drafts are drawn at once, one per possible draft;
 - its cache holds a prefix of the committed tokens plus the drafts it was fed; a block first feeds, in
   one call, every committed token it has not seen (the previous block's correction or bonus token and
   the last accepted draft, which a drafter never consumes);
@@ -40,7 +41,7 @@ from train.decoding.cache import crop_cache
 from train.decoding.draft import Draft
 from train.decoding.metrics import DecodeStats
 from train.decoding.model_call import CallResult, TimedModel
-from train.decoding.sampling import SamplingParams, greedy_ids, sample_with_uniform, uniforms, warp
+from train.decoding.sampling import SamplingParams, draw_index, greedy_ids, uniforms, warp
 
 __all__ = ["ModelProposer", "draft_confidence"]
 
@@ -138,10 +139,12 @@ class ModelProposer:
     ) -> Draft:
         tokens: list[int] = []
         qs: list[torch.Tensor] = []
+        columns: list[int] = []
         greedy = params.greedy
         ids = self._support_ids
+        u = [] if greedy else uniforms(budget, generator).tolist()
         feed = self._embeddable(sequence[self._length :])
-        for _ in range(budget):
+        for step in range(budget):
             out = self._call(feed, stats, support_only=ids is not None)
             self._length += len(feed)
             logits = out.logits[-1]
@@ -154,8 +157,9 @@ class ModelProposer:
             if greedy:
                 i = int(greedy_ids(q))
             else:
-                i = int(sample_with_uniform(q, uniforms((), generator, q.device)))
+                i = draw_index(q, u[step])
                 qs.append(q)
+                columns.append(i)
             x = i if ids is None else ids[i]
             tokens.append(x)
             if x in eos:
@@ -163,17 +167,12 @@ class ModelProposer:
             if self.confidence_threshold and draft_confidence(q, i, greedy) < self.confidence_threshold:
                 break
             feed = self._embeddable([x])
-        q_all = torch.stack(qs) if qs else None
-        if q_all is not None and ids is not None:
-            q_all = self._place(q_all)
-        return Draft.chain(tokens, q_all)
-
-    def _place(self, q: torch.Tensor) -> torch.Tensor:
-        """(k, N) distributions over the draft ids -> (k, V) over the verifier's vocabulary, 0 elsewhere."""
-        support = self.drafter.support
-        assert support is not None
-        full = q.new_zeros(q.shape[0], self.vocab_size)
-        return full.index_copy_(1, support.to(q.device), q)
+        if not qs:
+            return Draft.chain(tokens)
+        if ids is None:
+            return Draft.chain(tokens, torch.stack(qs))
+        # q over the draft ids, kept compact: the chain rule reads it as zero on every other id
+        return Draft.chain(tokens, torch.stack(qs), support=self.drafter.support, columns=columns)
 
     def observe(self, states: torch.Tensor) -> None:
         """Never called: ``hidden_layers`` is None."""

@@ -26,6 +26,8 @@ from train.decoding.draft import Draft
 from train.decoding.sampling import (
     SamplingParams,
     apply_lenience,
+    compact_residual_mass,
+    draw_index,
     expected_acceptance_per_position,
     greedy_ids,
     residual_mass,
@@ -137,44 +139,72 @@ def verify_chain(
 ) -> ChainVerdict:
     """Apply the chain rule to the verifier's logits (k + 1, V) over a chain draft of k tokens.
 
-    Greedy (T = 0): :func:`greedy_chain` on the argmaxes. Sampling: :func:`chain_rejection` on the
-    warped distributions, with k + 1 uniforms drawn from ``generator`` (on its own device). A
-    deterministic draft (``draft.q is None``) under sampling is verified against point masses.
+    Greedy (T = 0): :func:`greedy_chain` on the argmaxes. Sampling: the decisions of
+    :func:`chain_rejection` (the same arithmetic, token for token) on the warped distributions, with
+    k + 1 uniforms drawn from ``generator`` (on its own device). A deterministic draft (``draft.q is
+    None``) under sampling is verified against point masses; a compact q (``draft.support``) on its
+    support alone.
+
+    In the loop this runs once per block, right after a forward has left the caches cold, where every
+    tensor operation costs several microseconds beyond its arithmetic: the walk warps the verifier's rows
+    only as far as the first rejection, and single values are compared as Python floats (docs/decoding.md,
+    "The loop's own cost").
     """
     k = len(draft)
     if params.greedy:
         n, nxt = greedy_chain(draft.tokens, greedy_ids(logits).tolist())
         # one-hot p and q: expected acceptance is 1 where the argmaxes agree (all accepted positions)
         return ChainVerdict(n, nxt, min(n + 1, k), float(n))
-    u = uniforms(k + 1, generator, logits.device)
+    u = uniforms(k + 1, generator).tolist()
     if k == 0:
-        return ChainVerdict(0, int(correction(warp(logits[0], params), None, u[0])), 0, 0.0)
+        return ChainVerdict(0, draw_index(warp(logits[0], params), u[0]), 0, 0.0)
     tokens = draft.tokens
     if draft.q is None:  # a deterministic draft (prompt lookup): point masses, no (k, V) rows built
         return _verify_point_masses(logits, tokens, params, u, lenience, eps)
     q = draft.q.to(logits.device)
-    # Walk the chain, warping the verifier's rows only as far as the first rejection: at T = 1 most
-    # blocks stop after one or two of k + 1 rows (docs/decoding.md, "The loop's own cost").
+    support = None if draft.support is None else draft.support.to(logits.device)
+    columns = tokens if draft.columns is None else draft.columns
     p_rows: list[torch.Tensor] = []
     n = 0
     while n <= k:
         p_rows.append(warp(logits[n], params))
-        if n == k or not bool(passes(u[n], q[n, tokens[n]], p_rows[n][tokens[n]], lenience, eps)):
+        if n == k or not _passes_one(
+            u[n], float(q[n, columns[n]]), float(p_rows[n][tokens[n]]), lenience, eps
+        ):
             break
         n += 1
     tested = min(n + 1, k)
     expected = sum(
-        float(expected_acceptance_per_position(p_rows[i], q[i], lenience, eps)) for i in range(tested)
+        float(expected_acceptance_per_position(_on(p_rows[i], support), q[i], lenience, eps))
+        for i in range(tested)
     )
-    next_token = correction(p_rows[n], q[n] if n < k else None, u[k])
-    return ChainVerdict(n, int(next_token), tested, expected)
+    if n == k:
+        return ChainVerdict(n, draw_index(p_rows[k], u[k]), tested, expected)
+    rest = (
+        residual_mass(p_rows[n], q[n]) if support is None else compact_residual_mass(p_rows[n], q[n], support)
+    )
+    return ChainVerdict(n, draw_index(rest, u[k]), tested, expected)
+
+
+def _on(p_row: torch.Tensor, support: torch.Tensor | None) -> torch.Tensor:
+    """p restricted to a compact q's support (q is zero elsewhere, where min(q, f(p)) adds nothing)."""
+    return p_row if support is None else p_row.index_select(0, support)
+
+
+def _passes_one(u: float, q_x: float, p_x: float, lenience: str | None, eps: float) -> bool:
+    """:func:`passes` for one draft, on Python floats: float64 arithmetic either way (a float32 value is
+    exact in float64, and so is the product of two of them), so the decision is :func:`passes`'s."""
+    if lenience is None or eps == 1.0:
+        return u * q_x < p_x
+    as_tensor = torch.tensor([u, q_x, p_x], dtype=torch.float64)
+    return bool(passes(as_tensor[0], as_tensor[1], as_tensor[2], lenience, eps))
 
 
 def _verify_point_masses(
     logits: torch.Tensor,
     tokens: Sequence[int],
     params: SamplingParams,
-    u: torch.Tensor,
+    u: list[float],
     lenience: str | None,
     eps: float,
 ) -> ChainVerdict:
@@ -183,17 +213,20 @@ def _verify_point_masses(
     rejection ``max(0, p - onehot(x))``, i.e. p with x's mass removed (bit for bit what the dense rule
     computes: p(v) - 0 elsewhere, p(x) - 1 <= 0 clamped to 0)."""
     k = len(tokens)
-    one = torch.ones((), dtype=torch.float32, device=logits.device)
     n, expected = 0, 0.0
     while True:
         p_row = warp(logits[n], params)
         if n == k:  # every draft passed: the bonus token from p_k
-            return ChainVerdict(k, int(correction(p_row, None, u[k])), k, expected)
-        p_x = p_row[tokens[n]]
-        expected += float(torch.minimum(one, apply_lenience(p_x, lenience, eps)))
-        if not bool(passes(u[n], one, p_x, lenience, eps)):
+            return ChainVerdict(k, draw_index(p_row, u[k]), k, expected)
+        p_x = float(p_row[tokens[n]])
+        f_p = (
+            p_x
+            if lenience is None or eps == 1.0
+            else float(apply_lenience(torch.tensor(p_x, dtype=torch.float64), lenience, eps))
+        )
+        expected += min(1.0, f_p)
+        if not _passes_one(u[n], 1.0, p_x, lenience, eps):
             rest = p_row.clone()
             rest[tokens[n]] = 0.0
-            next_token = sample_with_uniform(rest if bool(rest.sum() > 0) else p_row, u[k])
-            return ChainVerdict(n, int(next_token), n + 1, expected)
+            return ChainVerdict(n, draw_index(rest if bool(rest.sum() > 0) else p_row, u[k]), n + 1, expected)
         n += 1

@@ -44,6 +44,7 @@ def verify_tree(
     """Verify ``draft`` against the verifier's logits (n + 1, V): row 0 after the context, row i + 1
     after node i. Siblings are checked as ``draft.kind`` says they were drawn (point masses when
     ``draft.q`` is None; ignored at T = 0). Uniforms come from ``generator`` on its own device."""
+    draft_q = draft.dense_q(logits.shape[-1])  # a compact q (a chain's) placed over the vocabulary
     children: dict[int, list[int]] = {}
     for i in sorted(range(len(draft)), key=lambda j: (draft.parents[j], draft.rank[j])):
         children.setdefault(draft.parents[i], []).append(i)
@@ -68,7 +69,7 @@ def verify_tree(
                 )
             u = uniforms(len(kids) + 1, generator, p.device)
             candidates = torch.tensor([draft.tokens[c] for c in kids], dtype=torch.long, device=p.device)
-            q = None if draft.q is None else draft.q[kids[0]].to(p.device)
+            q = None if draft_q is None else draft_q[kids[0]].to(p.device)
             rule = "deterministic" if q is None else draft.kind
             if q is not None:
                 expected += float(expected_acceptance_per_position(p[None], q[None]).sum())
