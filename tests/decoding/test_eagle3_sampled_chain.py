@@ -88,12 +88,14 @@ def test_chain_q_rows_are_the_warped_sequential_drafts(
     for sequence, draft, cached in records:
         assert draft.is_chain and 1 <= len(draft) <= 4 and draft.q is not None
         assert cached == len(sequence) - 1  # the chain's nodes left the cache
+        assert draft.support is not None and torch.equal(draft.support, drafter.draft_ids)  # q kept compact
+        q = draft.dense_q(vocab_size)
         for i, token in enumerate(draft.tokens):
             logits = sequential_children(verifier, drafter, sequence, draft, i - 1)
             warped = warp(logits.float() / draft_temperature, params)
             want = torch.zeros(vocab_size).index_copy_(0, drafter.draft_ids, warped)
-            torch.testing.assert_close(draft.q[i], want, atol=1e-5, rtol=1e-4)
-            assert draft.q[i, token] > 0
+            torch.testing.assert_close(q[i], want, atol=1e-5, rtol=1e-4)
+            assert q[i, token] > 0 and int(drafter.draft_ids[draft.columns[i]]) == token
 
 
 def test_temperature_zero_keeps_the_tree_and_the_greedy_output(eagle3_verifiers, monkeypatch):
@@ -127,7 +129,7 @@ def test_a_chain_with_the_wrong_q_is_caught(eagle3_law_verifier, monkeypatch):
     def off_by_one(self, *args):
         draft, forwards = sample_chain(self, *args)
         q = torch.cat([draft.q[:1], draft.q[:-1]])
-        return Draft.chain(draft.tokens, q), forwards
+        return Draft.chain(draft.tokens, q, support=draft.support, columns=draft.columns), forwards
 
     monkeypatch.setattr(Eagle3Proposer, "_sample_chain", off_by_one)
     stat, df, _ = law_statistic(eagle3_law_verifier, SamplingParams(1.0), sampled_chain=True)

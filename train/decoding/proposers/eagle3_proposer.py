@@ -50,7 +50,7 @@ from train.decoding.cache import cache_length, crop_cache
 from train.decoding.draft import Draft
 from train.decoding.metrics import DecodeStats
 from train.decoding.proposers.tree_proposers import gumbel_top_k
-from train.decoding.sampling import SamplingParams, sample_with_uniform, uniforms, warp
+from train.decoding.sampling import SamplingParams, draw_index, uniforms, warp
 from train.models.eagle3_drafter import Eagle3Drafter
 
 __all__ = ["Eagle3Proposer", "node_mask", "select_nodes"]
@@ -119,6 +119,7 @@ class Eagle3Proposer:
         param = drafter.fc.weight
         self._device, self._dtype = param.device, param.dtype
         self._targets = drafter.draft_ids.to(self._device)  # draft index -> verifier id
+        self._target_ids: list[int] = self._targets.tolist()
         self._cache: DynamicCache | None = None
         self._fed = 0  # drafter cache length: positions 0 .. fed - 1 hold their (feature, next token) pair
         self._pending: list[torch.Tensor] = []  # fused features (P, h) of positions fed, fed + 1, ...
@@ -220,12 +221,17 @@ class Eagle3Proposer:
         positions (cropped after the draft), so plain causal attention is the chain's."""
         tokens: list[int] = []
         qs: list[torch.Tensor] = []
+        columns: list[int] = []
         forwards = 0
+        u = uniforms(depth, generator).tolist()
         for d in range(depth):
-            q = self._distribution(logits, params)
-            token = int(sample_with_uniform(q, uniforms((), generator, q.device)))
+            # q over the draft vocabulary, kept compact (Draft.support): zero at every other verifier id
+            q = warp(logits.float() / self.draft_temperature, params)
+            column = draw_index(q, u[d])
+            token = self._target_ids[column]
             tokens.append(token)
             qs.append(q)
+            columns.append(column)
             if d == depth - 1 or token in eos:
                 break
             out = self.drafter(
@@ -236,7 +242,7 @@ class Eagle3Proposer:
             )
             logits, hidden = out.logits[0, -1], out.hidden[0, -1]
             forwards += 1
-        return Draft.chain(tokens, torch.stack(qs)), forwards
+        return Draft.chain(tokens, torch.stack(qs), support=self._targets, columns=columns), forwards
 
     def _sample_tree(
         self,
