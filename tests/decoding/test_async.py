@@ -117,14 +117,14 @@ def test_sampled_output_law_is_the_verifiers(delays, min_ahead):
 
 @pytest.mark.slow
 def test_sampling_law_test_catches_a_biased_acceptance(monkeypatch):
-    """Broken on purpose: accept drafts 10% less often than the rule says (the acceptance test every
-    chain rule applies, batched or walked)."""
-    original = loop_module.passes
+    """Broken on purpose: accept drafts 10% less often than the rule says (the acceptance test of the
+    walked chain, ``_passes_one``; tests/decoding/test_rules.py ties its decisions to the batched rule's)."""
+    original = loop_module._passes_one
 
     def biased(u, q_x, p_x, lenience, eps):
-        return original(torch.clamp(u / 0.9, max=1.0), q_x, p_x, lenience, eps)
+        return original(min(u / 0.9, 1.0), q_x, p_x, lenience, eps)
 
-    monkeypatch.setattr(loop_module, "passes", biased)
+    monkeypatch.setattr(loop_module, "_passes_one", biased)
     verifier, drafter = _law_case(None)
     law = verifier_joint(table_next(verifier, T1), PROMPT, 5, (EOS,))
     runs = 2000

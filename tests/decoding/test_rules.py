@@ -131,6 +131,35 @@ def test_chain_every_emitted_position_is_distributed_as_p():
     assert stat < crit
 
 
+@pytest.mark.parametrize(("lenience", "eps"), [(None, 1.0), ("linear", 0.6), ("exponential", 0.5)])
+@pytest.mark.parametrize("point_masses", [False, True], ids=["drawn", "point-masses"])
+def test_the_walked_chain_decides_as_the_batched_rule(lenience, eps, point_masses):
+    """``verify_chain`` (what the loop runs: a walk on Python floats) against ``chain_rejection`` (what
+    the exact-law tests drive in batches) on the same logits, drafts and uniforms: the same accepted
+    count and next token in every one of 600 blocks, so the law the batched tests prove is the loop's."""
+    from train.decoding.draft import Draft
+    from train.decoding.rules.chain import verify_chain
+    from train.decoding.sampling import SamplingParams, uniforms, warp
+
+    gen = torch.Generator().manual_seed(7)
+    params = SamplingParams(temperature=1.0)
+    outcomes = set()
+    for block in range(600):
+        k, vocab = 1 + block % 4, 6
+        logits = torch.randn(k + 1, vocab, generator=gen) * 1.5
+        q = warp(torch.randn(k, vocab, generator=gen) * 1.5, params)
+        tokens = [int(t) for t in torch.multinomial(q, 1, generator=gen).squeeze(-1)]
+        if point_masses:
+            q = torch.nn.functional.one_hot(torch.tensor(tokens), vocab).float()
+        draft = Draft.chain(tokens, None if point_masses else q)
+        walked = verify_chain(logits, draft, params, torch.Generator().manual_seed(block), lenience, eps)
+        u = uniforms(k + 1, torch.Generator().manual_seed(block))
+        n, nxt = chain_rejection(warp(logits, params), q, torch.tensor(tokens), u[:k], u[k], lenience, eps)
+        assert (walked.accepted, walked.next) == (int(n), int(nxt)), block
+        outcomes.add(int(n))
+    assert {0, 1, 2, 3} <= outcomes  # rejections at every depth met, and full acceptances
+
+
 def test_chain_q_equals_p_accepts_everything_and_disjoint_support_nothing():
     p = dist(1)
     _, accepted, nxt = run_chain([p, p, p], [p, p], seed=3, n=20_000)
