@@ -200,11 +200,15 @@ class Eagle3Proposer:
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
 
+    def _compact_distribution(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """q over the draft vocabulary (N,): the drafter's logits (N,) divided by ``draft_temperature``,
+        warped by ``params`` (zero at every other verifier id)."""
+        return warp(logits.float() / self.draft_temperature, params)
+
     def _distribution(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-        """q over the verifier's vocabulary (V,): the drafter's logits (N,) divided by
-        ``draft_temperature``, warped by ``params``, placed at their target ids, zero elsewhere."""
+        """q over the verifier's vocabulary (V,): :meth:`_compact_distribution` placed at the target ids."""
         q = torch.zeros(self.vocab_size, dtype=torch.float32, device=logits.device)
-        return q.index_copy_(0, self._targets, warp(logits.float() / self.draft_temperature, params))
+        return q.index_copy_(0, self._targets, self._compact_distribution(logits, params))
 
     def _sample_chain(
         self,
@@ -225,8 +229,7 @@ class Eagle3Proposer:
         forwards = 0
         u = uniforms(depth, generator).tolist()
         for d in range(depth):
-            # q over the draft vocabulary, kept compact (Draft.support): zero at every other verifier id
-            q = warp(logits.float() / self.draft_temperature, params)
+            q = self._compact_distribution(logits, params)  # kept compact in the draft (Draft.support)
             column = draw_index(q, u[d])
             token = self._target_ids[column]
             tokens.append(token)
