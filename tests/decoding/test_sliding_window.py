@@ -2,7 +2,7 @@
 
 Hugging Face's sliding-window cache layers drop what leaves the window, so the first rollback past it
 used to raise in ``crop``. The engine gives such models full-length cache layers and applies the
-window through the attention mask (``rollback_cache``, ``sliding_window_mask``): tree logits equal a
+window through the attention mask (``decoding_cache``, ``sliding_window_mask``): tree logits equal a
 fresh forward along each path, and every decoder's greedy output equals HF ``generate`` well past a
 window of 8.
 """
@@ -24,7 +24,8 @@ from train.decoding import (
     crop_cache,
     keep_positions,
 )
-from train.decoding.cache import rollback_cache, sliding_layout
+from train.decoding.cache import decoding_cache, sliding_layout
+from train.decoding.cache_layer import BufferedLayer
 from train.decoding.tree_attention import tree_attention_mask
 from train.models.heads import MedusaHeads
 
@@ -77,7 +78,8 @@ def test_the_models_really_slide(sliding_pair):
     assert not torch.allclose(slid, full)
     for arch in ("llama", "qwen3", "gpt2"):  # no window (Qwen3's sliding_window is unused by default)
         plain = build(tiny_config(arch, 32), 0)
-        assert sliding_layout(plain) is None and rollback_cache(plain) is None
+        assert sliding_layout(plain) is None
+        assert all(type(layer) is BufferedLayer for layer in decoding_cache(plain).layers)
 
 
 @torch.no_grad()

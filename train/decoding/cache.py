@@ -5,8 +5,10 @@ Works on any ``transformers`` ``Cache`` whose layers hold ``keys`` / ``values`` 
 decoder-only models), and on any object with ``get_seq_length()`` / ``crop(-n)`` for cropping (the
 table-driven fakes of the tests). Recurrent layers, and Hugging Face's sliding-window layers (which drop
 what falls out of the window), cannot have positions removed; they raise a clear error instead of
-silently keeping stale entries. The decoders never meet the latter: :func:`rollback_cache` gives a
-sliding-window model full-length layers, the window being applied by the attention mask.
+silently keeping stale entries. The decoders never meet the latter: :func:`decoding_cache` gives every
+model whose cache Hugging Face builds from its config (sliding-window models included) one
+:class:`~train.decoding.cache_layer.BufferedLayer` per attention layer, which rolls back by a length and
+keeps every position, the window being applied by the attention mask.
 """
 
 from __future__ import annotations
@@ -18,12 +20,15 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
+from train.decoding.cache_layer import BufferedLayer
+
 __all__ = [
     "SlidingLayout",
     "cache_length",
+    "buffered_cache",
     "crop_cache",
+    "decoding_cache",
     "keep_positions",
-    "rollback_cache",
     "sliding_layout",
 ]
 
@@ -70,23 +75,42 @@ def sliding_layout(model: Any) -> SlidingLayout | None:
     )
 
 
-def rollback_cache(model: Any) -> Any:
-    """A fresh cache for ``model`` in which every layer can be cropped and compacted: the model's own
-    ``DynamicCache(config=...)`` with each sliding-window layer replaced by a full ``DynamicLayer``; None
-    where the model's default already can be (a model without such layers builds its own).
+#: The layer types replaced by a :class:`BufferedLayer` (exactly these: a subclass may hold other state).
+_REPLACEABLE = (DynamicLayer, DynamicSlidingWindowLayer)
 
-    A ``DynamicSlidingWindowLayer`` keeps only the last ``window - 1`` positions, so a rollback past
-    them raises (transformers' ``crop``) or would lose entries. Keeping all positions costs memory
-    (the cache grows with the sequence, as a full-attention model's does) but not exactness: the model
-    applies the window through its attention mask, built from its config for a causal forward, and the
-    decoders narrow their tree masks the same way (:func:`~train.decoding.tree_attention.sliding_window_mask`).
+
+def decoding_cache(model: Any) -> Any:
+    """A fresh cache for ``model`` as the decoders use it: the model's own ``DynamicCache(config=...)``
+    with every full or sliding-window attention layer a :class:`BufferedLayer` (other layer kinds, such
+    as recurrent state, are left as they are); None, so that the model builds its own, for a model whose
+    config the cache cannot read (a stand-in) or whose cache has other layer kinds and no sliding window.
+
+    A ``BufferedLayer`` appends in place and rolls back by lowering a length, where a ``DynamicLayer``
+    copies the whole layer at every forward (``torch.cat``) and slices it at every crop; the logits are
+    the same bit for bit (tests/decoding/test_decoding_cache.py). For a sliding-window layer it also
+    keeps every position: a ``DynamicSlidingWindowLayer`` drops what leaves the window, so a rollback
+    past it cannot be undone (transformers' ``crop`` raises). Keeping all positions costs memory (the
+    cache grows with the sequence, as a full-attention model's does) but not exactness: the model applies
+    the window through its attention mask, built from its config for a causal forward, and the decoders
+    narrow their tree masks the same way (:func:`~train.decoding.tree_attention.sliding_window_mask`).
     """
     cache = _library_cache(model)
-    if cache is None or not any(type(layer) is DynamicSlidingWindowLayer for layer in cache.layers):
+    if cache is None:
         return None
-    cache.layers = [
-        DynamicLayer() if type(layer) is DynamicSlidingWindowLayer else layer for layer in cache.layers
-    ]
+    kinds = {type(layer) for layer in cache.layers}
+    if not kinds <= set(_REPLACEABLE) and DynamicSlidingWindowLayer not in kinds:
+        return None  # other layer kinds (recurrent state) and nothing to unwindow: the model's own cache
+    cache.layers = [BufferedLayer() if type(layer) in _REPLACEABLE else layer for layer in cache.layers]
+    if cache.layer_class_to_replicate is DynamicLayer:  # a config that names no layer types
+        cache.layer_class_to_replicate = BufferedLayer
+    return cache
+
+
+def buffered_cache() -> DynamicCache:
+    """An empty ``DynamicCache`` whose layers, created as the model first writes them, are
+    :class:`BufferedLayer` s: for a model without a Hugging Face config (the EAGLE-3 drafter's layer)."""
+    cache = DynamicCache()
+    cache.layer_class_to_replicate = BufferedLayer
     return cache
 
 
@@ -138,6 +162,9 @@ def keep_positions(cache: Any, positions: Sequence[int] | torch.Tensor, current:
             "transformers Cache with `.layers` (transformers >= 4.56)"
         )
     for i, layer in enumerate(layers):
+        if isinstance(layer, BufferedLayer):
+            layer.keep(index)
+            continue
         if getattr(layer, "is_sliding", False) or not hasattr(layer, "keys"):
             raise TypeError(
                 f"layer {i} of the cache ({type(layer).__name__}) cannot keep arbitrary positions "

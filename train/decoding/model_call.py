@@ -10,9 +10,10 @@ two models on two GPUs are each timed on the GPU that ran them.
 Which name the installed transformers gives the cache argument, the model's device and vocabulary
 sizes come from :mod:`train.models.introspect`.
 
-Sliding-window models (Mistral, Qwen2/3 with ``use_sliding_window``, Gemma 2/3) get a cache whose every
-layer keeps all its positions (:func:`~train.decoding.cache.rollback_cache`): the window is applied by
-the attention mask, the model's own for a causal forward and :func:`~train.decoding.tree_attention.sliding_window_mask`
+A first call (no cache yet) starts the decoders' own cache (:func:`~train.decoding.cache.decoding_cache`):
+the model's ``DynamicCache`` with layers that append in place and roll back by a length. Sliding-window
+models (Mistral, Qwen2/3 with ``use_sliding_window``, Gemma 2/3) thereby get layers that keep all their
+positions: the window is applied by the attention mask, the model's own for a causal forward and :func:`~train.decoding.tree_attention.sliding_window_mask`
 on a tree mask, so rollbacks and tree compaction work and every logit is the model's.
 """
 
@@ -25,7 +26,7 @@ from typing import Any
 
 import torch
 
-from train.decoding.cache import SlidingLayout, rollback_cache, sliding_layout
+from train.decoding.cache import SlidingLayout, decoding_cache, sliding_layout
 from train.decoding.tree_attention import sliding_window_mask
 from train.models.draft_vocab import draft_support
 from train.models.introspect import (
@@ -114,8 +115,8 @@ class TimedModel:
         else:
             ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         keep = logits_to_keep is not None and self.supports_logits_to_keep
-        if cache is None and self._sliding is not None:
-            cache = rollback_cache(self.model)
+        if cache is None:
+            cache = decoding_cache(self.model)
         extra = self._support_kw if support_only and self._has_support else {}
         if position_ids is None and attention_mask is None and not hidden_layers:  # the hot path
             start = time.perf_counter()

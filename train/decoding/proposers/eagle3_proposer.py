@@ -46,7 +46,7 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache
 
-from train.decoding.cache import cache_length, crop_cache
+from train.decoding.cache import buffered_cache, cache_length, crop_cache
 from train.decoding.draft import Draft
 from train.decoding.metrics import DecodeStats
 from train.decoding.proposers.tree_proposers import gumbel_top_k
@@ -170,7 +170,8 @@ class Eagle3Proposer:
         first = self._fed
         tokens = torch.tensor([sequence[first + 1 : first + 1 + n_new]], device=self._device)
         positions = torch.arange(first, first + n_new, device=self._device)[None]
-        out = self.drafter(tokens, features[None], positions, past_key_values=self._cache, use_cache=True)
+        cache = buffered_cache() if prefill else self._cache
+        out = self.drafter(tokens, features[None], positions, past_key_values=cache, use_cache=True)
         self._cache = out.past_key_values
         self._fed += n_new
         self._pending = []
