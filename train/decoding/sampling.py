@@ -144,7 +144,7 @@ def sample_with_uniform(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     target = (u.to(cdf.device, torch.float64) * cdf[..., -1]).unsqueeze(-1)
     idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)
     # where the cdf first reaches its total: the last token the cdf can land on (its mass is positive)
-    last_positive = torch.searchsorted(cdf, cdf[..., -1:], right=False).squeeze(-1)
+    last_positive = torch.searchsorted(cdf, cdf[..., -1:].contiguous(), right=False).squeeze(-1)
     return torch.minimum(idx, last_positive)
 
 
