@@ -87,7 +87,7 @@ def decoding_cache(model: Any) -> Any:
 
     A ``BufferedLayer`` appends in place and rolls back by lowering a length, where a ``DynamicLayer``
     copies the whole layer at every forward (``torch.cat``) and slices it at every crop; the logits are
-    the same bit for bit (tests/decoding/test_decoding_cache.py). For a sliding-window layer it also
+    the same bit for bit (tests/decoding/test_cache_layer.py). For a sliding-window layer it also
     keeps every position: a ``DynamicSlidingWindowLayer`` drops what leaves the window, so a rollback
     past it cannot be undone (transformers' ``crop`` raises). Keeping all positions costs memory (the
     cache grows with the sequence, as a full-attention model's does) but not exactness: the model applies
