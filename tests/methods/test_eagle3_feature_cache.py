@@ -1,6 +1,8 @@
-"""EAGLE-3's in-memory feature cache: the byte budget, copies that outlive the batch, targets recomputed
-from the verifier's last hidden state equal to those of its logits, and a module whose cached epochs give
-the online losses without calling the verifier, whatever rows a batch groups."""
+"""EAGLE-3's feature cache: the byte budget, copies that outlive the batch, rows keyed by their tokens,
+targets recomputed from the verifier's last hidden state equal to those of its logits, a module whose
+cached epochs give the online losses without calling the verifier whatever rows a batch groups, and the
+saved cache: read back bit for bit by the next run, which then trains without the verifier, and ignored
+when another verifier, other layers or another precision computed it."""
 
 from __future__ import annotations
 
@@ -8,9 +10,9 @@ import pytest
 import torch
 
 from tests.conftest import tiny_llama
-from tests.methods.test_eagle3_method import PAD, _build
+from tests.methods.test_eagle3_method import PAD, _build, _Losses, _trainer
 from train.config import ConfigError
-from train.methods.eagle3.feature_cache import FeatureCache, padded_rows
+from train.methods.eagle3.feature_cache import FeatureCache, fingerprint, padded_rows, row_keys
 from train.models.eagle3_ttt import head_matches, head_targets, verifier_targets
 from train.training.answer_data import collate_answers
 
@@ -110,21 +112,31 @@ def test_cached_epochs_give_the_online_losses_without_the_verifier(monkeypatch):
     for got_k, want_k in zip(cached.accuracies, want.accuracies, strict=True):
         assert float(got_k) == pytest.approx(float(want_k))
     # keyed by row, not by place in the batch: rows swapped between keys give other losses
-    swapped = dict(module.feature_cache.rows)
-    module.feature_cache.rows[("train", 1)], module.feature_cache.rows[("train", 3)] = (
-        swapped[("train", 3)],
-        swapped[("train", 1)],
-    )
+    one, three = (_key(rows[i]) for i in (1, 3))
+    kept = module.feature_cache.rows
+    kept[one], kept[three] = kept[three], kept[one]
     assert not torch.allclose(module.ttt(again).loss, want.loss, rtol=1e-3)
 
 
-def test_validation_rows_have_their_own_keys():
+def _key(row: dict[str, torch.Tensor]) -> str:
+    return row_keys(row["input_ids"][None], [len(row["input_ids"])])[0]
+
+
+def test_a_row_is_keyed_by_its_real_tokens_alone():
+    ids = torch.tensor([[5, 6, 7, PAD, PAD], [5, 6, 7, 8, PAD], [5, 6, 7, PAD, 9]])
+    first, longer, other_padding = row_keys(ids, [3, 4, 3])
+    assert first == other_padding != longer  # padding is no part of a row
+    assert row_keys(ids[:1, :3], [3]) == [first]  # nor is the batch's width
+    assert row_keys(torch.tensor([[5, 7, 6]]), [3]) != [first]  # order is
+    assert len(set(row_keys(torch.arange(64).reshape(8, 8), [8] * 8))) == 8
+
+
+def test_a_validation_row_with_a_training_row_s_tokens_shares_its_features(monkeypatch):
     module, data = _build(feature_cache_gb=0.01)
-    batch = _batch(data.rows["train"][:2])
-    module.ttt(batch)
+    module.ttt(_batch(data.rows["train"][:2]))  # this test's validation answers are its training ones
+    monkeypatch.setattr(module, "verifier_pass", lambda *a, **k: pytest.fail("the verifier ran again"))
     module.ttt(_batch(data.rows["validation"][:2]), split="validation")
-    assert {key[0] for key in module.feature_cache.rows} == {"train", "validation"}
-    assert module.feature_cache.hits == 0
+    assert (module.feature_cache.hits, len(module.feature_cache)) == (1, 2)
 
 
 def test_without_a_budget_nothing_is_kept():
@@ -144,3 +156,106 @@ def test_a_head_that_does_not_give_the_logits_is_a_config_error(monkeypatch):
 def test_the_budget_must_not_be_negative():
     with pytest.raises(ConfigError, match="method.feature_cache_gb"):
         _build(feature_cache_gb=-1.0)
+
+
+# ------------------------------------------------------------------------------------------ on disk
+
+
+def _stamp(**change):
+    stamp = {"weights": "abc", "aux_layers": [0, 1, 1], "precision": "32-true"}
+    return {**stamp, **change}
+
+
+def test_saved_rows_read_back_bit_for_bit_within_the_budget(tmp_path):
+    aux, states, argmax = _features(batch=3, length=5)
+    cache = FeatureCache(max_bytes=10**6)
+    cache.store(["a", "b", "c"], [5, 2, 4], aux, states, argmax)
+    assert cache.unsaved == 3
+    path = tmp_path / "features" / "features.rank0.pt"
+    cache.save(path, _stamp())
+    assert cache.unsaved == 0 and [p.name for p in path.parent.iterdir()] == [
+        path.name
+    ]  # no partial file left
+    again = FeatureCache(max_bytes=10**6)
+    assert again.load(path, _stamp()) == 3 and again.unsaved == 0 and again.nbytes == cache.nbytes
+    for key, row in cache.rows.items():
+        got = again.rows[key]
+        assert torch.equal(got.aux, row.aux) and torch.equal(got.hidden, row.hidden)
+        assert torch.equal(got.argmax, row.argmax) and got.argmax.dtype == torch.long
+    assert again.load(path, _stamp()) == 0  # already kept
+    one_row = cache.rows["a"].nbytes
+    assert FeatureCache(max_bytes=one_row).load(path, _stamp()) == 1  # the budget holds on reading too
+    assert FeatureCache(max_bytes=10**6).load(tmp_path / "missing.pt", _stamp()) == 0
+
+
+@pytest.mark.parametrize(
+    "change", [{"weights": "abd"}, {"aux_layers": [0, 1, 0]}, {"precision": "bf16-mixed"}, {"device": "cuda"}]
+)
+def test_rows_saved_by_another_verifier_are_ignored(tmp_path, change):
+    cache = FeatureCache(max_bytes=10**6)
+    cache.store(["a"], [5], *(t[:1] for t in _features()))
+    cache.save(tmp_path / "f.pt", _stamp())
+    assert FeatureCache(max_bytes=10**6).load(tmp_path / "f.pt", _stamp(**change)) == 0
+
+
+def test_the_fingerprint_tells_checkpoints_and_layers_apart():
+    verifier = tiny_llama(hidden=64, seed=0)
+    stamp = fingerprint(verifier, [0, 1, 1], "32-true", "cpu")
+    assert stamp == fingerprint(tiny_llama(hidden=64, seed=0), [0, 1, 1], "32-true", "cpu")
+    verifier.config._name_or_path = "/elsewhere"  # where it was loaded from is not what it computes
+    assert fingerprint(verifier, [0, 1, 1], "32-true", "cpu") == stamp
+    assert fingerprint(verifier, [0, 1, 0], "32-true", "cpu") != stamp
+    assert fingerprint(verifier, [0, 1, 1], "bf16-mixed", "cpu") != stamp
+    assert fingerprint(tiny_llama(hidden=64, seed=1), [0, 1, 1], "32-true", "cpu") != stamp
+    with torch.no_grad():
+        verifier.model.layers[1].mlp.down_proj.weight[0, 0] += 1e-3  # one weight of one layer
+    assert fingerprint(verifier, [0, 1, 1], "32-true", "cpu") != stamp
+
+
+def _first_losses(module, data, tmp_path, steps: int = 2) -> list[float]:
+    record = _Losses()
+    _trainer(tmp_path, steps, [record]).fit(module, datamodule=data)
+    return record.losses
+
+
+def test_the_next_run_trains_on_the_saved_features_without_the_verifier(tmp_path, monkeypatch):
+    folder = tmp_path / "features"
+    first, data = _build(feature_cache_gb=0.01, feature_cache_dir=str(folder))
+    start = {k: v.clone() for k, v in first.drafter.state_dict().items()}
+    online = _first_losses(first, data, tmp_path)  # one batch per epoch: online, then cached
+    (saved,) = folder.iterdir()
+    assert saved.name == "features.rank0.pt" and len(first.feature_cache) == 4
+
+    second, data = _build(feature_cache_gb=0.01, feature_cache_dir=str(folder))
+    second.drafter.load_state_dict(start)
+    monkeypatch.setattr(second, "verifier_pass", lambda *a, **k: pytest.fail("the verifier ran"))
+    offline = _first_losses(second, data, tmp_path)
+    assert second.feature_cache.misses == 0 and second.feature_cache.hits == 2
+    assert offline == pytest.approx(online, rel=1e-6)
+    assert (
+        saved.stat().st_mtime_ns == (folder / "features.rank0.pt").stat().st_mtime_ns
+    )  # nothing new to save
+
+    # another verifier: the saved rows are not its features; it runs, and its own rows replace them
+    monkeypatch.undo()
+    third, data = _build(feature_cache_gb=0.01, feature_cache_dir=str(folder))
+    with torch.no_grad():
+        third.verifier.lm_head.weight.mul_(0.5)
+    _first_losses(third, data, tmp_path)
+    assert third.feature_cache.misses == 1
+    fourth, data = _build(feature_cache_gb=0.01, feature_cache_dir=str(folder))
+    assert fourth.feature_cache.load(folder / "features.rank0.pt", fourth.feature_stamp()) == 0
+
+
+def test_a_failed_save_loses_nothing_but_the_cache(tmp_path, caplog):
+    blocker = tmp_path / "not_a_folder"
+    blocker.write_text("")
+    module, data = _build(feature_cache_gb=0.01, feature_cache_dir=str(blocker))
+    with caplog.at_level("WARNING"):
+        _first_losses(module, data, tmp_path)
+    assert "could not save the features" in caplog.text and "method.feature_cache_dir" in caplog.text
+
+
+def test_a_folder_without_a_budget_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="method.feature_cache_dir"):
+        _build(feature_cache_dir=str(tmp_path))

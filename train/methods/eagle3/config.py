@@ -53,6 +53,10 @@ class Eagle3Config:
     feature_cache_gb: float = 0.0
     """Keep each row's verifier features in CPU memory after its first pass, up to this many GiB, so later
     epochs skip the verifier (:mod:`train.methods.eagle3.feature_cache`); 0: online every epoch."""
+    feature_cache_dir: str | None = None
+    """A folder for the kept features: saved after every epoch that added rows, read at the start of the next
+    run when the same verifier (configuration, weights, fused layers, precision) computed them, so runs
+    after the first train offline on the rows they share; null: memory only. Needs ``feature_cache_gb``."""
     prompt_loss: bool = False
     """Train on the verifier's rows over the prompt too, not only the answer's (validation: the answer's):
     the same verifier forward gives 2-3x the targets; the authors train on answers only, with far more of them."""
@@ -83,6 +87,12 @@ class Eagle3Config:
             "method.feature_cache_gb",
             ">= 0",
             self.feature_cache_gb,
+        )
+        require(
+            self.feature_cache_dir is None or self.feature_cache_gb > 0,
+            "method.feature_cache_dir",
+            "null unless method.feature_cache_gb > 0 (the rows it saves are the ones kept in memory)",
+            self.feature_cache_dir,
         )
         require(self.sampled_answers >= 0, "method.sampled_answers", ">= 0", self.sampled_answers)
         require(

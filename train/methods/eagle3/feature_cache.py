@@ -1,11 +1,15 @@
-"""The verifier's features of each training row, kept in memory after its first pass (docs/eagle3.md).
+"""The verifier's features of each training row, kept in memory after its first pass and, optionally,
+on disk for the next run (docs/eagle3.md).
 
 EAGLE-3 trains on what the frozen verifier computes over a row: its auxiliary states (what ``fc`` fuses)
 and its distribution at every position. Online training recomputes them every epoch; SpecForge's
-offline mode writes them to disk once (terabytes for a real dataset). This cache sits between the two:
-the first time a row is seen its features are computed online, then kept in CPU memory, up to a byte
-budget, and every later epoch reads them instead of running the verifier. A row that does not fit
-the budget stays online. Nothing is written to disk; a resumed run refills the cache as it goes.
+offline mode writes them to disk once, before training (terabytes for a real dataset). This cache sits
+between the two: the first time a row is seen its features are computed online, then kept in CPU
+memory, up to a byte budget, and every later epoch reads them instead of running the verifier. A row
+that does not fit the budget stays online. With a folder (``method.feature_cache_dir``) the kept rows
+are also saved there (:meth:`FeatureCache.save`, one file per rank) and the next run with the same
+verifier reads them back (:meth:`FeatureCache.load`, memory-mapped): from the second run on, training
+is offline wherever the rows are the same.
 
 What a row keeps (its real tokens only, padding dropped): ``aux`` (T, A), the concatenated auxiliary
 states; ``hidden`` (T, h), the verifier's last hidden state after its final norm (Hugging Face's
@@ -14,18 +18,31 @@ verifier's head rows (:func:`train.models.eagle3_ttt.head_targets`); and ``argma
 verifier's argmax over the full vocabulary. That is ``A + h`` values per token instead of the ``V``
 logits (2,304 instead of 49,152 on the real pair).
 
-Keys are ``(split, index)``, ``index`` the row's place in its split (:mod:`train.training.answer_data`);
-under DDP / FSDP each rank caches the rows it sees.
+Keys are the rows' contents (:func:`row_keys`, a digest of the real tokens): the features of a row depend
+on its tokens alone, so a row keeps its features whichever split, place or run it comes in. Under
+DDP / FSDP each rank caches the rows it sees. A saved file carries the :func:`fingerprint` of the
+verifier that computed it; a file with another fingerprint is ignored (and replaced at the next save).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+import os
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
-__all__ = ["CachedRow", "FeatureCache", "padded_rows"]
+__all__ = ["CachedRow", "FeatureCache", "fingerprint", "padded_rows", "row_keys"]
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+"""The saved file's layout; a file of another format is ignored."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +69,8 @@ class FeatureCache:
         self.rows: dict[Hashable, CachedRow] = {}
         self.hits = 0
         self.misses = 0
+        self.unsaved = 0
+        """Rows kept since the last :meth:`save` or :meth:`load`."""
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -93,7 +112,81 @@ class FeatureCache:
             self.rows[key] = row
             self.nbytes += row.nbytes
             added += 1
+        self.unsaved += added
         return added
+
+    def save(self, path: str | os.PathLike[str], stamp: dict[str, Any]) -> None:
+        """Write every kept row to ``path`` with ``stamp`` (the verifier's :func:`fingerprint`), atomically:
+        a file is either the previous one or this one, never half written."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        keys = list(self.rows)
+        payload = {
+            "format": FORMAT,
+            "stamp": json.dumps(stamp, sort_keys=True),
+            "keys": [str(key) for key in keys],
+            "rows": [(row.aux, row.hidden, row.argmax) for row in (self.rows[key] for key in keys)],
+        }
+        partial = path.with_name(path.name + ".partial")
+        torch.save(payload, partial)
+        os.replace(partial, path)
+        self.unsaved = 0
+
+    def load(self, path: str | os.PathLike[str], stamp: dict[str, Any]) -> int:
+        """Keep the rows saved in ``path`` (memory-mapped, read as batches need them) when its stamp is
+        ``stamp``, within the budget. Returns how many rows were added (0 for a missing or stale file)."""
+        path = Path(path)
+        if not path.is_file():
+            return 0
+        payload = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        if payload.get("format") != FORMAT or payload.get("stamp") != json.dumps(stamp, sort_keys=True):
+            log.info("%s holds the features of another verifier or layout; ignored", path)
+            return 0
+        added = 0
+        for key, (aux, hidden, argmax) in zip(payload["keys"], payload["rows"], strict=True):
+            row = CachedRow(aux=aux, hidden=hidden, argmax=argmax)
+            if key in self.rows or self.nbytes + row.nbytes > self.max_bytes:
+                continue
+            self.rows[key] = row
+            self.nbytes += row.nbytes
+            added += 1
+        return added
+
+
+def row_keys(input_ids: torch.Tensor, lengths: Sequence[int]) -> list[str]:
+    """A key per row of ``input_ids`` (B, T): a digest of its first ``lengths[i]`` tokens."""
+    ids = input_ids.detach().to("cpu", torch.int64)
+    return [
+        hashlib.blake2b(ids[i, : int(n)].numpy().tobytes(), digest_size=16).hexdigest()
+        for i, n in enumerate(lengths)
+    ]
+
+
+def fingerprint(
+    verifier: torch.nn.Module, aux_layers: Sequence[int], precision: str, device: str
+) -> dict[str, Any]:
+    """What the features of a row depend on besides its tokens: the verifier (its configuration, dtype and a
+    checksum of a slice of every parameter, cheap for a large model yet different for another
+    checkpoint), the fused layers, the training precision (autocast) and the device kind."""
+    digest = hashlib.blake2b(digest_size=16)
+    with torch.no_grad():
+        for name, param in sorted(verifier.named_parameters()):
+            head = param.detach().reshape(-1)[:4096].double()
+            digest.update(
+                f"{name}:{tuple(param.shape)}:{float(head.sum())!r}:{float(head.abs().sum())!r}".encode()
+            )
+    config = getattr(verifier, "config", None)
+    settings = config.to_dict() if config is not None else {"class": type(verifier).__name__}
+    for where in ("_name_or_path", "transformers_version"):  # not what the model computes
+        settings.pop(where, None)
+    return {
+        "config": json.dumps(settings, sort_keys=True, default=str),
+        "dtype": str(next(verifier.parameters()).dtype),
+        "weights": digest.hexdigest(),
+        "aux_layers": [int(i) for i in aux_layers],
+        "precision": precision,
+        "device": device,
+    }
 
 
 def padded_rows(

@@ -9,7 +9,8 @@ verifier's distribution k + 1 rows ahead, renormalised over the draft vocabulary
 ``decay**k``; only rows that predict an answer token count. The verifier's forward is part of the step
 (online, as SpecForge's online mode and speculators do); with ``feature_cache_gb`` > 0 each row's
 features are kept in memory after its first pass and later epochs skip the verifier
-(:mod:`train.methods.eagle3.feature_cache`).
+(:mod:`train.methods.eagle3.feature_cache`); with ``feature_cache_dir`` too they are saved after each
+epoch that added rows and the next run with the same verifier starts from them (offline).
 
 The verifier is frozen and stays outside the module's children (never checkpointed, optimised or
 sharded). The drafter is a child and trains in float32 whatever ``model.dtype`` is (its frozen
@@ -30,6 +31,7 @@ decoding.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +41,7 @@ import torch
 from train.config import ConfigError
 from train.methods.eagle3 import finish as finish_step
 from train.methods.eagle3.config import Eagle3Config
-from train.methods.eagle3.feature_cache import FeatureCache, padded_rows
+from train.methods.eagle3.feature_cache import FeatureCache, fingerprint, padded_rows, row_keys
 from train.models.eagle3_drafter import Eagle3Drafter
 from train.models.eagle3_ttt import (
     TTTResult,
@@ -51,6 +53,8 @@ from train.models.eagle3_ttt import (
     verifier_targets,
 )
 from train.training.optim import clip_gradients, configure_optimizers, weights_dtype
+
+log = logging.getLogger(__name__)
 
 
 class Eagle3Module(L.LightningModule):
@@ -91,6 +95,43 @@ class Eagle3Module(L.LightningModule):
 
     def on_fit_start(self) -> None:
         self.verifier.to(self.device)
+        folder = self.cfg.feature_cache_dir
+        if folder is None:
+            return
+        stamp = self.feature_stamp()
+        for path in sorted(Path(folder).glob("features.rank*.pt")):
+            added = self.feature_cache.load(path, stamp)
+            if added:
+                log.info("Read the verifier's features of %d rows from %s", added, path)
+
+    def on_train_epoch_end(self) -> None:
+        self.save_features()
+
+    def on_train_end(self) -> None:
+        self.save_features()
+
+    def feature_stamp(self) -> dict[str, Any]:
+        """The :func:`fingerprint` the saved features carry: this verifier, these layers, this precision."""
+        precision = str(self.trainer.precision) if self._trainer is not None else "none"
+        return fingerprint(self.verifier, self.drafter.aux_layers, precision, self.device.type)
+
+    def save_features(self) -> None:
+        """The kept rows to ``feature_cache_dir`` when rows were added since the last save. A cache: a
+        failed write is logged and training goes on."""
+        folder = self.cfg.feature_cache_dir
+        if folder is None or not self.feature_cache.unsaved:
+            return
+        path = Path(folder) / f"features.rank{self.global_rank}.pt"
+        try:
+            self.feature_cache.save(path, self.feature_stamp())
+        except Exception:  # a cache: losing it costs the next run time, never this run's drafter
+            log.warning(
+                "method.feature_cache_dir: could not save the features to %s; training goes on",
+                path,
+                exc_info=True,
+            )
+            return
+        log.info("Saved the verifier's features of %d rows to %s", len(self.feature_cache), path)
 
     def configure_optimizers(self) -> Any:
         params = [p for p in self.drafter.parameters() if p.requires_grad]
@@ -126,8 +167,10 @@ class Eagle3Module(L.LightningModule):
         """The auxiliary states and the verifier's targets of ``batch``: from the feature cache when every
         row of the batch is there, else from a verifier pass (whose rows are then cached, budget allowing)."""
         draft_ids, t2d = self.drafter.draft_ids, self.drafter.t2d
-        keys = [(split, i) for i in batch["index"].tolist()] if "index" in batch else []
-        if keys and self.feature_cache.max_bytes > 0:
+        keep = self.feature_cache.max_bytes > 0
+        lengths = batch["attention_mask"].sum(dim=1).tolist()
+        keys = row_keys(batch["input_ids"], lengths) if keep else []
+        if keep:
             rows = self.feature_cache.lookup(keys)
             if rows is not None:
                 width = batch["input_ids"].shape[1]
@@ -136,9 +179,8 @@ class Eagle3Module(L.LightningModule):
                 return aux, head_targets(hidden, head, argmax, draft_ids, t2d)
         aux, logits, hidden = self.verifier_pass(batch)
         targets = verifier_targets(logits, draft_ids, t2d)
-        if keys and self.feature_cache.max_bytes > 0:
+        if keep:
             self.check_head(hidden, logits)
-            lengths = batch["attention_mask"].sum(dim=1).tolist()
             self.feature_cache.store(keys, lengths, aux, hidden, targets.argmax)
         return aux, targets
 
