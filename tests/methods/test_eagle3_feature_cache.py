@@ -135,7 +135,7 @@ def test_a_validation_row_with_a_training_row_s_tokens_shares_its_features(monke
     module, data = _build(feature_cache_gb=0.01)
     module.ttt(_batch(data.rows["train"][:2]))  # this test's validation answers are its training ones
     monkeypatch.setattr(module, "verifier_pass", lambda *a, **k: pytest.fail("the verifier ran again"))
-    module.ttt(_batch(data.rows["validation"][:2]), split="validation")
+    module.ttt(_batch(data.rows["validation"][:2]))
     assert (module.feature_cache.hits, len(module.feature_cache)) == (1, 2)
 
 

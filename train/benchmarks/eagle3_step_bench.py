@@ -93,7 +93,7 @@ def time_variant(
     batches = list(data.train_dataloader())[: args.warmup + args.batches]
     if cache_gb > 0:  # the first epoch, untimed: every later one reads what it kept
         for batch in batches:
-            module.features_and_targets(batch, "train")
+            module.features_and_targets(batch)
     params = [p for p in module.drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=verifier.dtype == torch.bfloat16)
@@ -101,7 +101,7 @@ def time_variant(
     for i, batch in enumerate(batches):
         start = time.perf_counter()
         with autocast:
-            aux, targets = module.features_and_targets(batch, "train")
+            aux, targets = module.features_and_targets(batch)
             middle = time.perf_counter()
             result = ttt_loss(
                 module.drafter,

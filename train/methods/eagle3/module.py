@@ -161,16 +161,16 @@ class Eagle3Module(L.LightningModule):
         aux = torch.cat(self.drafter.aux_features(out.hidden_states), dim=-1)
         return aux, out.logits, out.hidden_states[-1]
 
-    def features_and_targets(
-        self, batch: dict[str, torch.Tensor], split: str
-    ) -> tuple[torch.Tensor, VerifierTargets]:
+    def features_and_targets(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, VerifierTargets]:
         """The auxiliary states and the verifier's targets of ``batch``: from the feature cache when every
         row of the batch is there, else from a verifier pass (whose rows are then cached, budget allowing)."""
         draft_ids, t2d = self.drafter.draft_ids, self.drafter.t2d
         keep = self.feature_cache.max_bytes > 0
-        lengths = batch["attention_mask"].sum(dim=1).tolist()
-        keys = row_keys(batch["input_ids"], lengths) if keep else []
-        if keep:
+        lengths: list[int] = []
+        keys: list[str] = []
+        if keep:  # (reading the lengths and tokens on the host syncs a GPU: only when caching)
+            lengths = batch["attention_mask"].sum(dim=1).tolist()
+            keys = row_keys(batch["input_ids"], lengths)
             rows = self.feature_cache.lookup(keys)
             if rows is not None:
                 width = batch["input_ids"].shape[1]
@@ -200,11 +200,9 @@ class Eagle3Module(L.LightningModule):
             )
         self._head_checked = True
 
-    def ttt(
-        self, batch: dict[str, torch.Tensor], chain_stats: bool = True, split: str = "train"
-    ) -> TTTResult:
+    def ttt(self, batch: dict[str, torch.Tensor], chain_stats: bool = True) -> TTTResult:
         """The training-time test on ``batch``; ``chain_stats``: with the per-position hits validation reads."""
-        aux, targets = self.features_and_targets(batch, split)
+        aux, targets = self.features_and_targets(batch)
         return ttt_loss(
             self.drafter,
             aux,
@@ -235,7 +233,7 @@ class Eagle3Module(L.LightningModule):
         self._sums = {}
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        result = self.ttt(batch, split="validation")
+        result = self.ttt(batch)
         counts: dict[str, float] = {"loss": float(result.loss) * batch["input_ids"].shape[0]}
         counts["batches"] = batch["input_ids"].shape[0]
         for k, (accuracy, n) in enumerate(zip(result.accuracies, result.counts, strict=True)):
