@@ -55,7 +55,7 @@ class Eagle3Config:
     epochs skip the verifier (:mod:`train.methods.eagle3.feature_cache`); 0: online every epoch."""
     feature_cache_dir: str | None = None
     """A folder for the kept features: saved after every epoch that added rows, read at the start of the next
-    run when the same verifier (configuration, weights, fused layers, precision) computed them, so runs
+    run when the same verifier (configuration, weights, fused layers, precision, device kind) computed them, so runs
     after the first train offline on the rows they share; null: memory only. Needs ``feature_cache_gb``."""
     prompt_loss: bool = False
     """Train on the verifier's rows over the prompt too, not only the answer's (validation: the answer's):
