@@ -51,6 +51,11 @@ def check_model_source(key: str, source: str, may_be_built: bool = False) -> Non
         require(bool(_HUB_ID.match(source)), key, "a Hub id like 'org/name' or a local path", source)
 
 
+def is_config_node(value: Any) -> bool:
+    """True for a mapping still unbuilt (a node without ``_target_``, or one Hydra did not instantiate)."""
+    return isinstance(value, (dict, DictConfig))
+
+
 STRATEGIES = (
     "auto",
     "ddp",
@@ -70,7 +75,9 @@ class TrainerConfig:
     """Arguments for ``lightning.Trainer``; see conf/trainer/*.yaml."""
 
     accelerator: str = "cpu"
-    strategy: str = "auto"
+    strategy: Any = "auto"
+    """A Lightning strategy name (``STRATEGIES``) or a ``_target_`` node Hydra builds into a strategy
+    object (``trainer=fsdp``: ``FSDPStrategy`` with float32 buffers and reductions)."""
     devices: Any = 1
     num_nodes: int = 1
     precision: str = "32-true"
@@ -93,7 +100,14 @@ class TrainerConfig:
             f"one of {ACCELERATORS}",
             self.accelerator,
         )
-        require(self.strategy in STRATEGIES, "trainer.strategy", f"one of {STRATEGIES}", self.strategy)
+        require(
+            self.strategy in STRATEGIES
+            if isinstance(self.strategy, str)
+            else not is_config_node(self.strategy),
+            "trainer.strategy",
+            f"one of {STRATEGIES} or a _target_ node",
+            self.strategy,
+        )
         require(
             self.devices == "auto" or (isinstance(self.devices, int) and self.devices >= 1),
             "trainer.devices",

@@ -37,6 +37,8 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
+from train.models.rotary import keep_rotary_float32
+
 __all__ = [
     "Eagle3Drafter",
     "Eagle3Output",
@@ -226,6 +228,13 @@ class Eagle3Drafter(
         self.t2d: torch.Tensor
         self.register_buffer("d2t", d2t)
         self.register_buffer("t2d", t2d)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Eagle3Drafter:
+        """Every move (``.to``, ``.half()``, ``.bfloat16()``, a precision plugin's) goes through here:
+        the RoPE frequencies stay exact float32 (:mod:`train.models.rotary`), as vLLM computes them."""
+        super()._apply(fn, recurse)
+        keep_rotary_float32(self)
+        return self
 
     # ------------------------------------------------------------ building
 

@@ -19,6 +19,7 @@ from huggingface_hub.errors import HfHubHTTPError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from train.config import ConfigError, ModelConfig, looks_local
+from train.models.rotary import pin_rotary_float32
 
 
 class TokenizerMismatchError(ValueError):
@@ -122,7 +123,7 @@ def load_model(
         raise ModelNotFoundError(f"{role}: could not load a model from {source!r}: {err}") from err
     if device is not None:
         torch.nn.Module.to(model, device)  # in place; PreTrainedModel.to's stub takes no device
-    return model
+    return pin_rotary_float32(model)
 
 
 def load_tokenizer(

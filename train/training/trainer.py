@@ -10,13 +10,15 @@ from contextlib import contextmanager
 from typing import Any
 
 import lightning as L
+import torch
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import LearningRateMonitor, ProgressBar
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 from lightning.pytorch.strategies import FSDPStrategy
 from omegaconf import DictConfig
+from torch.distributed.fsdp import MixedPrecision
 
-from train.config import LoggerConfig, TrainerConfig, renamed_targets
+from train.config import ConfigError, LoggerConfig, TrainerConfig, renamed_targets
 from train.progress import StepProgressBar
 
 log = logging.getLogger(__name__)
@@ -71,6 +73,29 @@ def _wandb_logger(cfg: LoggerConfig, run_dir: str, name: str, offline: bool) -> 
     # Lightning passes anonymous=None, which wandb now answers with a deprecation warning on every run.
     logger._wandb_init.pop("anonymous", None)
     return logger
+
+
+def fsdp_mixed_precision(
+    param_dtype: str = "bfloat16", reduce_dtype: str = "float32", buffer_dtype: str = "float32"
+) -> MixedPrecision:
+    """FSDP's mixed-precision policy for ``trainer=fsdp`` (conf/trainer/fsdp.yaml): computation in
+    ``param_dtype``, gradients reduced and buffers kept in float32 by default.
+
+    Lightning's ``bf16-mixed`` alone gives FSDP bfloat16 for all three, which rounds every rotary
+    ``inv_freq`` buffer (:mod:`train.models.rotary`) and sums the ranks' gradients in bfloat16."""
+    dtypes = {name: getattr(torch, name) for name in ("float32", "bfloat16", "float16")}
+    for key, value in (
+        ("param_dtype", param_dtype),
+        ("reduce_dtype", reduce_dtype),
+        ("buffer_dtype", buffer_dtype),
+    ):
+        if value not in dtypes:
+            raise ConfigError(
+                f"trainer.strategy.mixed_precision.{key} must be one of {tuple(dtypes)}, got {value!r}"
+            )
+    return MixedPrecision(
+        param_dtype=dtypes[param_dtype], reduce_dtype=dtypes[reduce_dtype], buffer_dtype=dtypes[buffer_dtype]
+    )
 
 
 def build_callbacks(cfg: DictConfig | dict | None) -> list[L.Callback]:
