@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import threading
@@ -18,24 +19,47 @@ class NonFiniteLossError(RuntimeError):
     """Training produced a NaN or infinite loss; the weights were not updated with it."""
 
 
+def nonfinite_losses(loss: torch.Tensor, module: L.LightningModule) -> dict[int, float]:
+    """``{rank: loss}`` for every rank whose loss is NaN or infinite, the same on every rank.
+
+    Under DDP or FSDP a rank that raised alone would leave the others waiting in the next all-reduce
+    until the process group's timeout, so every rank calls this (one all-gather of one number) and all
+    raise together or none does. Outside a trainer, or on one device, only this loss is looked at."""
+    value = loss.detach().float().sum().reshape(1)
+    trainer = module._trainer
+    if trainer is not None and trainer.world_size > 1:
+        value = trainer.strategy.all_gather(value)
+    return {rank: v for rank, v in enumerate(value.reshape(-1).tolist()) if not math.isfinite(v)}
+
+
+def describe_nonfinite(losses: dict[int, float], module: L.LightningModule) -> str:
+    """``nan`` on one device; ``nan on rank 1 of 2`` (each bad rank) under data parallelism."""
+    world_size = module._trainer.world_size if module._trainer is not None else 1
+    if world_size <= 1:
+        return ", ".join(str(v) for v in losses.values())
+    return ", ".join(f"{v} on rank {rank} of {world_size}" for rank, v in losses.items())
+
+
 class NonFiniteLossGuard(L.Callback):
     """Stop before a non-finite loss reaches the optimizer, naming the step and the last good checkpoint.
 
     Raising in ``on_before_backward`` means no gradient or weight update comes from the bad batch, so
-    the last checkpoint written by ``ModelCheckpoint`` (and the in-memory weights) stay good.
+    the last checkpoint written by ``ModelCheckpoint`` (and the in-memory weights) stay good. The ranks
+    decide together (:func:`nonfinite_losses`): every rank raises the same error, none hangs.
     """
 
     def on_before_backward(
         self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor
     ) -> None:
-        if torch.isfinite(loss).all():
+        bad = nonfinite_losses(loss, pl_module)
+        if not bad:
             return
         last = _last_checkpoint(trainer)
         where = f"last good checkpoint: {last}" if last else "no checkpoint was written yet"
         raise NonFiniteLossError(
-            f"non-finite loss ({loss.detach().float().item()}) at global step {trainer.global_step} "
-            f"(epoch {trainer.current_epoch}); {where}. Lower the learning rate or check the data, then "
-            "resume with ckpt_path=last."
+            f"non-finite loss ({describe_nonfinite(bad, pl_module)}) at global step "
+            f"{trainer.global_step} (epoch {trainer.current_epoch}); {where}. Lower the learning rate or "
+            "check the data, then resume with ckpt_path=last."
         )
 
 

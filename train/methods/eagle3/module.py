@@ -52,6 +52,7 @@ from train.models.eagle3_ttt import (
     ttt_loss,
     verifier_targets,
 )
+from train.training.callbacks import describe_nonfinite, nonfinite_losses
 from train.training.optim import clip_gradients, configure_optimizers, weights_dtype
 
 log = logging.getLogger(__name__)
@@ -216,9 +217,11 @@ class Eagle3Module(L.LightningModule):
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         result = self.ttt(batch, chain_stats=False)
-        if not torch.isfinite(result.loss):
+        bad = nonfinite_losses(result.loss, self)  # every rank, so all raise together
+        if bad:
             raise FloatingPointError(
-                f"the EAGLE-3 loss is {float(result.loss)} at step {self.global_step}; lower method.optimizer.lr"
+                f"the EAGLE-3 loss is {describe_nonfinite(bad, self)} "
+                f"at step {self.global_step}; lower method.optimizer.lr"
             )
         bs = batch["input_ids"].shape[0]
         self.log("train/loss", result.loss, prog_bar=True, batch_size=bs)

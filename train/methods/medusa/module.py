@@ -49,6 +49,7 @@ from train.methods.medusa.config import MedusaConfig
 from train.models.heads import MedusaHeads, medusa_loss, shifted_targets
 from train.models.introspect import supports_logits_to_keep
 from train.models.lora import apply_lora
+from train.training.callbacks import describe_nonfinite, nonfinite_losses
 from train.training.optim import (
     clip_gradients,
     configure_optimizers,
@@ -279,9 +280,11 @@ class MedusaModule(L.LightningModule):
                 base = self._base_loss(ids, logits, attention_mask)
                 loss = loss + base
                 self.log("train/base_loss", base, batch_size=bs)
-        if not torch.isfinite(loss):
+        bad = nonfinite_losses(loss, self)  # every rank, so all raise together
+        if bad:
             raise FloatingPointError(
-                f"the Medusa loss is {float(loss)} at step {self.global_step}; lower method.optimizer.lr"
+                f"the Medusa loss is {describe_nonfinite(bad, self)} "
+                f"at step {self.global_step}; lower method.optimizer.lr"
             )
         self.log("train/loss", loss, prog_bar=True, batch_size=bs)
         for k, value in enumerate(per_head):
