@@ -193,18 +193,20 @@ def targets_loss(
     """:func:`step_loss` from :func:`verifier_targets` (the same figures, without re-reading the (B, T, V)
     logits each step). Computed over every row and masked (the drafter's row p against the verifier's
     row p + 1 + step, as aligned slices): gathering the kept rows instead costs a scatter of the whole
-    logits tensor in the backward pass."""
+    logits tensor in the backward pass. No host sync: with no kept position the sums are 0 and the
+    count is clamped to 1, so the loss and the accuracy are 0 (and the gradient too) without asking the
+    device whether any position is kept."""
     shift = step + 1
     kept = keep & shifted(targets.in_vocab, shift, False)
     length = logits.shape[1]
-    if shift >= length or not bool(kept.any()):
+    if shift >= length:
         zero = logits.new_zeros((), dtype=torch.float32)
         return zero + 0.0 * logits.sum(), zero.detach(), kept
     rows = kept[:, : length - shift]
     teacher = targets.logprobs[:, shift:]
     student = logits[:, : length - shift].float().log_softmax(-1)
     row_kl = (teacher.exp() * (teacher - student)).sum(-1)
-    count = rows.sum()
+    count = rows.sum().clamp(min=1)
     loss = torch.where(rows, row_kl, 0.0).sum() / count
     predicted = draft_ids.to(logits.device)[last_argmax(student.detach())]
     accuracy = ((predicted == targets.argmax[:, shift:]) & rows).sum() / count
@@ -280,14 +282,15 @@ def chain_counts(hits: list[torch.Tensor], eligible: list[torch.Tensor]) -> dict
 @dataclass
 class TTTResult:
     """``loss``: ``sum_k decay**k * losses[k]``; ``losses`` / ``accuracies``: per step (scalars; the
-    losses carry gradients); ``counts``: kept positions per step; per step, (B, T) bool: ``eligible``,
+    losses carry gradients); ``counts``: kept positions per step (0-dim int64 tensors on the logits'
+    device: reading them is the caller's one host sync, not one per step); per step, (B, T) bool: ``eligible``,
     the positions whose target row is inside the loss mask and the sequence, and ``hits``, the kept ones
     (eligible, the verifier's argmax in the draft vocabulary) where the drafter's argmax is the verifier's."""
 
     loss: torch.Tensor
     losses: list[torch.Tensor] = field(default_factory=list)
     accuracies: list[torch.Tensor] = field(default_factory=list)
-    counts: list[int] = field(default_factory=list)
+    counts: list[torch.Tensor] = field(default_factory=list)
     eligible: list[torch.Tensor] = field(default_factory=list)
     hits: list[torch.Tensor] = field(default_factory=list)
 
@@ -328,7 +331,7 @@ def ttt_loss(
         loss, accuracy, kept = targets_loss(logits, targets, keep, draft_ids, k)
         result.losses.append(loss)
         result.accuracies.append(accuracy)
-        result.counts.append(int(kept.sum()))
+        result.counts.append(kept.sum())
         if chain_stats:
             result.eligible.append(keep)
             result.hits.append(argmax_hits(logits.detach(), targets.argmax, draft_ids, k) & kept)

@@ -73,11 +73,12 @@ def node_mask(cached: int, width: int, seen: Sequence[Sequence[int]], device: to
     """Boolean (1, 1, n, cached + width) mask of n tree nodes fed after ``cached`` committed positions
     and the tree's ``width`` expanded slots (these n included, last): node r sees every committed
     position and the slots ``seen[r]`` (its ancestors and itself), nothing else (True: attend)."""
-    mask = torch.zeros(1, 1, len(seen), cached + width, dtype=torch.bool, device=device)
+    rows = [row for row, slots in enumerate(seen) for _ in slots]
+    columns = [cached + j for slots in seen for j in slots]
+    mask = torch.zeros(1, 1, len(seen), cached + width, dtype=torch.bool)
     mask[..., :cached] = True
-    for row, slots in enumerate(seen):
-        mask[0, 0, row, [cached + j for j in slots]] = True
-    return mask
+    mask[0, 0, rows, columns] = True
+    return mask.to(device)  # built on the host, one copy: not a device write per row
 
 
 class Eagle3Proposer:
@@ -280,12 +281,10 @@ class Eagle3Proposer:
             drawn, scores = gumbel_top_k(
                 torch.log(sub), width, uniforms(tuple(sub.shape), generator, q.device)
             )
-            drawn = self._targets[drawn]
+            drawn_rows, score_rows = self._targets[drawn].tolist(), scores.tolist()  # one copy per level
             level_nodes: list[int] = []
             for row, parent in enumerate(frontier):
-                for rank, (token, score) in enumerate(
-                    zip(drawn[row].tolist(), scores[row].tolist(), strict=True)
-                ):
+                for rank, (token, score) in enumerate(zip(drawn_rows[row], score_rows[row], strict=True)):
                     if score == -math.inf:  # q has fewer tokens than the width
                         break
                     node = len(tokens)
@@ -347,13 +346,14 @@ class Eagle3Proposer:
                 past_key_values=self._cache,
             )
             child = out.logits[0].float().log_softmax(-1).clamp(max=0.0).topk(k)
+            child_ids, child_scores = child.indices.tolist(), child.values.tolist()  # one copy per level
             level = []
             for row, i in enumerate(frontier):
                 hidden_of[i] = out.hidden[0, row]
                 for j in range(k):
                     node = len(ids)
-                    ids.append(int(child.indices[row, j]))
-                    scores.append(scores[i] + float(child.values[row, j]))
+                    ids.append(child_ids[row][j])
+                    scores.append(scores[i] + child_scores[row][j])
                     parents.append(i)
                     ancestors[node] = [*ancestors[i], i]
                     level.append(node)

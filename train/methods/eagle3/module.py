@@ -237,12 +237,19 @@ class Eagle3Module(L.LightningModule):
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         result = self.ttt(batch)
-        counts: dict[str, float] = {"loss": float(result.loss) * batch["input_ids"].shape[0]}
+        chains = chain_counts(result.hits, result.eligible)
+        # one host copy per batch for every figure, not one per step and figure
+        figures = [result.loss.detach(), *result.accuracies, *result.counts, *chains.values()]
+        on_host = torch.stack([f.double() for f in figures]).tolist()  # float64 holds each exactly
+        loss, on_host = on_host[0], on_host[1:]
+        steps = len(result.accuracies)
+        accuracies, kept, chain_values = on_host[:steps], on_host[steps : 2 * steps], on_host[2 * steps :]
+        counts: dict[str, float] = {"loss": loss * batch["input_ids"].shape[0]}
         counts["batches"] = batch["input_ids"].shape[0]
-        for k, (accuracy, n) in enumerate(zip(result.accuracies, result.counts, strict=True)):
-            counts[f"hit_{k}"] = float(accuracy) * n
-            counts[f"n_{k}"] = n
-        counts.update({key: float(v) for key, v in chain_counts(result.hits, result.eligible).items()})
+        for k, (accuracy, n) in enumerate(zip(accuracies, kept, strict=True)):
+            counts[f"hit_{k}"] = accuracy * int(n)
+            counts[f"n_{k}"] = int(n)
+        counts.update(dict(zip(chains, chain_values, strict=True)))
         for key, value in counts.items():
             self._sums[key] = self._sums.get(key, 0.0) + value
 
