@@ -3,14 +3,26 @@
 
 from __future__ import annotations
 
+import functools
+import json
+import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from train.config import ConfigError, require
 from train.export.drafter import WEIGHT_FILES, verify_export
+from train.export.medusa_layout import load_vllm_medusa
 from train.export.redaction import REPO_ID
+from train.export.speculators import load_speculators
+from train.models.eagle3_drafter import Eagle3Drafter
+from train.models.heads import MedusaHeads
+from train.models.loading import CorruptModelError
+from train.models.steering_module import SteeringModule
+
+log = logging.getLogger(__name__)
 
 HF_TOKEN_ENV = "HF_TOKEN"
 
@@ -75,7 +87,14 @@ def push_to_hub(
     from huggingface_hub import HfApi
 
     api = HfApi(token=token)
+    existed = api.repo_exists(repo_id, repo_type="model")
     api.create_repo(repo_id=repo_id, private=private, exist_ok=True, repo_type="model")
+    report["warnings"] = []
+    if existed and private and not api.repo_info(repo_id, repo_type="model").private:
+        report["warnings"].append(public_repo_warning(repo_id))
+        log.warning(report["warnings"][-1])
+    if revision is not None:  # upload_folder refuses a branch that does not exist yet
+        api.create_branch(repo_id, branch=revision, repo_type="model", exist_ok=True)
     commit = api.upload_folder(
         folder_path=str(path),
         repo_id=repo_id,
@@ -85,6 +104,63 @@ def push_to_hub(
     )
     report["url"] = str(getattr(commit, "commit_url", None) or f"https://huggingface.co/{repo_id}")
     return report
+
+
+def public_repo_warning(repo_id: str) -> str:
+    """What a push with ``hub.private=true`` says of a repository that already exists and is public:
+    ``create_repo(exist_ok=True)`` leaves its visibility as it is."""
+    return (
+        f"{repo_id} already exists and is PUBLIC: hub.private=true does not change an existing repository, "
+        f"so this push is public. Make it private in its settings on the Hub "
+        f"(or HfApi().update_repo_settings({repo_id!r}, private=True))"
+    )
+
+
+def export_kind(folder: Path) -> str:
+    """Which export ``folder`` holds, from its ``config.json``: ``drafter`` (a transformers causal LM),
+    ``eagle3`` (:class:`Eagle3Drafter`), ``eagle3_speculators`` (vLLM's speculators layout), ``heads``
+    (:class:`MedusaHeads`), ``heads_vllm`` (vLLM's Medusa layout) or ``steering`` (anything else saved
+    by ``PyTorchModelHubMixin``: SD^2's steering module)."""
+    config_file = folder / "config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    if "speculators_model_type" in config:
+        return "eagle3_speculators"
+    if config.get("model_type") == "medusa":
+        return "heads_vllm"
+    if "model_type" in config:
+        return "drafter"
+    if "aux_layers" in config and "draft_vocab_size" in config:
+        return "eagle3"
+    if "num_heads" in config and "vocab_size" in config:
+        return "heads"
+    return "steering"
+
+
+LOADERS: dict[str, Callable[[str], Any]] = {
+    "eagle3": functools.partial(Eagle3Drafter.from_pretrained, strict=True),
+    "eagle3_speculators": load_speculators,
+    "heads": functools.partial(MedusaHeads.from_pretrained, strict=True),
+    "heads_vllm": load_vllm_medusa,
+    "steering": functools.partial(SteeringModule.from_pretrained, strict=True),
+}
+"""The project's own loader of each export kind but ``drafter`` (``AutoModelForCausalLM``,
+:func:`train.export.drafter.verify_export`)."""
+
+
+def verify_kind(folder: Path, kind: str) -> None:
+    """``folder`` loads with its kind's loader; raises :class:`CorruptModelError` naming the folder."""
+    if kind == "drafter":
+        verify_export(folder, transformers_folder=True)
+        return
+    verify_export(folder, transformers_folder=False)  # every safetensors file parses to its end
+    try:
+        LOADERS[kind](str(folder))
+    except Exception as err:
+        first_line = str(err).splitlines()[0] if str(err) else ""
+        raise CorruptModelError(
+            f"{folder} does not load as an export of kind {kind} ({type(err).__name__}: {first_line}); "
+            "re-export it from the run before pushing"
+        ) from err
 
 
 def check_folder(folder: Path) -> list[str]:
@@ -102,5 +178,5 @@ def check_folder(folder: Path) -> list[str]:
         raise FileNotFoundError(
             f"{folder} has no model card (README.md); export it with train.export.drafter.export_drafter"
         )
-    verify_export(folder, transformers_folder=has_hf_weights)
+    verify_kind(folder, export_kind(folder) if has_hf_weights else "steering")
     return files

@@ -19,11 +19,11 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from train.models.heads import MedusaHeads
 
-__all__ = ["export_vllm_medusa"]
+__all__ = ["export_vllm_medusa", "load_vllm_medusa"]
 
 
 def export_vllm_medusa(heads: MedusaHeads, folder: str | os.PathLike[str]) -> Path:
@@ -46,3 +46,23 @@ def export_vllm_medusa(heads: MedusaHeads, folder: str | os.PathLike[str]) -> Pa
         tensors["token_map"] = torch.tensor(heads.draft_vocab, dtype=torch.long)
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
+
+
+def load_vllm_medusa(folder: str | os.PathLike[str]) -> MedusaHeads:
+    """The heads a vLLM Medusa folder (:func:`export_vllm_medusa`) holds, every tensor checked by
+    ``load_state_dict(strict=True)``; raises ValueError when ``config.json`` is not a Medusa config."""
+    path = Path(folder)
+    config = json.loads((path / "config.json").read_text())
+    if config.get("model_type") != "medusa":
+        raise ValueError(f"{path}: config.json is not a vLLM Medusa config")
+    tensors = load_file(str(path / "model.safetensors"))
+    token_map = tensors.pop("token_map", None)
+    heads = MedusaHeads(
+        hidden_size=config["hidden_size"],
+        vocab_size=config["vocab_size"],
+        num_heads=config["num_heads"],
+        num_layers=config["num_hidden_layers"],
+        draft_vocab=None if token_map is None else token_map.tolist(),
+    )
+    heads.load_state_dict(tensors, strict=True)
+    return heads

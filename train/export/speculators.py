@@ -19,11 +19,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from train.models.eagle3_drafter import Eagle3Drafter
 
 __all__ = [
+    "load_speculators",
     "export_speculators",
     "from_speculators_layer_ids",
     "serving_card",
@@ -140,3 +141,34 @@ def serving_card(verifier_name_or_path: str, folder: str, speculative_tokens: in
             "",
         ]
     )
+
+
+def load_speculators(folder: str | os.PathLike[str]) -> Eagle3Drafter:
+    """The drafter a speculators folder (:func:`export_speculators`) holds, every tensor checked by
+    ``load_state_dict(strict=True)``; raises ValueError when ``config.json`` is not an EAGLE-3 speculators
+    config or the folder has no ``embed_tokens.weight`` (exported with ``include_embeddings=False``:
+    the verifier's embeddings are needed then, and this loader does not take a verifier)."""
+    path = Path(folder)
+    config = json.loads((path / "config.json").read_text())
+    if config.get("speculators_model_type") != "eagle3":
+        raise ValueError(f"{path}: config.json is not an EAGLE-3 speculators config")
+    layer = config["transformer_layer_config"]
+    drafter = Eagle3Drafter(
+        hidden_size=layer["hidden_size"],
+        intermediate_size=layer["intermediate_size"],
+        num_attention_heads=layer["num_attention_heads"],
+        num_key_value_heads=layer["num_key_value_heads"],
+        head_dim=layer["head_dim"],
+        vocab_size=layer["vocab_size"],
+        draft_vocab_size=config["draft_vocab_size"],
+        aux_layers=from_speculators_layer_ids(config["eagle_aux_hidden_state_layer_ids"]),
+        rms_norm_eps=layer["rms_norm_eps"],
+        rope_parameters=layer.get("rope_parameters"),
+        max_position_embeddings=layer["max_position_embeddings"],
+        hidden_act=layer["hidden_act"],
+    )
+    tensors = load_file(str(path / "model.safetensors"))
+    if "embed_tokens.weight" not in tensors:
+        raise ValueError(f"{path} holds no embed_tokens.weight: it loads only beside its verifier")
+    drafter.load_state_dict(tensors, strict=True)
+    return drafter
