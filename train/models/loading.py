@@ -123,7 +123,8 @@ def load_model(
         raise ModelNotFoundError(f"{role}: could not load a model from {source!r}: {err}") from err
     if device is not None:
         torch.nn.Module.to(model, device)  # in place; PreTrainedModel.to's stub takes no device
-    return pin_rotary_float32(model)
+    pin_rotary_float32(model)
+    return model
 
 
 def load_tokenizer(
