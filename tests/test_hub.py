@@ -1,6 +1,7 @@
 """The Hub push of every export kind (issue 43, item 4): each is verified by its own loader, an existing
-public repository pushed with ``private=True`` is said, a new ``hub.revision`` branch is created.
-``huggingface_hub.HfApi`` is replaced by a recorder: nothing reaches the network."""
+public repository pushed with ``private=True`` is said, a new ``hub.revision`` branch is created, each kind
+gets the model card that fits it. ``huggingface_hub.HfApi`` is replaced by a recorder: nothing reaches the
+network."""
 
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ from typing import Any
 import huggingface_hub
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file, save_file
 
 from tests.conftest import tiny_llama
 from train.export.hub import export_kind, push_to_hub
 from train.export.medusa_layout import export_vllm_medusa, load_vllm_medusa
+from train.export.model_card import write_model_card
 from train.export.speculators import export_speculators, load_speculators
 from train.models.eagle3_drafter import Eagle3Drafter
 from train.models.heads import MedusaHeads
@@ -130,3 +133,40 @@ def test_a_new_revision_branch_is_created_before_the_upload(exports, monkeypatch
     assert dict(api.calls)["upload_folder"]["revision"] == "v2"
     _, api = _push(monkeypatch, exports["eagle3"], RecordingApi)
     assert "create_branch" not in [name for name, _ in api.calls]  # no revision: the main branch
+
+
+def _copy(source: Path, folder: Path) -> Path:
+    folder.mkdir(parents=True)
+    for f in source.iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    return folder
+
+
+RUN_CONFIG = {"name": "run", "license": "mit", "model": {"verifier": "org/verifier", "drafter": "org/d"}}
+USAGE = {
+    "eagle3": "python scripts/evaluate.py decoding=eagle3 eagle3=",
+    "eagle3_speculators": "vllm serve ./eagle3_speculators\n",
+    "heads": "python scripts/evaluate.py decoding=medusa heads=",
+    "heads_vllm": '"method": "medusa", "num_speculative_tokens": 2}',
+}
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "eagle3_speculators", "heads", "heads_vllm"])
+def test_each_export_kind_gets_the_card_that_fits_it(kind: str, exports: dict[str, Path], tmp_path) -> None:
+    """No ``AutoModelForCausalLM`` snippet where transformers cannot load the folder; the usage that
+    fits it; the license front matter on every kind, the vLLM layouts included."""
+    folder = _copy(exports[kind], tmp_path / kind)
+    card = write_model_card(folder, config=RUN_CONFIG).read_text()
+    front = yaml.safe_load(card.split("---\n")[1])
+    assert card.startswith("---\n") and front["license"] == "mit" and "library_name" not in front
+    assert "AutoModelForCausalLM" not in card and "assistant_model" not in card
+    assert USAGE[kind] in card
+
+
+def test_the_serving_copy_beside_an_export_gets_its_card_from_the_same_config(exports, tmp_path) -> None:
+    for kind, serving in (("eagle3", "eagle3_speculators"), ("heads", "heads_vllm")):
+        _copy(exports[serving], tmp_path / serving)
+        (tmp_path / serving / "README.md").unlink()
+        write_model_card(_copy(exports[kind], tmp_path / kind), config=RUN_CONFIG)
+        card = (tmp_path / serving / "README.md").read_text()
+        assert yaml.safe_load(card.split("---\n")[1])["license"] == "mit" and USAGE[serving] in card

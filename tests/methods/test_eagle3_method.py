@@ -292,6 +292,7 @@ def test_export_writes_both_layouts_with_the_trained_weights(tmp_path):
     assert config["dtype"] == "bfloat16"
     readme = (speculators / "README.md").read_text()
     assert "vllm serve ./eagle3_speculators" in readme and '"num_speculative_tokens": 3' in readme
+    assert readme.startswith("---\nlicense: apache-2.0\n") and "AutoModelForCausalLM" not in readme
     loaded = load_speculators(speculators).to(torch.bfloat16).eval()
     torch.testing.assert_close(_logits(loaded), expected, rtol=0, atol=0)
 

@@ -347,6 +347,9 @@ def test_finish_exports_heads_with_their_tree_and_evaluates_medusa(tmp_path, mon
     text = (run / "report.md").read_text()
     assert "## Heads (last validation)" in text and "medusa_typical (lossy)" in text
     assert "base_model: org/verifier" in (run / "heads" / "README.md").read_text()
+    for folder in ("heads", "heads_vllm"):
+        assert "AutoModelForCausalLM" not in (run / folder / "README.md").read_text()
+    assert "vllm serve org/verifier --speculative-config" in (run / "heads_vllm" / "README.md").read_text()
 
 
 def test_export_saves_ngram_models_of_the_training_split(tmp_path):

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 from collections.abc import Callable
@@ -14,6 +13,7 @@ from typing import Any
 
 from train.config import ConfigError, require
 from train.export.drafter import WEIGHT_FILES, verify_export
+from train.export.kinds import export_kind
 from train.export.medusa_layout import load_vllm_medusa
 from train.export.redaction import REPO_ID
 from train.export.speculators import load_speculators
@@ -114,26 +114,6 @@ def public_repo_warning(repo_id: str) -> str:
         f"so this push is public. Make it private in its settings on the Hub "
         f"(or HfApi().update_repo_settings({repo_id!r}, private=True))"
     )
-
-
-def export_kind(folder: Path) -> str:
-    """Which export ``folder`` holds, from its ``config.json``: ``drafter`` (a transformers causal LM),
-    ``eagle3`` (:class:`Eagle3Drafter`), ``eagle3_speculators`` (vLLM's speculators layout), ``heads``
-    (:class:`MedusaHeads`), ``heads_vllm`` (vLLM's Medusa layout) or ``steering`` (anything else saved
-    by ``PyTorchModelHubMixin``: SD^2's steering module)."""
-    config_file = folder / "config.json"
-    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-    if "speculators_model_type" in config:
-        return "eagle3_speculators"
-    if config.get("model_type") == "medusa":
-        return "heads_vllm"
-    if "model_type" in config:
-        return "drafter"
-    if "aux_layers" in config and "draft_vocab_size" in config:
-        return "eagle3"
-    if "num_heads" in config and "vocab_size" in config:
-        return "heads"
-    return "steering"
 
 
 LOADERS: dict[str, Callable[[str], Any]] = {

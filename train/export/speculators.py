@@ -27,7 +27,6 @@ __all__ = [
     "load_speculators",
     "export_speculators",
     "from_speculators_layer_ids",
-    "serving_card",
     "speculators_config",
     "to_speculators_layer_ids",
 ]
@@ -115,32 +114,6 @@ def export_speculators(
     }
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
-
-
-def serving_card(verifier_name_or_path: str, folder: str, speculative_tokens: int = 3) -> str:
-    """The README of a speculators folder: what it is and how vLLM serves it (vLLM reads
-    ``speculators_config`` and loads the verifier it names; the long form picks another verifier, e.g.
-    a quantized copy, or another ``num_speculative_tokens``)."""
-    config = json.dumps({"model": folder, "method": "eagle3", "num_speculative_tokens": speculative_tokens})
-    return "\n".join(
-        [
-            f"# EAGLE-3 drafter for {verifier_name_or_path} (speculators format)",
-            "",
-            "Trained by draftsmith (`python train.py experiment=eagle3`). vLLM loads this folder natively:",
-            "it reads `speculators_config` from `config.json` and loads the verifier named there.",
-            "",
-            "```bash",
-            f"vllm serve ./{folder}",
-            "# or, naming the verifier (a Hub id or your copy of the folder above) and the draft length:",
-            f"vllm serve {verifier_name_or_path} --speculative-config '{config}'",
-            "```",
-            "",
-            "The auxiliary layer ids are the verifier's `hidden_states` indices (the stream entering each",
-            "layer), vLLM's and speculators' convention. The draft vocabulary is `d2t` / `t2d`: draft index",
-            "i is target id i + d2t[i].",
-            "",
-        ]
-    )
 
 
 def load_speculators(folder: str | os.PathLike[str]) -> Eagle3Drafter:

@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from train.export.model_card import write_model_card
 from train.export.redaction import path_roots, portable_path
-from train.export.speculators import export_speculators, serving_card
+from train.export.speculators import export_speculators
 from train.models.eagle3_drafter import Eagle3Drafter
 from train.tables import format_value, markdown_table
 
@@ -52,7 +53,7 @@ def verifier_name(module: Eagle3Module, out_dir: str | None = None) -> str:
 def export(module: Eagle3Module, out_dir: str) -> Path:
     """``eagle3/`` (``save_pretrained``: config.json + model.safetensors, reloaded by
     ``Eagle3Drafter.from_pretrained``) and, beside it, ``eagle3_speculators/`` in the format vLLM loads
-    natively, with a README saying how to serve it."""
+    natively, with a model card saying how vLLM serves it (license front matter included)."""
     out = Path(out_dir)
     drafter = module.trained_drafter()
     drafter.save_pretrained(out)
@@ -65,9 +66,7 @@ def export(module: Eagle3Module, out_dir: str) -> Path:
         speculative_tokens=module.cfg.speculative_tokens,
         verifier_architectures=architectures,
     )
-    (speculators / "README.md").write_text(
-        serving_card(name, speculators.name, module.cfg.speculative_tokens)
-    )
+    write_model_card(speculators, verifier=name)  # the finish step rewrites it with the run config
     return out
 
 

@@ -12,6 +12,7 @@ import torch
 from train.decoding.proposers.heads_proposer import tree_from_accuracies
 from train.export.drafter import export_drafter
 from train.export.medusa_layout import export_vllm_medusa
+from train.export.model_card import write_model_card
 from train.methods.medusa.heads_report import heads_section
 from train.models.heads import MedusaHeads
 from train.models.lora import merge_lora
@@ -49,12 +50,14 @@ def drafters_to_evaluate(module: MedusaModule) -> dict[str, torch.nn.Module]:
 
 
 def export(module: MedusaModule, out_dir: str) -> Path:
-    """``heads/`` (mixin folder with the measured tree), ``heads_vllm/`` beside it and, for Medusa-2,
-    the merged ``verifier/`` (safetensors + tokenizer): the outputs follow that verifier."""
+    """``heads/`` (mixin folder with the measured tree), ``heads_vllm/`` beside it (with its model card)
+    and, for Medusa-2, the merged ``verifier/`` (safetensors + tokenizer): the outputs follow that verifier."""
     out = Path(out_dir)
     heads = module.trained_heads()
     heads.save_pretrained(out)
-    export_vllm_medusa(heads, out.parent / f"{out.name}_vllm")
+    write_model_card(
+        export_vllm_medusa(heads, out.parent / f"{out.name}_vllm")
+    )  # rewritten by the finish step
     if module.cfg.joint:
         export_drafter(module.verifier, module.tokenizer, out.parent / "verifier", name="Medusa-2 verifier")
     if module.cfg.ngram_orders:
