@@ -9,7 +9,8 @@ shared finish step on rank 0 (:func:`train.report.finish`: export, evaluation un
 The run directory belongs to one live run (:class:`train.rundir.RunDirLock`, rank 0 only); a run that
 fails before it wrote anything worth keeping removes the directory it made. SIGTERM or SIGINT during
 fit saves the current step, skips the finish step, prints the command that resumes the run and exits
-with 143 or 130 (:class:`train.training.callbacks.GracefulStop`).
+with 143 or 130 (:class:`train.training.callbacks.GracefulStop`). SLURM's requeue signal takes the same
+path, then requeues the job, which starts again in the same run directory from that checkpoint.
 """
 
 from __future__ import annotations
@@ -46,13 +47,14 @@ from train.pairs.built import ensure_built_pair
 from train.pairs.tiny import build_tiny_pair, format_report
 from train.report import Finishable, finish
 from train.rundir import RunDirLock, RunDirLocked, remove_if_unused
-from train.training.callbacks import GracefulStop
+from train.training.callbacks import GracefulStop, requeue_slurm_job, slurm_job_id
 from train.training.trainer import (
     build_callbacks,
     build_loggers,
     build_trainer,
     close_loggers,
     full_weights_on_rank_zero,
+    requeued_checkpoint,
     resolve_ckpt_path,
 )
 
@@ -239,8 +241,9 @@ def run(spec: RunSpec, cfg: DictConfig) -> Any:
 def fit(spec: RunSpec) -> Any:
     """Build the method's module and data, fit (resuming if asked), then the finish step."""
     ckpt = resolve_ckpt_path(spec.ckpt_path, spec.experiment_dir, spec.run_dir)
+    ckpt = ckpt or requeued_checkpoint(spec.run_dir)  # a requeued SLURM job: its own last.ckpt
     if ckpt:
-        refuse_finished(ckpt, spec.ckpt_path, spec.trainer.max_steps)
+        refuse_finished(ckpt, spec.ckpt_path or ckpt, spec.trainer.max_steps)
         log.info("Resuming from %s", ckpt)
     pair = load_pair(spec.model)
     module, datamodule = spec.method.build(pair, spec)
@@ -267,6 +270,8 @@ def fit(spec: RunSpec) -> Any:
             return finish_run(module, trainer, spec, pair, config)
     finally:
         close_loggers(loggers)
+        if stop.requeue and trainer.is_global_zero:
+            requeue_slurm_job()  # after the checkpoint and the loggers: SLURM ends this start at once
 
 
 def finish_run(module: Any, trainer: L.Trainer, spec: RunSpec, pair: Any, config: dict[str, Any]) -> Any:
@@ -330,13 +335,22 @@ def refuse_finished(ckpt: str, requested: str | None, max_steps: int) -> None:
 
 
 def stopped(stop: GracefulStop, step: int, is_global_zero: bool) -> None:
-    """After a signal ended fit: say where the run stands and how to resume it, then exit 128 + signum
-    (143 for SIGTERM, 130 for SIGINT) without the finish step."""
+    """After a signal ended fit: say where the run stands and how to resume it (or, after SLURM's requeue
+    signal, that the job is requeued), then exit 128 + signum (143 for SIGTERM, 130 for SIGINT, 138 for
+    SIGUSR1) without the finish step."""
     signum = stop.signum
     assert signum is not None
     if is_global_zero:
         name = signal.Signals(signum).name
         saved = f"saved {stop.checkpoint}" if stop.checkpoint else "nothing trained yet, nothing saved"
+        if stop.requeue:
+            print(
+                f"{name} (SLURM's requeue signal) at global step {step}: {saved}; the finish step was "
+                f"skipped. Requeueing SLURM job {slurm_job_id()}: it starts again in this run directory and "
+                "resumes from its checkpoints/last.ckpt",
+                flush=True,
+            )
+            raise SystemExit(128 + signum)
         print(
             f"{name} at global step {step}: {saved}; the finish step was skipped. Resume with:\n"
             f"  {resume_command(stop.checkpoint)}",

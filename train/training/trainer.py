@@ -5,7 +5,8 @@ from __future__ import annotations
 import glob
 import logging
 import os
-from collections.abc import Iterator
+import secrets
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -15,6 +16,7 @@ from hydra.utils import instantiate
 from lightning.pytorch.callbacks import LearningRateMonitor, ProgressBar
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig
 from torch.distributed.fsdp import MixedPrecision
 
@@ -57,6 +59,33 @@ def build_loggers(
     return loggers
 
 
+WANDB_ID_FILE = os.path.join("wandb", "run_id")
+"""Where a run directory keeps its W&B run id, so that every start of it logs to the same W&B run."""
+
+_WANDB_ID_CHARS = "0123456789abcdefghijklmnopqrstuvwxyz"
+
+
+def wandb_run_id(run_dir: str, write: bool = True) -> str:
+    """The W&B run id of ``run_dir``: the one its ``wandb/run_id`` holds, else a new one (8 base-36
+    characters, as wandb makes them), written there when ``write`` (rank 0; another rank never starts a
+    W&B run). A requeued SLURM job starts again in the same run directory and so continues the same W&B
+    run (``resume="allow"``) instead of opening a new one."""
+    path = os.path.join(run_dir, WANDB_ID_FILE)
+    if os.path.isfile(path):
+        with open(path) as f:
+            known = f.read().strip()
+        if known:
+            return known
+    run_id = "".join(secrets.choice(_WANDB_ID_CHARS) for _ in range(8))
+    if write:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        partial = f"{path}.{os.getpid()}.tmp"
+        with open(partial, "w") as f:
+            f.write(run_id + "\n")
+        os.replace(partial, path)  # a reader sees no id or the whole id
+    return run_id
+
+
 def _wandb_logger(cfg: LoggerConfig, run_dir: str, name: str, offline: bool) -> WandbLogger:
     import wandb
 
@@ -64,6 +93,9 @@ def _wandb_logger(cfg: LoggerConfig, run_dir: str, name: str, offline: bool) -> 
         project=cfg.project,
         entity=cfg.entity,
         name=f"{name}-{os.path.basename(os.path.normpath(run_dir))}",
+        # every start of this run directory (a requeued SLURM job) continues the same W&B run
+        id=wandb_run_id(run_dir, write=rank_zero_only.rank == 0),
+        resume="allow",
         save_dir=run_dir,
         offline=offline,
         tags=list(cfg.tags),
@@ -153,6 +185,16 @@ def resolve_ckpt_path(ckpt_path: str | None, experiment_dir: str, run_dir: str) 
     if not os.path.isfile(ckpt_path):
         raise FileNotFoundError(f"ckpt_path={ckpt_path}: no such checkpoint file")
     return ckpt_path
+
+
+def requeued_checkpoint(run_dir: str, environ: Mapping[str, str] = os.environ) -> str | None:
+    """Where a requeued SLURM job resumes when ``ckpt_path`` is unset: its run directory's own
+    ``checkpoints/last.ckpt`` (written at the step the requeue signal came, or periodically), on a start
+    with ``SLURM_RESTART_COUNT`` > 0; None on a first start or when that file does not exist."""
+    if int(environ.get("SLURM_RESTART_COUNT") or 0) == 0:
+        return None
+    candidate = os.path.join(run_dir, "checkpoints", "last.ckpt")
+    return candidate if os.path.isfile(candidate) else None
 
 
 def close_loggers(loggers: list[Logger]) -> None:
