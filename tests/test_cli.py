@@ -172,3 +172,23 @@ def test_library_warnings_go_to_the_log_file_not_the_terminal(
     captured = capsys.readouterr()
     assert "past_key_values" not in captured.err + captured.out
     assert "FutureWarning: past_key_values is deprecated" in (tmp_path / "train.log").read_text()
+
+
+def test_only_rank_zero_writes_the_job_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every rank starts the same Hydra job with a file handler on the same train.log: the console setup
+    closes it on every rank but 0."""
+    import logging
+
+    root = logging.getLogger()
+    for rank, expected in (("0", "from rank 0\n"), ("1", "")):
+        path = tmp_path / f"train_{rank}.log"
+        handler = logging.FileHandler(path)
+        root.addHandler(handler)
+        monkeypatch.setenv("LOCAL_RANK", rank)
+        try:
+            cli.quiet_console()
+            logging.getLogger("draftsmith.test").warning("from rank %s", rank)
+        finally:
+            root.removeHandler(handler)
+            handler.close()
+        assert path.read_text() == expected

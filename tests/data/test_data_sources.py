@@ -139,3 +139,32 @@ def test_config_is_frozen_and_normalised() -> None:
     assert DataSourceConfig(name="org/some-dataset").kind == "hub"
     with pytest.raises(AttributeError):
         cfg.name = "x"  # type: ignore[misc]
+
+
+def test_num_workers_and_pin_memory_reach_the_loaders_of_text_and_prompts() -> None:
+    """``data.num_workers`` / ``data.pin_memory`` (conf/data/*.yaml) set the loaders the methods build from
+    a data config: packed text (pretraining, Medusa) and prompts (DistillSpec, SD^2)."""
+    from types import SimpleNamespace
+
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from tests.conftest import CONF_DIR, make_tokenizer
+    from train.config import ConfigError, instantiate_group
+    from train.data.datamodule import packed_corpus
+    from train.training.prompt_data import prompt_data
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["data.num_workers=2", "data.pin_memory=true"])
+        bad = compose(config_name="train", overrides=["data.num_workers=-1"])
+    source = instantiate_group(cfg, "data")
+    tok = make_tokenizer()
+    rows = Dataset.from_dict({"input_ids": [[1] * 8] * 4})
+    loader = packed_corpus(source, tok, seq_len=8, batch_size=2, seed=0)._loader(rows, train=True)
+    assert loader.num_workers == 2 and loader.pin_memory
+    settings = SimpleNamespace(prompt_len=8, batch_size=2, max_new_tokens=4, num_prompts=4, num_val_prompts=4)
+    loader = prompt_data(settings, tok, source, seed=0)._loader(rows, train=False)
+    assert loader.num_workers == 2 and loader.pin_memory
+    with pytest.raises(ConfigError, match="num_workers must be an integer >= 0"):
+        instantiate_group(bad, "data")

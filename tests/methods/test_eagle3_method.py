@@ -17,6 +17,7 @@ import torch
 from tests.conftest import make_tokenizer, tiny_llama
 from tests.models.speculators_reference import load_speculators
 from train.config import ConfigError
+from train.export.model_card import write_model_card
 from train.methods.eagle3.config import Eagle3Config
 from train.methods.eagle3.module import Eagle3Module
 from train.models.answers import Answer, generate_answers
@@ -345,3 +346,15 @@ def test_the_speculators_export_names_a_local_verifier_without_this_machines_pat
         assert config["speculators_config"]["verifier"]["name_or_path"] == expected
         readme = (folder / "README.md").read_text()
         assert f"vllm serve {expected} " in readme and str(project_root()) not in readme
+
+
+def test_a_drafter_vllm_cannot_load_exports_eagle3_only_and_says_why(tmp_path, caplog):
+    """Two aux layers: ``eagle3/`` is exported (and its card says there is no vLLM copy); the speculators
+    folder is not, with a warning naming ``method.aux_layers``."""
+    module, _ = _build(torch.float32, aux_layers=[0, 1])
+    with caplog.at_level("WARNING"):
+        out = module.export(str(tmp_path / "run" / "eagle3"))
+    assert (out / "model.safetensors").is_file() and not (tmp_path / "run" / "eagle3_speculators").exists()
+    assert "No eagle3_speculators/ export" in caplog.text and "method.aux_layers" in caplog.text
+    write_model_card(out)
+    assert "it has no copy in the speculators format" in (out / "README.md").read_text()

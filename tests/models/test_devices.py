@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from train.config import ConfigError
-from train.models.loading import place_pair, resolve_device, resolve_devices
+from train.models.loading import one_local_device, place_pair, resolve_device, resolve_devices
 
 
 def test_auto_is_cuda_when_available(monkeypatch):
@@ -70,3 +70,18 @@ def test_the_evaluate_script_loads_its_models_on_the_configured_device(monkeypat
     with pytest.raises(SystemExit):
         cli.main(OmegaConf.create({}))
     assert placed == {"device": torch.device("meta"), "drafter_device": None}
+
+
+def test_a_one_device_job_uses_this_ranks_gpu(monkeypatch):
+    """The pair build inside a multi-process run: GPU LOCAL_RANK (SLURM_LOCALID under srun), modulo the
+    GPUs this process sees (one per task: that one); the CPU or no CUDA: Lightning's plain ``1``."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert one_local_device("gpu", {"LOCAL_RANK": "3"}) == [3]
+    assert one_local_device("auto", {"SLURM_LOCALID": "5"}) == [5]
+    assert one_local_device("cuda", {}) == [0]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert one_local_device("gpu", {"LOCAL_RANK": "3"}) == [0]
+    assert one_local_device("cpu", {"LOCAL_RANK": "3"}) == 1
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert one_local_device("auto", {"LOCAL_RANK": "3"}) == 1

@@ -391,3 +391,49 @@ def test_a_feature_from_the_wrong_layer_is_caught(tmp_path, monkeypatch):
     monkeypatch.setattr(Eagle3Drafter, "aux_features", lambda self, hs: [hs[i + 1] for i in self.aux_layers])
     with pytest.raises(AssertionError):
         check_layer_numbering(drafter, verifier, ids, drafter.aux_layers)
+
+
+def test_the_speculators_export_refuses_other_than_three_aux_layers(tmp_path):
+    """vLLM's EAGLE-3 builds ``fc`` for 3 x hidden inputs: any other count is refused before a file is
+    written, with a message naming the setting."""
+    verifier = llama_verifier(layers=8)
+    for aux in ([1, 4], [1, 2, 4, 6]):
+        drafter = Eagle3Drafter.from_verifier(verifier, aux_layers=aux)
+        with pytest.raises(ValueError, match=r"method\.aux_layers.*list of 3"):
+            export_speculators(drafter, tmp_path / str(len(aux)), "v")
+        assert not (tmp_path / str(len(aux))).exists()
+
+
+def test_the_speculators_export_carries_llama3_rope_scaling_for_older_readers(tmp_path):
+    """Llama-3.1's scaled RoPE: transformers < 5 (and vLLM on it) read ``rope_scaling`` and the top-level
+    ``rope_theta`` only; both give back the drafter's RoPE, and plain RoPE writes no ``rope_scaling``."""
+    llama3 = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=512,
+        rope_parameters=dict(llama3),
+    )
+    drafter = Eagle3Drafter.from_verifier(LlamaForCausalLM(config).eval())
+    layer = read_config(export_speculators(drafter, tmp_path / "llama3", "v"))["transformer_layer_config"]
+    assert layer["rope_scaling"] == {k: v for k, v in drafter.rope_parameters.items() if k != "rope_theta"}
+    assert layer["rope_scaling"]["rope_type"] == "llama3" and layer["rope_scaling"]["factor"] == 8.0
+    assert layer["rope_theta"] == 500000.0
+    old_reader = {k: v for k, v in layer.items() if k != "rope_parameters"}  # what transformers < 5 sees
+    assert LlamaConfig(**old_reader).rope_parameters == drafter.rope_parameters
+    plain = read_config(
+        export_speculators(Eagle3Drafter.from_verifier(llama_verifier()), tmp_path / "p", "v")
+    )
+    assert "rope_scaling" not in plain["transformer_layer_config"]

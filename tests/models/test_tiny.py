@@ -90,3 +90,30 @@ def test_real_micro_build(tmp_path: Path) -> None:
     assert 0 < metrics["expected_acceptance"] <= 1
     assert manifest["parameters"]["verifier"] > manifest["parameters"]["drafter"]
     assert "expected acceptance" in tiny.format_report(manifest)
+
+
+def test_the_builder_trains_on_this_ranks_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any rank may win the build lock: rank 3 builds on GPU 3, not on GPU 0 (rank 0's). CUDA is faked
+    and the trainer recorded, so nothing trains."""
+    import torch
+    from datasets import Dataset
+
+    from tests.conftest import tiny_llama
+    from train.config import TrainerConfig
+
+    class Built(Exception):
+        pass
+
+    def trainer(**kwargs):
+        raise Built(kwargs["devices"])
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(tiny.L, "Trainer", trainer)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    cfg = micro_recipe(tmp_path)
+    blocks = Dataset.from_dict({"input_ids": [[1] * 8] * 4})
+    gpu = TrainerConfig(accelerator="gpu")
+    with pytest.raises(Built) as built:
+        tiny._fit(tiny_llama(hidden=16), cfg.verifier, cfg, blocks, gpu, str(tmp_path), "verifier")
+    assert built.value.args[0] == [3]

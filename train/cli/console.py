@@ -15,7 +15,7 @@ import logging
 import os
 import sys
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn, TypeVar
 
 from hydra import compose, initialize_config_dir
@@ -34,6 +34,8 @@ __all__ = [
     "check_overrides",
     "debugging",
     "fail",
+    "file_logs_on_rank_zero_only",
+    "is_rank_zero",
     "quiet_console",
     "report_errors",
     "run_command",
@@ -67,7 +69,8 @@ def quiet_console() -> None:
     """Keep the terminal to what a user needs (the plan, progress bars, results, errors): Lightning's
     INFO lines go through the root logger (Hydra's ``train.log``; the console handler shows warnings
     and up, conf/hydra/default.yaml), library progress bars for loading and saving weights are off,
-    and known library deprecation warnings are dropped."""
+    and known library deprecation warnings are dropped. Only rank 0 writes the job's log file
+    (:func:`file_logs_on_rank_zero_only`)."""
     import datasets
     import huggingface_hub
     import transformers
@@ -83,7 +86,26 @@ def quiet_console() -> None:
     datasets.disable_progress_bars()
     for pattern in KNOWN_NOISE:
         warnings.filterwarnings("ignore", message=pattern)
+    file_logs_on_rank_zero_only()
     warnings_to_log_file()
+
+
+def is_rank_zero(environ: Mapping[str, str] = os.environ) -> bool:
+    """Before a Trainer exists: the launcher's environment says which process this is."""
+    return all(environ.get(var, "0") == "0" for var in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID"))
+
+
+def file_logs_on_rank_zero_only(environ: Mapping[str, str] = os.environ) -> None:
+    """Every rank of a DDP run starts the same Hydra job, whose file handler opens the same ``train.log``;
+    rank 0 keeps it and the other ranks close theirs, so the log holds one copy of each line, not one per
+    rank interleaved (their warnings and errors still reach their terminal)."""
+    if is_rank_zero(environ):
+        return
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if isinstance(handler, logging.FileHandler):
+            root.removeHandler(handler)
+            handler.close()
 
 
 def warnings_to_log_file() -> None:

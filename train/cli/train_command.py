@@ -33,6 +33,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.model_summary import ModelSummary
 from omegaconf import DictConfig, OmegaConf
 
+from train.cli.console import is_rank_zero
 from train.config import (
     ConfigError,
     LoggerConfig,
@@ -129,11 +130,6 @@ def load_spec(cfg: DictConfig) -> RunSpec:
         eval=load_eval_config(cfg),
         devices=finish_devices(cfg),
     )
-
-
-def is_rank_zero() -> bool:
-    """Before a Trainer exists: the launcher's environment says which process this is."""
-    return all(os.environ.get(var, "0") == "0" for var in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID"))
 
 
 def hydra_task() -> tuple[str | None, list[str] | None]:

@@ -58,10 +58,12 @@ def _val_split(splits: Splits) -> Dataset | None:
 
 class _SplitDataModule(L.LightningDataModule):
     """What both data modules share: one stateful, seeded-shuffle loader per split (resumable mid-epoch).
-    A subclass sets ``batch_size``, ``num_workers``, ``seed``, ``shuffle`` and the datasets in ``setup``."""
+    A subclass sets ``batch_size``, ``num_workers``, ``pin_memory``, ``seed``, ``shuffle`` and the datasets
+    in ``setup``."""
 
     batch_size: int
     num_workers: int
+    pin_memory: bool
     seed: int
     shuffle: bool
     train_dataset: Dataset | None
@@ -84,6 +86,7 @@ class _SplitDataModule(L.LightningDataModule):
             sampler=_shuffler(ds, self.seed) if train and self.shuffle else None,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
+            pin_memory=self.pin_memory,
             **self._loader_options(train),
         )
 
@@ -111,6 +114,7 @@ class LMDataModule(_SplitDataModule):
         seed: int = 0,
         drop_last: bool = False,
         text_column: str = "text",
+        pin_memory: bool = False,
     ) -> None:
         super().__init__()
         self._splits_arg = splits
@@ -118,6 +122,7 @@ class LMDataModule(_SplitDataModule):
         self.seq_len = seq_len
         self.batch_size = batch_size
         self.num_workers = num_workers
+        self.pin_memory = pin_memory
         self.shuffle = shuffle
         self.seed = seed
         self.drop_last = drop_last
@@ -148,14 +153,17 @@ class LMDataModule(_SplitDataModule):
 
 def packed_corpus(source: Any, tokenizer: Any, seq_len: int, batch_size: int, seed: int) -> LMDataModule:
     """Packed ``seq_len`` blocks of a data config's text (loaded in ``setup``), full batches only: what
-    the methods that train on plain text (pretraining, prediction heads) read."""
+    the methods that train on plain text (pretraining, prediction heads) read; its loaders use the data
+    config's ``num_workers`` and ``pin_memory``."""
     return LMDataModule(
         lambda: load_text_dataset(source, tokenizer),
         tokenizer,
         seq_len=seq_len,
         batch_size=batch_size,
+        num_workers=source.num_workers,
         seed=seed,
         drop_last=True,
+        pin_memory=source.pin_memory,
     )
 
 
@@ -180,6 +188,7 @@ class PromptDataModule(_SplitDataModule):
         seed: int = 0,
         shuffle: bool = True,
         text_column: str = "text",
+        pin_memory: bool = False,
     ) -> None:
         super().__init__()
         self._splits_arg = splits
@@ -187,6 +196,7 @@ class PromptDataModule(_SplitDataModule):
         self.prompt_len = prompt_len
         self.batch_size = batch_size
         self.num_workers = num_workers
+        self.pin_memory = pin_memory
         self.continuation_len = continuation_len
         self.max_prompts = max_prompts
         self.max_val_prompts = max_val_prompts

@@ -110,6 +110,11 @@ class DataSourceConfig:
     max_samples: int | None = None  # cap per split (after splitting), first rows kept
     corpus_dir: str = DEFAULT_CORPUS_DIR  # where the "stdlib" corpus is cached
     load_kwargs: Mapping[str, Any] = field(default_factory=dict)  # extra load_dataset kwargs
+    num_workers: int = 0
+    """DataLoader worker processes per rank for the training and validation batches (0: batches are made in
+    the training process, enough for the small models here; a few for a GPU that waits on its batches)."""
+    pin_memory: bool = False
+    """Batches in page-locked host memory, so the copy to a GPU overlaps the step (true on GPUs)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
@@ -169,6 +174,14 @@ class DataSourceConfig:
             raise ValueError(f"max_samples must be None or a positive integer, got {self.max_samples!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if (
+            isinstance(self.num_workers, bool)
+            or not isinstance(self.num_workers, int)
+            or self.num_workers < 0
+        ):
+            raise ValueError(f"num_workers must be an integer >= 0, got {self.num_workers!r}")
+        if not isinstance(self.pin_memory, bool):
+            raise ValueError(f"pin_memory must be true or false, got {self.pin_memory!r}")
         object.__setattr__(self, "load_kwargs", dict(self.load_kwargs or {}))
 
     @property

@@ -14,6 +14,7 @@ from typing import Any
 from train.evaluation import METRIC_LEGEND, results_table, to_jsonable
 from train.export.kinds import export_kind
 from train.export.redaction import describe_source, is_hub_id, path_roots, portable, scrub
+from train.export.speculators import VLLM_AUX_LAYERS
 from train.tables import format_metric, markdown_table
 
 CARD_TAGS: tuple[str, ...] = ("speculative-decoding", "draftsmith", "drafter")
@@ -168,9 +169,13 @@ def usage_section(kind: str, verifier_ref: str, folder: str, layout: Mapping[str
     ``./<folder>``); layout: its ``config.json`` (the verifier a speculators folder names, the draft
     length, the number of heads)."""
     if kind == "eagle3":
+        fused = len(layout.get("aux_layers") or [])
         serving = (
             f"vLLM serves its copy in the speculators format, "
             f"`{folder}{COMPANION_SUFFIXES[kind]}/` beside it."
+            if fused == VLLM_AUX_LAYERS
+            else f"vLLM's EAGLE-3 fuses exactly {VLLM_AUX_LAYERS} verifier layers and this drafter {fused}: "
+            "it has no copy in the speculators format."
         )
         return _draftsmith_usage(
             "train.models.eagle3_drafter", "Eagle3Drafter", f"decoding=eagle3 eagle3={THIS_EXPORT}", serving

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,9 @@ __all__ = [
     "load_speculators",
     "export_speculators",
     "from_speculators_layer_ids",
+    "VLLM_AUX_LAYERS",
+    "check_vllm_aux_layers",
+    "rope_scaling_of",
     "speculators_config",
     "to_speculators_layer_ids",
 ]
@@ -51,21 +54,52 @@ def from_speculators_layer_ids(ids: Sequence[int]) -> list[int]:
     return [int(i) for i in ids]
 
 
+VLLM_AUX_LAYERS = 3
+"""How many verifier layers vLLM's EAGLE-3 fuses: its ``fc`` takes ``3 * hidden_size`` inputs."""
+
+
+def check_vllm_aux_layers(aux_layers: Sequence[int]) -> None:
+    """Raise ValueError, naming ``method.aux_layers``, unless the drafter fuses exactly
+    :data:`VLLM_AUX_LAYERS` layers: vLLM would build a ``fc`` of another shape and refuse the weights."""
+    if len(aux_layers) != VLLM_AUX_LAYERS:
+        raise ValueError(
+            f"the speculators format (vLLM's EAGLE-3) fuses exactly {VLLM_AUX_LAYERS} verifier layers "
+            f"(fc input = {VLLM_AUX_LAYERS} x hidden_size), and this drafter fuses {len(aux_layers)} "
+            f"({list(aux_layers)}); train it with method.aux_layers=null (EAGLE-3's [2, L//2, L-3]) or a "
+            f"list of {VLLM_AUX_LAYERS} hidden_states indices to export it for vLLM"
+        )
+
+
+def rope_scaling_of(rope_parameters: Mapping[str, Any]) -> dict[str, Any] | None:
+    """transformers' ``rope_scaling`` (before 5.0, which vLLM and older readers take) for the layer's
+    ``rope_parameters``: the same entries without ``rope_theta`` (written at the top level), e.g.
+    Llama-3.1's ``{"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, ...}``; None for
+    plain RoPE (``rope_type`` default), which those readers assume when the key is absent."""
+    if rope_parameters.get("rope_type", "default") == "default":
+        return None
+    return {key: value for key, value in rope_parameters.items() if key != "rope_theta"}
+
+
 def speculators_config(
     drafter: Eagle3Drafter,
     verifier_name_or_path: str,
     speculative_tokens: int = 3,
     verifier_architectures: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """The ``config.json`` dictionary of the export (see the module docstring)."""
+    """The ``config.json`` dictionary of the export (see the module docstring). Raises ValueError for a
+    drafter vLLM cannot load (:func:`check_vllm_aux_layers`)."""
     if speculative_tokens < 1:
         raise ValueError(f"speculative_tokens must be >= 1, got {speculative_tokens}")
+    check_vllm_aux_layers(drafter.aux_layers)
     layer = drafter.layer_config.to_dict()
     layer["architectures"] = ["LlamaForCausalLM"]
     for key in ("_name_or_path", "transformers_version", "id2label", "label2id"):
         layer.pop(key, None)
     # older readers (vLLM / transformers before rope_parameters) read rope_theta at the top level
     layer.setdefault("rope_theta", drafter.rope_parameters["rope_theta"])
+    scaling = rope_scaling_of(drafter.rope_parameters)
+    if scaling is not None:  # Llama-3.1-style scaling, which those readers find under rope_scaling only
+        layer.setdefault("rope_scaling", scaling)
     weight = drafter.fc.weight
     return {
         "architectures": ["Eagle3Speculator"],
@@ -103,9 +137,9 @@ def export_speculators(
     speculative_tokens: the chain length vLLM drafts by default; include_embeddings: also write the
     (frozen, verifier's) ``embed_tokens.weight`` (speculators writes it; without it a reader must take
     the verifier's)."""
+    config = speculators_config(drafter, verifier_name_or_path, speculative_tokens, verifier_architectures)
     path = Path(out_dir)
     path.mkdir(parents=True, exist_ok=True)
-    config = speculators_config(drafter, verifier_name_or_path, speculative_tokens, verifier_architectures)
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     tensors = {
         name: tensor.detach().to("cpu").contiguous()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -242,6 +243,23 @@ def resolve_device(value: Any, key: str = "device") -> torch.device:
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise ConfigError(f"{key}={value}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return device
+
+
+def local_rank(environ: Mapping[str, str] = os.environ) -> int:
+    """This process's rank on its node, from the launcher (``LOCAL_RANK``: torchrun, Lightning;
+    ``SLURM_LOCALID``: srun), 0 for a single process."""
+    return int(environ.get("LOCAL_RANK") or environ.get("SLURM_LOCALID") or 0)
+
+
+def one_local_device(accelerator: str, environ: Mapping[str, str] = os.environ) -> int | list[int]:
+    """Lightning's ``devices`` for a one-device job inside a multi-process run (the pair build, which any
+    rank may win the lock for): this rank's GPU, ``[LOCAL_RANK]``, not ``devices=1`` (GPU 0 whatever the
+    rank, rank 0's GPU). Modulo the GPUs this process sees, so a task given one GPU (``--gpus-per-task``)
+    uses it; ``1`` on the CPU or any other accelerator."""
+    on_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+    if not on_gpu:
+        return 1
+    return [local_rank(environ) % max(torch.cuda.device_count(), 1)]
 
 
 def resolve_devices(device: Any, drafter_device: Any) -> tuple[torch.device, torch.device | None]:

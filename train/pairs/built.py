@@ -33,7 +33,11 @@ def ensure_built_pair(cfg: ModelConfig, trainer_cfg: TrainerConfig | None = None
 
 def alone(out_dir: str, ensure: Callable[[], T]) -> T:
     """``ensure()`` while holding ``<out_dir>.lock``: a second run started while the first builds the pair
-    waits (saying so), then finds the pair built and reuses it instead of building it again over it."""
+    waits (saying so), then finds the pair built and reuses it instead of building it again over it.
+
+    The lock is a ``flock`` (the ``filelock`` package), as good as the filesystem's: on a shared mount
+    without cluster-wide locks (NFS without lockd, Lustre with ``localflock``) it holds on one node only
+    (docs/scale.md, "The pairs we build")."""
     folder = os.path.normpath(out_dir)
     Path(folder).parent.mkdir(parents=True, exist_ok=True)
     lock = FileLock(f"{folder}.lock")

@@ -33,6 +33,7 @@ from train.data.tokenizer import train_tokenizer
 from train.losses import acceptance_from_logits
 from train.methods.pretrain.config import PretrainConfig
 from train.methods.pretrain.module import PretrainModule
+from train.models.loading import one_local_device
 from train.progress import StepProgressBar
 
 log = logging.getLogger(__name__)
@@ -181,7 +182,7 @@ def _fit(
     module = PretrainModule(model, _pretrain_config(spec, cfg))
     trainer = L.Trainer(
         accelerator=trainer_cfg.accelerator,
-        devices=1,
+        devices=one_local_device(trainer_cfg.accelerator),  # this rank's GPU: any rank may build the pair
         max_steps=spec.max_steps,
         limit_val_batches=0,
         logger=CSVLogger(save_dir=log_dir, name=role, version=""),

@@ -73,7 +73,8 @@ class ResponseDistillSettings:
 
 def prompt_data(cfg: Any, tokenizer: Any, data: Any, seed: int) -> PromptDataModule:
     """Training and held-out prompts of ``data`` (a data config) sized by ``cfg`` (see
-    :func:`check_prompt_settings`), with the corpus continuations for sources that need them."""
+    :func:`check_prompt_settings`), with the corpus continuations for sources that need them; its loaders use
+    the data config's ``num_workers`` and ``pin_memory``."""
     return PromptDataModule(
         lambda: load_text_dataset(data, tokenizer),
         tokenizer,
@@ -83,4 +84,6 @@ def prompt_data(cfg: Any, tokenizer: Any, data: Any, seed: int) -> PromptDataMod
         max_prompts=cfg.num_prompts,
         max_val_prompts=cfg.num_val_prompts,
         seed=seed,
+        num_workers=data.num_workers,
+        pin_memory=data.pin_memory,
     )

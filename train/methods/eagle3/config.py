@@ -68,7 +68,8 @@ class Eagle3Config:
     """Rows of the drafter's head: the most frequent tokens of the training answers (d2t / t2d);
     None or >= the verifier's vocabulary: the full vocabulary."""
     aux_layers: list[int] | None = None
-    """The verifier's ``hidden_states`` indices fused by ``fc``; None: EAGLE-3's [2, L//2, L-3]."""
+    """The verifier's ``hidden_states`` indices fused by ``fc``; None: EAGLE-3's [2, L//2, L-3]. vLLM's EAGLE-3
+    fuses exactly three: with another count the finish step exports ``eagle3/`` but no ``eagle3_speculators/``."""
     init: str | None = None
     """Start from an exported drafter (an Eagle3Drafter folder or Hub id) instead of a fresh one."""
     speculative_tokens: int = 3

@@ -4,6 +4,7 @@ report adds (the ``Finishable`` side of :class:`~train.methods.eagle3.module.Eag
 from __future__ import annotations
 
 import copy
+import logging
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -12,7 +13,7 @@ import torch
 
 from train.export.model_card import write_model_card
 from train.export.redaction import path_roots, portable_path
-from train.export.speculators import export_speculators
+from train.export.speculators import check_vllm_aux_layers, export_speculators
 from train.models.eagle3_drafter import Eagle3Drafter
 from train.tables import format_value, markdown_table
 
@@ -20,6 +21,8 @@ if TYPE_CHECKING:
     from train.methods.eagle3.module import Eagle3Module
 
 SPECULATORS_SUFFIX = "_speculators"
+
+log = logging.getLogger(__name__)
 
 
 def trained_drafter(module: Eagle3Module) -> Eagle3Drafter:
@@ -53,12 +56,19 @@ def verifier_name(module: Eagle3Module, out_dir: str | None = None) -> str:
 def export(module: Eagle3Module, out_dir: str) -> Path:
     """``eagle3/`` (``save_pretrained``: config.json + model.safetensors, reloaded by
     ``Eagle3Drafter.from_pretrained``) and, beside it, ``eagle3_speculators/`` in the format vLLM loads
-    natively, with a model card saying how vLLM serves it (license front matter included)."""
+    natively, with a model card saying how vLLM serves it (license front matter included). vLLM's EAGLE-3
+    fuses exactly three verifier layers: a drafter trained with another ``method.aux_layers`` count gets
+    ``eagle3/`` only, and a warning saying why (:func:`~train.export.speculators.check_vllm_aux_layers`)."""
     out = Path(out_dir)
     drafter = module.trained_drafter()
     drafter.save_pretrained(out)
     architectures = list(getattr(getattr(module.verifier, "config", None), "architectures", None) or [])
     name = verifier_name(module, str(out))
+    try:
+        check_vllm_aux_layers(drafter.aux_layers)
+    except ValueError as err:
+        log.warning("No %s%s/ export: %s", out.name, SPECULATORS_SUFFIX, err)
+        return out
     speculators = export_speculators(
         drafter,
         out.parent / f"{out.name}{SPECULATORS_SUFFIX}",
