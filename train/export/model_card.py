@@ -254,7 +254,7 @@ def model_card(
     # The Hub validates base_model as a repo id; local folders are named in the text instead.
     if is_hub_id(base_model):
         front["base_model"] = base_model
-    verifier_ref = verifier if is_hub_id(verifier) else "PATH_TO_THE_VERIFIER"
+    verifier_ref = verifier if verifier and is_hub_id(verifier) else "PATH_TO_THE_VERIFIER"
     paths = (config or {}).get("paths") if isinstance(config, Mapping) else None
     tiny_dir = paths.get("tiny_dir") if isinstance(paths, Mapping) else None
     target = f"the verifier `{verifier}`" if is_hub_id(verifier) else "its verifier (below)"

@@ -94,7 +94,7 @@ def _wandb_logger(cfg: LoggerConfig, run_dir: str, name: str, offline: bool) -> 
         entity=cfg.entity,
         name=f"{name}-{os.path.basename(os.path.normpath(run_dir))}",
         # every start of this run directory (a requeued SLURM job) continues the same W&B run
-        id=wandb_run_id(run_dir, write=rank_zero_only.rank == 0),
+        id=wandb_run_id(run_dir, write=getattr(rank_zero_only, "rank", 0) == 0),
         resume="allow",
         save_dir=run_dir,
         offline=offline,
