@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -141,3 +142,18 @@ def test_the_old_decoder_name_still_imports_with_a_deprecation_line():
 
     with pytest.warns(DeprecationWarning, match="MedusaDecoder is deprecated; it is now HeadsDecoder"):
         assert decoding.MedusaDecoder is decoding.HeadsDecoder
+
+
+def test_a_wall_clock_budget_goes_to_lightning_and_a_bad_one_names_its_key() -> None:
+    from train.cli.train_command import ended_between_validations
+
+    cfg = TrainerConfig(max_time="00:00:04:00", max_steps=1000)
+    assert cfg.trainer_kwargs()["max_time"] == "00:00:04:00"
+    assert TrainerConfig().trainer_kwargs()["max_time"] is None
+    for bad in ("4 minutes", "00:04:00", "00:00:-1:00"):
+        with pytest.raises(ConfigError, match="trainer.max_time"):
+            TrainerConfig(max_time=bad)
+    stopped_early, finished = SimpleNamespace(global_step=40), SimpleNamespace(global_step=1000)
+    assert ended_between_validations(stopped_early, cfg)
+    assert not ended_between_validations(finished, cfg)
+    assert not ended_between_validations(stopped_early, TrainerConfig(max_steps=1000))

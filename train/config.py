@@ -82,6 +82,9 @@ class TrainerConfig:
     num_nodes: int = 1
     precision: str = "32-true"
     max_steps: int = 100
+    max_time: str | None = None
+    """A wall-clock budget for training, ``"DD:HH:MM:SS"`` (Lightning's ``max_time``): training stops at
+    whichever of it and ``max_steps`` comes first; null: no budget."""
     val_check_interval: Any = 50
     limit_val_batches: Any = 1.0
     log_every_n_steps: int = 10
@@ -124,6 +127,12 @@ class TrainerConfig:
             str(self.precision) in PRECISIONS, "trainer.precision", f"one of {PRECISIONS}", self.precision
         )
         require(self.max_steps >= 1, "trainer.max_steps", ">= 1", self.max_steps)
+        require(
+            self.max_time is None or _is_duration(self.max_time),
+            "trainer.max_time",
+            'null or "DD:HH:MM:SS"',
+            self.max_time,
+        )
         require(isinstance(self.plugins, list), "trainer.plugins", "a list of _target_ nodes", self.plugins)
         require(self.log_every_n_steps >= 1, "trainer.log_every_n_steps", ">= 1", self.log_every_n_steps)
         require(
@@ -148,6 +157,7 @@ class TrainerConfig:
             "num_nodes": self.num_nodes,
             "precision": self.precision,
             "max_steps": self.max_steps,
+            "max_time": self.max_time,
             "val_check_interval": self.val_check_interval,
             "check_val_every_n_epoch": None,
             "limit_val_batches": self.limit_val_batches,
@@ -159,6 +169,12 @@ class TrainerConfig:
             "enable_model_summary": False,  # run.fit logs the summary to train.log instead
             "plugins": list(self.plugins) or None,
         }
+
+
+def _is_duration(value: Any) -> bool:
+    """``"DD:HH:MM:SS"`` with whole non-negative numbers."""
+    parts = str(value).split(":")
+    return len(parts) == 4 and all(p.isdigit() for p in parts)
 
 
 @dataclass

@@ -42,6 +42,7 @@ from train.evaluation import (
     to_jsonable,
 )
 from train.evaluation.decoder_build import drafter_kind
+from train.evaluation.intervals import interval_sections, paired_figures
 from train.export.model_card import write_model_card
 from train.models.loading import eos_token_ids
 from train.tables import format_metric, format_value, markdown_table
@@ -276,6 +277,7 @@ def build_report(results: Mapping[str, Any], reference: str | None = None) -> di
         "drafters": per,
         "best": best,
         "ratios": ratios,
+        **paired_figures(runs, reference),
         "evaluation_seconds": results.get("elapsed_seconds"),
     }
 
@@ -318,6 +320,7 @@ def summary_sections(report: Mapping[str, Any]) -> list[str]:
                 ["drafter", "T", "decoder", "gamma", "speedup", "block_efficiency"], best_rows, "llllrr"
             ).rstrip(),
         ]
+    parts += interval_sections(report)
     ratio_rows = [
         [name, label, t, *(r[m] for m in RATIO_METRICS)]
         for name, by_decoder in report.get("ratios", {}).items()

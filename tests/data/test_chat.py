@@ -221,3 +221,25 @@ def test_empty_split_keeps_its_columns() -> None:
     splits = load_chat_splits(validation_fraction=0.0, test_fraction=0.0)
     assert len(splits["test"]) == 0 and isinstance(splits["test"], Dataset)
     assert splits["test"].column_names == ["messages", "source", "kind"]
+
+
+def test_two_interpreters_in_different_places_build_the_same_set(tmp_path: Path, splits) -> None:
+    """The same Python run from two virtual environments (different paths: ``sys.executable``, which
+    ``platform.architecture`` puts into its signature's default) builds the same records."""
+    import subprocess
+
+    built = []
+    for where in (tmp_path / "a", tmp_path / "elsewhere" / "deeper" / "b"):
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(where)], check=True)
+        built.append(build_records(python=str(where / "bin" / "python")))
+    assert built[0] == built[1]
+    assert all(str(tmp_path) not in r["messages"][0]["content"] for r in built[0])
+    here = [r for split in splits.values() for r in split]
+    assert len(built[0]) == len(here)
+
+
+def test_machine_dependent_requests_are_named() -> None:
+    from train.data.chat import machine_dependent
+
+    assert machine_dependent(f"Write `architecture(executable={sys.executable!r}, bits='')`.")
+    assert not machine_dependent("Return the square root of the sample variance.")

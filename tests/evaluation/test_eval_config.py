@@ -162,3 +162,30 @@ def test_the_eval_group_composes_in_both_entry_configs():
     (settings,) = build_eval_config(ev.eval).decoder_configs.values()
     assert settings == {"_target_": SD, "gamma": 2, "lenience": "linear", "eps": 0.5}
     assert _compose("eval", ["gammas=[1,2,4,8]"]).eval.gammas == [1, 2, 4, 8]
+
+
+def test_idle_threads_leave_the_cores_other_processes_use(monkeypatch) -> None:
+    """``eval.num_threads: idle``: as many torch threads as cores no other process keeps busy, at least 1
+    (threads on a core another process holds spin-wait for each other)."""
+    import train.hardware as hardware
+
+    monkeypatch.setattr(hardware.os, "cpu_count", lambda: 4)
+    for busy, threads in ((0.0, 4), (0.2, 4), (1.0, 3), (1.6, 2), (7.5, 1)):
+        monkeypatch.setattr(hardware, "busy_cores_elsewhere", lambda s=0.5, b=busy: b)
+        assert hardware.idle_cores() == threads
+    assert build_eval_config({"num_threads": "idle"}).num_threads == "idle"
+    with pytest.raises(ConfigError, match="eval.num_threads"):
+        build_eval_config({"num_threads": "all"})
+
+
+def test_busy_cores_elsewhere_sees_another_process_spinning() -> None:
+    import subprocess
+    import sys
+
+    from train.hardware import busy_cores_elsewhere
+
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        assert busy_cores_elsewhere(0.5) > 0.5
+    finally:
+        spinner.kill()

@@ -267,6 +267,39 @@ def test_teacher_rollouts_are_cached_per_prompt():
     assert torch.equal(a.sequences[a.continuation_mask], b.sequences[b.continuation_mask])
 
 
+def test_teacher_answers_given_in_advance_are_used_instead_of_generating(monkeypatch):
+    """The fixed-data arm: continuations given offline (cut to max_new_tokens) are what teacher batches
+    train on, and the teacher generates nothing for those prompts; other prompts are still answered."""
+    from train.models.answers import Answer
+
+    module, data = _module(_cfg(data_source="teacher"))
+    data.setup()
+    batch = next(iter(data.train_dataloader()))
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    prompts = [ids[i][mask[i].bool()].tolist() for i in range(ids.shape[0])]
+    given = [7, 8, 9, 10] * 20
+    empty = torch.zeros(0, 1)
+    module.preload_teacher([Answer(p, given, empty, empty) for p in prompts[1:]])
+    generated: list[int] = []
+    real = module.teacher_sampler.sample
+    monkeypatch.setattr(
+        module.teacher_sampler.__class__,
+        "sample",
+        lambda self, model, i, a, g: generated.append(i.shape[0]) or real(model, i, a, g),
+    )
+    ro = module.make_batch(batch, "teacher", module._generator(0, 0))
+    assert generated == [1]  # only the prompt without an answer
+    tail = ro.sequences[:, ro.prompt_width :]
+    cut = given[: module.cfg.max_new_tokens]
+    for row in range(1, ids.shape[0]):
+        assert tail[row][ro.continuation_mask[row, ro.prompt_width :]].tolist() == cut
+
+
+def test_teacher_answers_need_the_teacher_cache():
+    with pytest.raises(ConfigError, match="method.teacher_answers"):
+        _cfg(teacher_answers="pair", cache_teacher=False)
+
+
 @pytest.mark.parametrize("cache", [True, False])
 def test_greedy_teacher_continuations_while_the_student_samples(cache):
     """teacher_temperature=0: the teacher's training continuations are its greedy rollouts (whatever the

@@ -14,6 +14,7 @@ from tests.conftest import make_tokenizer
 from train.config import ConfigError
 from train.models.answers import Answer, save_answers
 from train.training.answer_data import (
+    SPLITS,
     AnswerDataModule,
     answer_eos_ids,
     answer_row,
@@ -246,8 +247,8 @@ def test_grouping_by_length_cuts_the_padding_and_still_sees_every_row():
 
 
 def test_run_answers_reads_a_folder_the_pairs_cache_or_generates(tmp_path, monkeypatch):
-    """``method.answers``: a folder is read; ``pair`` is the real pair's cache (``<smollm2.out_dir>/answers``)
-    and, on a pair without one, greedy answers generated from the run's data, as with None."""
+    """``method.answers``: a folder is read; ``pair`` is the real pair's (:func:`pair_answers`) and, on a
+    pair without one, greedy answers generated from the run's data, as with None."""
     import train.training.answer_data as answer_data
 
     calls = []
@@ -256,18 +257,19 @@ def test_run_answers_reads_a_folder_the_pairs_cache_or_generates(tmp_path, monke
         calls.append((data, dict(counts), prompt_len, answer_tokens, batch, seed))
         return {"train": [], "validation": []}
 
+    own = {
+        s: [Answer([1, 2], [3, 4], torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, 1))] for s in SPLITS
+    }
     monkeypatch.setattr(answer_data, "generated_answers", fake_generate)
-    folder = tmp_path / "pair" / "answers"
-    folder.mkdir(parents=True)
-    for split in ("train", "validation"):
-        save_answers(
-            [Answer([1, 2], [3, 4], torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, 1))],
-            str(folder / f"{split}.pt"),
-        )
-    pair = SimpleNamespace(verifier=None, tokenizer=None)
-    real = SimpleNamespace(
-        model=SimpleNamespace(smollm2=SimpleNamespace(out_dir=str(tmp_path / "pair"))), data="d", seed=3
+    monkeypatch.setattr(
+        answer_data, "pair_answers", lambda model, v, t, train_prompts=None: own if model.smollm2 else None
     )
+    folder = tmp_path / "answers"
+    folder.mkdir(parents=True)
+    for split in SPLITS:
+        save_answers(own[split], str(folder / f"{split}.pt"))
+    pair = SimpleNamespace(verifier=None, tokenizer=None)
+    real = SimpleNamespace(model=SimpleNamespace(smollm2=SimpleNamespace(out_dir="x")), data="d", seed=3)
     tiny = SimpleNamespace(model=SimpleNamespace(smollm2=None), data="d", seed=3)
     counts = {"train": 5, "validation": 2}
     assert run_answers("pair", pair, real, counts, 16, 8, 4)["train"][0].answer == [3, 4]
@@ -278,6 +280,48 @@ def test_run_answers_reads_a_folder_the_pairs_cache_or_generates(tmp_path, monke
     assert calls == [("d", counts, 16, 8, 4, 3)] * 2
     with pytest.raises(ConfigError, match="method.answers"):
         run_answers(str(tmp_path / "nothing"), pair, tiny, counts, 16, 8, 4)
+
+
+def test_pair_answers_are_generated_when_first_needed_and_only_the_new_prompts_later(tmp_path, monkeypatch):
+    """The real pair's answers: none before a run needs them; a first run generates and caches them; a
+    run asking for more prompts generates only the new ones; another recipe starts afresh."""
+    import train.training.pair_answers as answer_data
+    from tests.decoding.decoding_helpers import build, tiny_config
+
+    verifier = build(tiny_config("llama", 32, vocab=40), 3)
+    prompts = {"train": [[1, i, i + 1] for i in range(2, 12)], "validation": [[1, 30, 31], [1, 32]]}
+    monkeypatch.setattr(answer_data, "chat_set_fingerprint", lambda: "set-a")
+    monkeypatch.setattr(answer_data, "chat_prompt_ids", lambda tok, split, n, plen, seed: prompts[split][:n])
+    monkeypatch.setattr(answer_data, "eos_token_ids", lambda t, v: [0])
+    generated: list[int] = []
+    real = answer_data.generate_answers
+    monkeypatch.setattr(
+        answer_data, "generate_answers", lambda v, p, *a, **k: generated.append(len(p)) or real(v, p, *a, **k)
+    )
+    build_cfg = SimpleNamespace(
+        out_dir=str(tmp_path),
+        train_prompts=4,
+        val_prompts=2,
+        answer_tokens=3,
+        answer_batch=8,
+        top_k=2,
+        prompt_len=16,
+        seed=0,
+    )
+    model = SimpleNamespace(smollm2=build_cfg)
+    first = answer_data.pair_answers(model, verifier, None)
+    assert generated == [2, 4] and [a.prompt for a in first["train"]] == prompts["train"][:4]
+    again = answer_data.pair_answers(model, verifier, None)
+    assert generated == [2, 4]  # all cached
+    assert [a.answer for a in again["train"]] == [a.answer for a in first["train"]]
+    more = answer_data.pair_answers(model, verifier, None, train_prompts=7)
+    assert generated == [2, 4, 3] and [a.prompt for a in more["train"]] == prompts["train"][:7]
+    fewer = answer_data.pair_answers(model, verifier, None, train_prompts=4)["train"]
+    assert [a.answer for a in fewer] == [a.answer for a in more["train"][:4]] and generated == [2, 4, 3]
+    build_cfg.top_k = 3  # another recipe: every answer again
+    answer_data.pair_answers(model, verifier, None)
+    assert generated == [2, 4, 3, 2, 4]
+    assert answer_data.pair_answers(SimpleNamespace(smollm2=None), verifier, None) is None
 
 
 # ------------------------------------------------------------------ sampled answers

@@ -257,6 +257,11 @@ def fit(spec: RunSpec) -> Any:
                 # the starting model's validation, logged at step 0 (a method's before/after comparison)
                 trainer.validate(module, datamodule=datamodule, verbose=False)
             trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt)
+            if ended_between_validations(trainer, spec.trainer) and getattr(
+                module, "validate_before_fit", False
+            ):
+                # the time budget ended training after the last validation: validate where it stopped
+                trainer.validate(module, datamodule=datamodule, verbose=False)
         except SIGTERMException:
             if stop.signum is None:
                 raise
@@ -268,6 +273,11 @@ def fit(spec: RunSpec) -> Any:
         close_loggers(loggers)
         if stop.requeue and trainer.is_global_zero:
             requeue_slurm_job()  # after the checkpoint and the loggers: SLURM ends this start at once
+
+
+def ended_between_validations(trainer: L.Trainer, cfg: TrainerConfig) -> bool:
+    """Whether ``trainer.max_time`` stopped training before ``max_steps`` (so after the last validation)."""
+    return cfg.max_time is not None and 0 < trainer.global_step < cfg.max_steps
 
 
 def finish_run(module: Any, trainer: L.Trainer, spec: RunSpec, pair: Any, config: dict[str, Any]) -> Any:

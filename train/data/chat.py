@@ -26,6 +26,11 @@ one package lands in the same split, so no evaluation prompt shares a module wit
 Within a split, records are in the order of a sha256 of ``source`` and content (sources interleaved,
 fixed).
 
+Nothing that depends on the machine reaches a record: a request whose text holds the interpreter's path
+(``platform.architecture``'s default ``executable``), an installation prefix, the home, working or
+temporary directory, or the quoted user or host name is dropped (:func:`machine_dependent`), so two
+interpreters of the same Python in different places build the same set.
+
 The records are collected in a child interpreter (``python -I -S``: no site-packages, no
 environment, no working directory on ``sys.path``), so the ~350 imports and whatever they do on
 import stay out of the training process, and the set depends only on the Python installation.
@@ -38,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import getpass
 import hashlib
 import importlib
 import inspect
@@ -46,6 +52,7 @@ import json
 import os
 import pkgutil
 import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -61,6 +68,7 @@ __all__ = [
     "build_records",
     "chat_records",
     "collect_records",
+    "machine_dependent",
     "load_chat_splits",
     "split_of_source",
     "stable_fraction",
@@ -267,12 +275,33 @@ def _record(content: str, source: str, kind: str) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": content}], "source": source, "kind": kind}
 
 
+def _machine_values() -> tuple[set[str], set[str]]:
+    """(paths, names) that differ between machines or installations of the same Python."""
+    paths = {sys.executable, sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix}
+    paths |= {os.path.expanduser("~"), os.getcwd(), tempfile.gettempdir()}
+    names = set()
+    for read in (getpass.getuser, socket.gethostname):
+        with contextlib.suppress(Exception):
+            names.add(read())
+    return {p for p in paths if p and len(p) > 1}, {n for n in names if n}
+
+
+def machine_dependent(text: str) -> bool:
+    """Whether ``text`` holds a path of this machine's Python or directories, or its quoted user or host
+    name (a request holding one would differ between two places the same Python is installed)."""
+    paths, names = _machine_values()
+    return any(p in text for p in paths) or any(f"'{n}'" in text or f'"{n}"' in text for n in names)
+
+
 def collect_records() -> list[dict[str, Any]]:
-    """Every record, in a fixed order, collected in *this* interpreter (imports ~350 modules).
+    """Every record, in a fixed order, collected in *this* interpreter (imports ~350 modules); requests
+    that depend on the machine (:func:`machine_dependent`) are left out.
 
     :func:`build_records` runs this in a clean child interpreter; call it directly only there.
     """
-    records = function_records() + topic_records()
+    records = [
+        r for r in function_records() + topic_records() if not machine_dependent(r["messages"][0]["content"])
+    ]
     return sorted(records, key=lambda r: (_order_key(r), r["source"], r["messages"][0]["content"]))
 
 
@@ -285,12 +314,13 @@ def _order_key(record: dict[str, Any]) -> float:
 _CHILD = "import runpy, sys; runpy.run_path(sys.argv[1], run_name='__main__')"
 
 
-def build_records(timeout: float = 300.0) -> list[dict[str, Any]]:
-    """Collect the records in a child ``python -I -S`` (isolated from this process and site-packages)."""
+def build_records(timeout: float = 300.0, python: str | None = None) -> list[dict[str, Any]]:
+    """Collect the records in a child ``python -I -S`` (isolated from this process and site-packages);
+    ``python``: the interpreter to run (default: this one's)."""
     with tempfile.TemporaryDirectory(prefix="chat-set-") as tmp:
         out = Path(tmp) / "records.json"
         done = subprocess.run(
-            [sys.executable, "-I", "-S", "-c", _CHILD, os.path.abspath(__file__), str(out)],
+            [python or sys.executable, "-I", "-S", "-c", _CHILD, os.path.abspath(__file__), str(out)],
             stdin=subprocess.DEVNULL,
             capture_output=True,
             text=True,

@@ -191,8 +191,9 @@ class EvalConfig:
     warmup: bool = True
     #: torch intra-op threads during the evaluation, restored afterwards (null: leave torch's setting).
     #: 1 suits small latency-bound models on CPU: with more, OpenMP spin-waiting on a busy machine
-    #: slowed the tiny pair's evaluation tenfold (docs/evaluation.md). Set null for large models.
-    num_threads: int | None = 1
+    #: slowed the tiny pair's evaluation tenfold (docs/evaluation.md). Set null for large models, or
+    #: ``idle``: the cores no other process is using when the evaluation starts (at least 1).
+    num_threads: int | str | None = 1
     #: Progress bar over the generations; plots written next to results.json.
     progress: bool = True
     plots: bool = True
@@ -246,9 +247,9 @@ class EvalConfig:
             self.tie_ulps,
         )
         require(
-            self.num_threads is None or (_is_int(self.num_threads) and self.num_threads >= 1),
+            self.num_threads in (None, "idle") or (_is_int(self.num_threads) and int(self.num_threads) >= 1),
             "eval.num_threads",
-            "null or an integer >= 1",
+            "null, idle or an integer >= 1",
             self.num_threads,
         )
         for key in ("strict_greedy", "warmup", "progress", "plots"):

@@ -58,6 +58,21 @@ BASELINE_METRICS: tuple[str, ...] = (
 
 #: Per-prompt figures whose spread over (prompt, seed) is reported beside the spread over seeds;
 #: ``speedup`` there is each prompt's paired ratio (decoder vs baseline on that prompt).
+PAIRED_UNIT_FIELDS: tuple[str, ...] = (
+    "seed",
+    "prompt",
+    "new_tokens",
+    "verifier_calls",
+    "drafted",
+    "accepted",
+    "wall_time",
+    "ar_new_tokens",
+    "ar_wall_time",
+)
+"""What ``results["runs"][i]["per_prompt"]`` keeps of each (seed, prompt) decode: the counts that pool into
+block efficiency, acceptance and tokens/s, and the paired autoregressive decode's, so two drafters (or a
+drafter and plain decoding) are compared prompt by prompt (:mod:`train.evaluation.intervals`)."""
+
 PROMPT_SPREAD_METRICS: tuple[str, ...] = (
     "acceptance_rate",
     "block_efficiency",
@@ -112,6 +127,7 @@ def run_entry(
         "greedy_ties": greedy_ties,
         "greedy_mismatches": greedy_mismatches,
         "prompt_spread": aggregate({k: p[k] for k in PROMPT_SPREAD_METRICS if k in p} for p in per_prompt),
+        "per_prompt": [{k: p[k] for k in PAIRED_UNIT_FIELDS if k in p} for p in per_prompt],
         "per_seed": per_seed,
     }
 

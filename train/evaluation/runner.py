@@ -49,6 +49,7 @@ from train.evaluation.results import (
     temperature_key,
 )
 from train.evaluation.tracking import log_results
+from train.hardware import idle_cores, load_average
 
 log = logging.getLogger(__name__)
 
@@ -185,8 +186,10 @@ def evaluate_drafters(
     )
     started = time.perf_counter()
     threads_before = torch.get_num_threads()
-    if cfg.num_threads is not None:
-        torch.set_num_threads(cfg.num_threads)
+    if cfg.num_threads == "idle":
+        torch.set_num_threads(idle_cores())
+    elif cfg.num_threads is not None:
+        torch.set_num_threads(int(cfg.num_threads))
     models = [verifier, *drafters.values()]
     modes = [m.training for m in models]
     for m in models:
@@ -296,7 +299,15 @@ def _evaluate(
                     summary["speedup"] = speedup(float(summary["tokens_per_second"]), ar_tps)  # type: ignore[arg-type]
                     pairs = [_prompt_speedup(s, a) for s, a in zip(stats, ar_stats, strict=True)]
                     per_prompt.setdefault(key, []).extend(
-                        {**summarize(s), "speedup": pair} for s, pair in zip(stats, pairs, strict=True)
+                        {
+                            **summarize(s),
+                            "speedup": pair,
+                            "seed": seed,
+                            "prompt": i,
+                            "ar_new_tokens": float(a.new_tokens),
+                            "ar_wall_time": a.wall_time,
+                        }
+                        for i, (s, a, pair) in enumerate(zip(stats, ar_stats, pairs, strict=True))
                     )
                     from_prompts = {"prompt_speedup": _aggregate_one(pairs)}
                     per_seed.setdefault(key, []).append({"seed": seed, **summary, **from_prompts})
@@ -341,6 +352,9 @@ def _evaluate(
             "rotation": "prompt i runs the entries starting with entry i mod n",
         },
         "environment": {
+            # other work on the machine slows whichever decodes run beside it: the 1-minute load average
+            # when the decoding ended (os.getloadavg; a 2-core machine above 2 was shared)
+            "load_average_1min": load_average(),
             "device": str(next(verifier.parameters()).device),
             "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__,

@@ -4,7 +4,9 @@ A drafter is judged by how often it guesses what the verifier will say, so the d
 most is the verifier's own output on in-domain prompts. :func:`generate_answers` produces it in
 batches (prompts sorted by length so little padding is computed) and keeps, for each answer token,
 the verifier's ``top_k`` log-probabilities: enough to distil the distribution (the greedy token is
-its first entry) at ``top_k / vocabulary`` of the memory of full logits.
+its first entry) at ``top_k / vocabulary`` of the memory of full logits. The top-k is taken as each
+step's logits are produced (:class:`TopKRecorder`), so no step's full-vocabulary logits outlive it: a
+batch of 32 answers of 128 tokens over 49,152 ids would otherwise hold 0.8 GB of float32 logits.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from train.data.lm import collate_left_pad
 
@@ -35,6 +38,28 @@ class Answer:
             "top_ids": self.top_ids,
             "top_logprobs": self.top_logprobs,
         }
+
+
+class TopKRecorder(LogitsProcessor):
+    """Keeps the ``k`` largest log-probabilities of the logits it is shown at each generation step and
+    passes the logits on unchanged. ``generate`` runs it after its own processors; with the settings
+    :func:`generate_answers` uses (greedy, or sampling at T = 1 with no top-k / top-p) there are none, so
+    it sees the model's raw logits."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self.values: list[torch.Tensor] = []
+        self.indices: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        top = torch.log_softmax(scores.float(), dim=-1).topk(self.k, dim=-1)
+        self.values.append(top.values)
+        self.indices.append(top.indices)
+        return scores
+
+    def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(B, steps, k)`` log-probabilities and ids, on the CPU."""
+        return torch.stack(self.values, dim=1).cpu(), torch.stack(self.indices, dim=1).cpu()
 
 
 def answer_length(tokens: torch.Tensor, eos_ids: Sequence[int]) -> int:
@@ -68,21 +93,18 @@ def generate_answers(
         sampling: dict[str, Any] = {"do_sample": False}
         if temperature > 0:
             sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
-        out = verifier.generate(
+        recorder = TopKRecorder(top_k)
+        sequences = verifier.generate(
             input_ids=ids.to(device),
             attention_mask=mask.to(device),
             max_new_tokens=max_new_tokens,
             eos_token_id=list(eos_ids),
             pad_token_id=int(eos_ids[0]),
-            return_dict_in_generate=True,
-            output_logits=True,
+            logits_processor=LogitsProcessorList([recorder]),
             **sampling,
         )
-        generated = out.sequences[:, ids.shape[1] :].cpu()
-        # (B, steps, V) raw logits, one step at a time so no full-vocabulary tensor of the batch is kept
-        tops = [torch.log_softmax(step.float(), dim=-1).topk(top_k, dim=-1) for step in out.logits]
-        top_logprobs = torch.stack([t.values for t in tops], dim=1).cpu()
-        top_ids = torch.stack([t.indices for t in tops], dim=1).cpu()
+        generated = sequences[:, ids.shape[1] :].cpu()
+        top_logprobs, top_ids = recorder.stacked()
         for row, index in enumerate(chunk):
             n = answer_length(generated[row], eos_ids)
             answers[index] = Answer(

@@ -41,6 +41,7 @@ __all__ = [
     "argmax_agreement",
     "draft_acceptance",
     "draft_divergence",
+    "draft_head_logits",
     "draft_rows_of",
     "draft_support",
     "draft_vocab_of",
@@ -116,6 +117,16 @@ def draft_rows_of(ids: torch.Tensor, draft_ids: torch.Tensor) -> torch.Tensor:
     draft_ids = draft_ids.to(ids.device)
     at = torch.searchsorted(draft_ids, ids).clamp(max=len(draft_ids) - 1)
     return torch.where(draft_ids[at] == ids, at, torch.full_like(at, -1))
+
+
+def draft_head_logits(
+    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, draft_ids: torch.Tensor
+) -> torch.Tensor:
+    """``(B, T, N)`` logits of a causal LM over ``draft_ids`` only (its head's rows for them): the full
+    ``(B, T, V)`` logits are never built."""
+    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    weight = model.get_output_embeddings().weight
+    return F.linear(hidden, weight.index_select(0, draft_ids.to(weight.device)))
 
 
 def restrict_logits(logits: torch.Tensor, draft_ids: torch.Tensor) -> torch.Tensor:

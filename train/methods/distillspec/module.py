@@ -38,6 +38,7 @@ folder) and :func:`train.report.finish` exports, evaluates and reports.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -69,6 +70,8 @@ from train.training.optim import (
 from train.training.responses import ResponseCache, continuation_logits, with_continuation
 from train.training.rollout import ResponseSampler, Rollout
 from train.training.seeding import mix_seed, seeded_generator
+
+log = logging.getLogger(__name__)
 
 
 class DistillSpecModule(L.LightningModule):
@@ -137,6 +140,15 @@ class DistillSpecModule(L.LightningModule):
     def on_fit_start(self) -> None:
         self.teacher.to(self.device)
         self.student.train()  # from_pretrained returns eval mode; the teacher stays in eval mode
+
+    def preload_teacher(self, answers: Any) -> None:
+        """The teacher's continuations of some training prompts given in advance (answers generated
+        offline, :class:`~train.models.answers.Answer`), each cut to ``max_new_tokens``: teacher batches on
+        those prompts read them instead of generating."""
+        n = self.cfg.max_new_tokens
+        for answer in answers:
+            self._teacher_cache.add(answer.prompt, answer.answer[:n])
+        log.info("teacher continuations given in advance for %d training prompts", len(self._teacher_cache))
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """The teacher continuations generated so far travel with the checkpoint: a resumed run reuses

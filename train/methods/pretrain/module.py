@@ -1,4 +1,9 @@
-"""Plain causal language-model pretraining; builds the embedded tiny verifier/drafter pair."""
+"""Plain causal language-model pretraining: the embedded tiny pair's models, the real pair's drafter.
+
+A model with a reduced draft vocabulary (FR-Spec; ``draft_ids``) is trained over it only: the head's rows
+for those ids give the logits (the full-vocabulary ones are never built), and a next token outside the
+draft vocabulary is not a target (the drafter can never draft it).
+"""
 
 from __future__ import annotations
 
@@ -12,25 +17,47 @@ import torch
 from transformers import PreTrainedModel
 
 from train.methods.pretrain.config import PretrainConfig
+from train.models.draft_vocab import draft_head_logits, draft_rows_of
 from train.training.optim import configure_optimizers
 
 
 class PretrainModule(L.LightningModule):
-    """Next-token cross-entropy on packed sequences of ``input_ids``."""
+    """Next-token cross-entropy on packed sequences of ``input_ids`` (over ``draft_ids`` when given)."""
 
-    def __init__(self, model: PreTrainedModel, cfg: PretrainConfig) -> None:
+    def __init__(
+        self, model: PreTrainedModel, cfg: PretrainConfig, draft_ids: torch.Tensor | None = None
+    ) -> None:
         super().__init__()
         self.model = model
         self.cfg = cfg
+        self.draft_ids: torch.Tensor | None
+        self.register_buffer("draft_ids", None if draft_ids is None else draft_ids.clone(), persistent=False)
         self._val_nll = 0.0
         self._val_tokens = 0
+        self._val_correct = 0.0
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=input_ids).logits
 
     def _loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self._loss_and_correct(batch)[0]
+
+    def _loss_and_correct(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(mean cross-entropy, count of top-1 hits, count of targets) over the next tokens of the batch."""
         ids = batch["input_ids"]
-        return self.model(input_ids=ids, labels=ids).loss
+        if self.draft_ids is None:
+            out = self.model(input_ids=ids, labels=ids)
+            hits = (out.logits[:, :-1].argmax(-1) == ids[:, 1:]).sum()
+            return out.loss, hits.detach(), ids.numel() - ids.shape[0]
+        logits = draft_head_logits(self.model, ids, None, self.draft_ids)[:, :-1]
+        targets = draft_rows_of(ids[:, 1:], self.draft_ids)  # -1 outside the draft vocabulary
+        counted = targets >= 0
+        if not bool(counted.any()):  # nothing to predict: a zero still attached to the graph
+            zero = logits.sum() * 0.0
+            return zero, zero.detach(), 0
+        flat, tgt = logits[counted].float(), targets[counted]
+        hits = (flat.argmax(-1) == tgt).sum()
+        return torch.nn.functional.cross_entropy(flat, tgt), hits.detach(), int(counted.sum())
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
@@ -46,18 +73,19 @@ class PretrainModule(L.LightningModule):
         sys.stdout.flush()
 
     def on_validation_epoch_start(self) -> None:
-        self._val_nll, self._val_tokens = 0.0, 0
+        self._val_nll, self._val_tokens, self._val_correct = 0.0, 0, 0.0
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        ids = batch["input_ids"]
-        n = ids.numel() - ids.shape[0]
-        self._val_nll += float(self._loss(batch)) * n
+        loss, correct, n = self._loss_and_correct(batch)
+        self._val_nll += float(loss) * n
+        self._val_correct += float(correct)
         self._val_tokens += n
 
     def on_validation_epoch_end(self) -> None:
         nll = self._val_nll / max(self._val_tokens, 1)
         self.log("val/loss", nll, prog_bar=True, sync_dist=True)
         self.log("val/perplexity", math.exp(min(nll, 50.0)), sync_dist=True)
+        self.log("val/accuracy", self._val_correct / max(self._val_tokens, 1), sync_dist=True)
 
     def configure_optimizers(self) -> Any:
         return configure_optimizers(self.model.parameters(), self.cfg.optimizer, self.cfg.scheduler)
