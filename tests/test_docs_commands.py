@@ -97,6 +97,12 @@ RUN_ELSEWHERE: dict[str, str] = {
     r"experiment=steering trainer=ddp trainer.accelerator=cpu trainer.devices=2$": (
         "tests/methods/test_steering_method.py::test_cpu_ddp_two_processes"
     ),
+    r"experiment=distillspec_ablation hydra.sweep.dir=": (
+        "tests/test_main_job.py::test_the_data_ablation_runs_both_arms_for_the_same_budget_and_tabulates_them"
+    ),
+    r"sweep_table.py checkpoints/distillspec_ablation/": (
+        "tests/test_main_job.py::test_the_data_ablation_runs_both_arms_for_the_same_budget_and_tabulates_them"
+    ),
     r"leaderboard.py retrain=true$": (
         "tests/scripts/test_leaderboard_script.py::test_leaderboard_trains_what_is_missing_then_reuses_it"
     ),

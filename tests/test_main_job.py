@@ -206,3 +206,50 @@ def test_a_fresh_main_job_keeps_the_terminal_to_progress_and_results(tmp_path: P
     log = (run_dir / "train.log").read_text()
     assert "no `val_dataloader`" in log and "Model summary" in log  # the details are in the log
     assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))  # and W&B still recorded the run
+
+
+@pytest.mark.slow
+def test_the_data_ablation_runs_both_arms_for_the_same_budget_and_tabulates_them(tmp_path: Path) -> None:
+    """`python train.py -m experiment=distillspec_ablation` on the real pair with a micro recipe: the
+    fixed-data arm reads the pair's answers (generated on first need, cached by prompt), both arms stop
+    at the wall-clock budget and are validated where they stopped, and `scripts/sweep_table.py` tabulates
+    them (the commands docs/distillspec.md shows)."""
+    env = os.environ | {"DRAFTSMITH_ROOT": str(tmp_path)}
+    sweep = tmp_path / "arms"
+    micro = [
+        "model.dtype=float32",
+        "model.smollm2.val_prompts=2",
+        "model.smollm2.answer_tokens=8",
+        "model.smollm2.answer_batch=4",
+        "trainer.max_time=00:00:00:15",
+        "method.num_prompts=6",
+        "method.num_val_prompts=2",
+        "method.batch_size=2",
+        "method.max_new_tokens=4",
+        "eval.num_prompts=1",
+        "eval.max_new_tokens=8",
+        "eval.plots=false",
+    ]
+    cmd = [sys.executable, "train.py", "-m", "experiment=distillspec_ablation", f"hydra.sweep.dir={sweep}"]
+    proc = subprocess.run(
+        [*cmd, *MICRO_SMOLLM2, *micro], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=1800
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    answers = json.loads((tmp_path / "checkpoints" / "smollm2" / "answers" / "answers.json").read_text())
+    assert answers["tokens"]["train"] > 0 and answers["recipe"]["top_k"] == 16
+    arms = sorted(p for p in sweep.iterdir() if (p / "report.json").is_file())
+    assert len(arms) == 2
+    for arm in arms:
+        validation = json.loads((arm / "report.json").read_text())["method"]["validation"]
+        steps = [int(v["step"]) for v in validation]
+        assert steps[0] == 0 and steps[-1] > 0 and len(steps) == 2  # before, and where the budget stopped it
+    table = subprocess.run(
+        [sys.executable, "scripts/sweep_table.py", str(sweep), "--decoder", "sd_g2"],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert table.returncode == 0, table.stderr[-3000:]
+    assert "| jsd |" in table.stdout and "teacher" in table.stdout and "mixed_teacher" in table.stdout

@@ -133,15 +133,21 @@ def test_experiment_composes_and_sources_enumerate(tmp_path):
     assert spec.model.name == "smollm2" and spec.model.smollm2 is not None and spec.data.name == "chat"
     ev = spec.eval
     assert ev.temperatures == [0.0, 1.0] and ev.gammas is None and len(ev.seeds) == 1
-    # a fixed gamma 2, the adaptive chain (cap 6) and the same behind prompt lookup
-    assert {label: c["gamma"] for label, c in ev.decoder_configs.items()} == {
-        "sd_g2": 2,
-        "sd_adaptive": 6,
-        "sd_lookup": 6,
-    }
-    assert ev.decoder_configs["sd_adaptive"]["confidence_threshold"] == 0.3
+    # the adaptive chain (cap 6, threshold 0.3) behind prompt lookup, on every core other work leaves
+    assert {label: c["gamma"] for label, c in ev.decoder_configs.items()} == {"sd_lookup": 6}
+    assert ev.decoder_configs["sd_lookup"]["confidence_threshold"] == 0.3
     assert ev.decoder_configs["sd_lookup"]["lookup_tokens"] == 6
-    assert (ev.num_prompts, ev.prompt_len, ev.max_new_tokens) == (8, 256, 64)
+    assert (ev.num_prompts, ev.prompt_len, ev.max_new_tokens, ev.num_threads) == (8, 256, 48, "idle")
+    # the main job starts from the pair's generic drafter and distils it with JSD on the on-policy mix
+    m = spec.method
+    assert (m.divergence, m.data_source, m.teacher_temperature, m.teacher_answers) == (
+        "jsd",
+        "mixed_teacher",
+        0.0,
+        None,
+    )
+    ablation = load_spec(_compose(["experiment=distillspec_ablation"], tmp_path))
+    assert ablation.method.teacher_answers == "pair" and ablation.trainer.max_time == "00:00:04:00"
     tiny = load_spec(_compose(["experiment=distillspec_tiny"], tmp_path))
     assert tiny.model.name == "tiny" and tiny.data.name == "stdlib" and tiny.eval.gammas == [1, 2, 4]
     assert [_cfg(data_source=s, lmbda=0.3).on_policy_probability for s in DATA_SOURCES] == [
