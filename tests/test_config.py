@@ -157,3 +157,5 @@ def test_a_wall_clock_budget_goes_to_lightning_and_a_bad_one_names_its_key() -> 
     assert ended_between_validations(stopped_early, cfg)
     assert not ended_between_validations(finished, cfg)
     assert not ended_between_validations(stopped_early, TrainerConfig(max_steps=1000))
+    assert not ended_between_validations(stopped_early, cfg, [{"step": 0.0}, {"step": 40.0}])
+    assert ended_between_validations(stopped_early, cfg, [{"step": 0.0}])

@@ -257,8 +257,9 @@ def fit(spec: RunSpec) -> Any:
                 # the starting model's validation, logged at step 0 (a method's before/after comparison)
                 trainer.validate(module, datamodule=datamodule, verbose=False)
             trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt)
-            if ended_between_validations(trainer, spec.trainer) and getattr(
-                module, "validate_before_fit", False
+            history = getattr(module, "validation_history", None)
+            if getattr(module, "validate_before_fit", False) and ended_between_validations(
+                trainer, spec.trainer, history
             ):
                 # the time budget ended training after the last validation: validate where it stopped
                 trainer.validate(module, datamodule=datamodule, verbose=False)
@@ -275,9 +276,14 @@ def fit(spec: RunSpec) -> Any:
             requeue_slurm_job()  # after the checkpoint and the loggers: SLURM ends this start at once
 
 
-def ended_between_validations(trainer: L.Trainer, cfg: TrainerConfig) -> bool:
-    """Whether ``trainer.max_time`` stopped training before ``max_steps`` (so after the last validation)."""
-    return cfg.max_time is not None and 0 < trainer.global_step < cfg.max_steps
+def ended_between_validations(
+    trainer: L.Trainer, cfg: TrainerConfig, history: list[dict[str, float]] | None = None
+) -> bool:
+    """Whether ``trainer.max_time`` stopped training before ``max_steps`` at a step no validation of
+    ``history`` (a module's ``validation_history``) measured."""
+    if cfg.max_time is None or not 0 < trainer.global_step < cfg.max_steps:
+        return False
+    return not history or int(history[-1]["step"]) != trainer.global_step
 
 
 def finish_run(module: Any, trainer: L.Trainer, spec: RunSpec, pair: Any, config: dict[str, Any]) -> Any:
