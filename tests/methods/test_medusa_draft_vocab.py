@@ -197,12 +197,20 @@ def _spec(tmp_path, answers_folder):
     )
 
 
-def test_config_builds_heads_over_the_answers_frequent_tokens_and_answer_batches(tmp_path):
+def test_config_builds_heads_over_the_answers_frequent_tokens_and_answer_batches(tmp_path, monkeypatch):
+    """``answers: pair`` reads the real pair's answers (train.training.pair_answers: generated on first
+    need and cached; here given as they would be read back)."""
+    import train.training.answer_data as answer_data
+
     pair = _Pair()
     folder = tmp_path / "pair" / "answers"
     folder.mkdir(parents=True)
-    save_answers(_answers(pair.tokenizer, 16, 0), str(folder / "train.pt"))
-    save_answers(_answers(pair.tokenizer, 4, 1), str(folder / "validation.pt"))
+    saved = {"train": _answers(pair.tokenizer, 16, 0), "validation": _answers(pair.tokenizer, 4, 1)}
+    for split, answers in saved.items():
+        save_answers(answers, str(folder / f"{split}.pt"))
+    monkeypatch.setattr(
+        answer_data, "pair_answers", lambda model, v, t, train_prompts=None: saved if model.smollm2 else None
+    )
     cfg = MedusaConfig(
         optimizer=ADAMW, num_heads=3, answers="pair", batch_size=4, max_len=32, draft_vocab_size=8, tree_top=4
     )
