@@ -149,7 +149,9 @@ def test_every_start_of_a_run_directory_logs_to_the_same_wandb_run(tmp_path: Pat
         ids.append(logger.experiment.id)
         close_loggers([logger])
     assert ids[0] == ids[1] == (tmp_path / WANDB_ID_FILE).read_text().strip()
-    assert len(list((tmp_path / "wandb").glob(f"offline-run-*-{ids[0]}"))) == 2
+    # W&B names each start's folder by its start second and the run id: both starts wrote the same run
+    # (one folder when they began within the same second, two otherwise)
+    assert 1 <= len(list((tmp_path / "wandb").glob(f"offline-run-*-{ids[0]}"))) <= 2
     (other,) = build_loggers(LoggerConfig(csv=False, offline=True), str(tmp_path / "other"), "unit")
     try:
         assert other.experiment.id != ids[0]  # another run directory, another W&B run
