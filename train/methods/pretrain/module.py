@@ -21,6 +21,14 @@ from train.models.draft_vocab import draft_head_logits, draft_rows_of
 from train.training.optim import configure_optimizers
 
 
+def draft_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over the positions whose target is a row (>= 0); 0 when none is."""
+    total = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1, reduction="sum"
+    )
+    return total / (targets >= 0).sum().clamp_min(1)
+
+
 class PretrainModule(L.LightningModule):
     """Next-token cross-entropy on packed sequences of ``input_ids`` (over ``draft_ids`` when given)."""
 
@@ -40,24 +48,30 @@ class PretrainModule(L.LightningModule):
         return self.model(input_ids=input_ids).logits
 
     def _loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self._loss_and_correct(batch)[0]
+        """The training loss: no argmax, no host sync (a step on a GPU never waits for the CPU here)."""
+        ids = batch["input_ids"]
+        if self.draft_ids is None:
+            return self.model(input_ids=ids, labels=ids).loss
+        return draft_cross_entropy(*self._draft_logits_and_targets(ids))
+
+    def _draft_logits_and_targets(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits over the draft vocabulary and each next token's row in it (-1 outside: not a target)."""
+        assert self.draft_ids is not None
+        logits = draft_head_logits(self.model, ids, None, self.draft_ids)[:, :-1]
+        return logits, draft_rows_of(ids[:, 1:], self.draft_ids)
 
     def _loss_and_correct(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """(mean cross-entropy, count of top-1 hits, count of targets) over the next tokens of the batch."""
+        """(mean cross-entropy, count of top-1 hits, count of targets) over the next tokens of the batch:
+        what validation reports."""
         ids = batch["input_ids"]
         if self.draft_ids is None:
             out = self.model(input_ids=ids, labels=ids)
             hits = (out.logits[:, :-1].argmax(-1) == ids[:, 1:]).sum()
             return out.loss, hits.detach(), ids.numel() - ids.shape[0]
-        logits = draft_head_logits(self.model, ids, None, self.draft_ids)[:, :-1]
-        targets = draft_rows_of(ids[:, 1:], self.draft_ids)  # -1 outside the draft vocabulary
+        logits, targets = self._draft_logits_and_targets(ids)
         counted = targets >= 0
-        if not bool(counted.any()):  # nothing to predict: a zero still attached to the graph
-            zero = logits.sum() * 0.0
-            return zero, zero.detach(), 0
-        flat, tgt = logits[counted].float(), targets[counted]
-        hits = (flat.argmax(-1) == tgt).sum()
-        return torch.nn.functional.cross_entropy(flat, tgt), hits.detach(), int(counted.sum())
+        hits = (logits.argmax(-1) == targets)[counted].sum()
+        return draft_cross_entropy(logits, targets), hits.detach(), int(counted.sum())
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
