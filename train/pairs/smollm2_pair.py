@@ -50,6 +50,7 @@ from train.data.lm import pack_sequences
 from train.hardware import best_dtype
 from train.methods.pretrain.config import PretrainConfig
 from train.methods.pretrain.module import PretrainModule
+from train.models.answers_vllm import ANSWER_ENGINES
 from train.models.draft_vocab import frequent_tokens, set_draft_vocab
 from train.models.loading import one_local_device
 from train.models.smollm2 import ensure_smollm2, eos_ids
@@ -106,6 +107,8 @@ class SmolPairConfig:
     val_prompts: int = 48
     answer_tokens: int = 128
     answer_batch: int = 32
+    #: Which engine generates the answers: auto | vllm | transformers (train/models/answers_vllm.py).
+    answer_engine: str = "auto"
     top_k: int = 16
     prompt_len: int = 256
     #: Answers per training prompt sampled from the verifier at T = 1, beside its greedy one (0: none).
@@ -115,6 +118,12 @@ class SmolPairConfig:
     def __post_init__(self) -> None:
         if isinstance(self.drafter, dict):
             self.drafter = SmolDrafterSpec(**self.drafter)
+        require(
+            self.answer_engine in ANSWER_ENGINES,
+            "model.smollm2.answer_engine",
+            f"one of {ANSWER_ENGINES}",
+            self.answer_engine,
+        )
         require(self.train_prompts >= 1, "model.smollm2.train_prompts", ">= 1", self.train_prompts)
         require(self.val_prompts >= 1, "model.smollm2.val_prompts", ">= 1", self.val_prompts)
         require(self.answer_tokens >= 1, "model.smollm2.answer_tokens", ">= 1", self.answer_tokens)

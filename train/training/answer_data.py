@@ -34,7 +34,8 @@ from transformers.trainer_pt_utils import LengthGroupedSampler
 from train.config import ConfigError
 from train.data.lm import make_prompts
 from train.data.sources import load_text_dataset
-from train.models.answers import Answer, generate_answers, load_answers, save_answers
+from train.models.answers import Answer, load_answers, save_answers
+from train.models.answers_vllm import answer_prompts
 from train.models.loading import eos_token_ids
 from train.training.pair_answers import pair_answers
 
@@ -122,6 +123,7 @@ def generated_answers(
     answer_tokens: int,
     batch_size: int,
     seed: int,
+    engine: str = "transformers",
 ) -> dict[str, list[Answer]]:
     """The verifier's greedy answers (``answer_tokens`` at most) to ``counts[split]`` prompts of each
     split of ``data`` (a data config), each prompt at most ``prompt_len`` tokens."""
@@ -131,7 +133,9 @@ def generated_answers(
     for split, count in counts.items():
         prompts = make_prompts(splits[split], tokenizer, prompt_len, count, seed, continuation_len=0)
         rows = [list(ids) for ids in prompts["input_ids"]]
-        out[split] = generate_answers(verifier, rows, eos, answer_tokens, batch_size=batch_size, top_k=1)
+        out[split] = answer_prompts(
+            engine, verifier, rows, eos, answer_tokens, batch_size=batch_size, top_k=1
+        )
     return out
 
 
@@ -151,6 +155,7 @@ def run_answers(
     prompt_len: int,
     answer_tokens: int,
     answer_batch: int,
+    engine: str = "transformers",
 ) -> dict[str, list[Answer]]:
     """A method's training answers from its ``method.answers`` setting ``source``: a folder (cached, all
     used); ``"pair"``: the real pair's own (:func:`pair_answers`, generated on first use), generated like
@@ -162,7 +167,15 @@ def run_answers(
     elif source is not None:
         return cached_answers(source)
     return generated_answers(
-        pair.verifier, pair.tokenizer, spec.data, counts, prompt_len, answer_tokens, answer_batch, spec.seed
+        pair.verifier,
+        pair.tokenizer,
+        spec.data,
+        counts,
+        prompt_len,
+        answer_tokens,
+        answer_batch,
+        spec.seed,
+        engine,
     )
 
 
@@ -177,6 +190,7 @@ def sampled_answers(
     seed: int,
     folder: str | os.PathLike[str] | None = None,
     top_k: int = 1,
+    engine: str = "transformers",
 ) -> list[Answer]:
     """``per_prompt`` answers to each prompt sampled from the verifier at ``temperature`` (full
     distribution, ``answer_tokens`` at most), with its ``top_k`` most likely tokens at each answer token,
@@ -201,7 +215,8 @@ def sampled_answers(
         rows = [p for p in prompts for _ in range(per_prompt)]
         with Progress(transient=True) as bar:
             task = bar.add_task(f"sampled answers (T = {temperature:g})", total=len(rows))
-            return generate_answers(
+            return answer_prompts(
+                engine,
                 verifier,
                 rows,
                 eos,

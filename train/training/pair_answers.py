@@ -18,7 +18,8 @@ from rich.progress import Progress
 from train.data.chat import chat_set_fingerprint
 from train.data.lm import make_prompts
 from train.data.sources import DataSourceConfig, load_text_dataset
-from train.models.answers import Answer, generate_answers, load_answers, save_answers
+from train.models.answers import Answer, load_answers, save_answers
+from train.models.answers_vllm import answer_prompts
 from train.models.loading import eos_token_ids
 
 log = logging.getLogger(__name__)
@@ -92,7 +93,8 @@ def answers_for(
         start = time.perf_counter()
         with Progress(transient=True) as bar:
             task = bar.add_task(label, total=len(missing))
-            generated = generate_answers(
+            generated = answer_prompts(
+                getattr(build, "answer_engine", "transformers"),
                 verifier,
                 missing,
                 eos,

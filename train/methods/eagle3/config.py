@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import lightning as L
 
 from train.config import ConfigError, require
+from train.models.answers_vllm import ANSWER_ENGINES
 from train.models.draft_vocab import frequent_tokens
 from train.models.eagle3_drafter import Eagle3Drafter
 from train.training.answer_data import answer_batches, answer_eos_ids, run_answers, sampled_answers
@@ -37,6 +38,8 @@ class Eagle3Config:
     answer_tokens: int = 128
     """Generated answers: their tokens at most."""
     answer_batch: int = 16
+    answer_engine: str = "auto"
+    """What generates the answers: auto | vllm | transformers (train/models/answers_vllm.py)."""
     sampled_answers: int = 0
     """More training answers: this many per training prompt, sampled from the verifier at
     ``sampled_temperature``. The greedy answers show the drafter one path per prompt; sampled ones show it
@@ -79,6 +82,12 @@ class Eagle3Config:
 
     def __post_init__(self) -> None:
         check_optimizer("method", self.optimizer, self.scheduler)
+        require(
+            self.answer_engine in ANSWER_ENGINES,
+            "method.answer_engine",
+            f"one of {ANSWER_ENGINES}",
+            self.answer_engine,
+        )
         for key in ("num_prompts", "num_val_prompts", "answer_batch", "batch_size", "ttt_steps"):
             require(getattr(self, key) >= 1, f"method.{key}", ">= 1", getattr(self, key))
         require(
@@ -140,7 +149,14 @@ class Eagle3Config:
         verifier, tokenizer = pair.verifier, pair.tokenizer
         counts = {"train": self.num_prompts, "validation": self.num_val_prompts}
         answers = run_answers(
-            self.answers, pair, spec, counts, self.prompt_len, self.answer_tokens, self.answer_batch
+            self.answers,
+            pair,
+            spec,
+            counts,
+            self.prompt_len,
+            self.answer_tokens,
+            self.answer_batch,
+            self.answer_engine,
         )
         extra = sampled_answers(
             verifier,
@@ -152,6 +168,7 @@ class Eagle3Config:
             self.answer_batch,
             spec.seed,
             self.sampled_answers_dir,
+            engine=self.answer_engine,
         )
         answers = {**answers, "train": answers["train"] + extra}
         drafter = self.drafter(verifier, tokenizer, answers["train"])

@@ -13,6 +13,7 @@ from train.config import require
 from train.data.datamodule import packed_corpus
 from train.data.lm import document_token_ids
 from train.data.sources import load_text_dataset
+from train.models.answers_vllm import ANSWER_ENGINES
 from train.models.draft_vocab import frequent_tokens
 from train.models.heads import MedusaHeads
 from train.models.lora import LoraSettings
@@ -78,6 +79,8 @@ class MedusaConfig:
     answer_prompt_len: int = 128
     answer_tokens: int = 64
     answer_batch: int = 16
+    answer_engine: str = "auto"
+    """What generates the answers: auto | vllm | transformers (train/models/answers_vllm.py)."""
     draft_vocab_size: int | None = None
     """Each head projects onto the this many most frequent tokens of the training targets (the eos ids
     among them) instead of the whole vocabulary (models/heads.py); None: the whole vocabulary."""
@@ -87,6 +90,12 @@ class MedusaConfig:
 
     def __post_init__(self) -> None:
         check_optimizer("method", self.optimizer, self.scheduler)
+        require(
+            self.answer_engine in ANSWER_ENGINES,
+            "method.answer_engine",
+            f"one of {ANSWER_ENGINES}",
+            self.answer_engine,
+        )
         require(self.num_heads >= 1, "method.num_heads", ">= 1", self.num_heads)
         require(self.num_layers >= 0, "method.num_layers", ">= 0", self.num_layers)
         require(
@@ -168,6 +177,7 @@ class MedusaConfig:
                 self.answer_prompt_len,
                 self.answer_tokens,
                 self.answer_batch,
+                self.answer_engine,
             )
             data: L.LightningDataModule = answer_batches(
                 answers, verifier, tokenizer, self.batch_size, self.max_len, spec.seed, self.prompt_loss

@@ -1,0 +1,207 @@
+"""Serve a run's exports in vLLM and set vLLM's figures beside this project's evaluator's on the same
+drafter and prompts (``python scripts/serve_vllm.py RUN_DIR``, docs/serving.md).
+
+For the run's verifier (its ``config.yaml``: model path and dtype) and its held-out prompts (the prompts
+its own evaluation decoded: the data config's test split, the run's seed), at T = 0:
+
+1. vLLM alone: each prompt decoded by itself (batch 1), then all in one batch;
+2. per export vLLM serves (:mod:`train.serving.exports`): vLLM with the export as its speculator, the
+   same passes, and its ``spec_decode`` counters over the batch-1 pass;
+3. this project's evaluator on the same export folder (read back with this project's loader for that
+   layout) under the chain vLLM drafts, paired with its own plain decoding.
+
+A row per export and engine: acceptance per position, block efficiency, tokens/s alone and with
+speculation, and whether the greedy output with speculation equals the engine's own without it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from train.config import instantiate_group
+from train.evaluation import build_prompts, evaluate_drafters, find_run
+from train.evaluation.runner import Generation
+from train.export.hub import LOADERS
+from train.models.loading import eos_token_ids, load_model, load_tokenizer
+from train.serving.exports import ServedExport, served_export, served_exports
+from train.serving.figures import ours_figures, serving_table, tokens_per_second, vllm_figures
+from train.vllm.run import run_vllm_job
+
+log = logging.getLogger(__name__)
+
+__all__ = ["RunPrompts", "run_prompts", "serve_run"]
+
+
+class RunPrompts:
+    """A run's verifier, dtype, tokenizer and held-out prompts (what its evaluation decoded)."""
+
+    def __init__(self, run_dir: Path, num_prompts: int | None, prompt_len: int | None) -> None:
+        config_file = run_dir / "config.yaml"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"{run_dir}: no config.yaml, not a training run directory")
+        cfg = OmegaConf.load(config_file)
+        assert isinstance(cfg, DictConfig)
+        self.verifier = str(cfg.model.verifier)
+        self.dtype = str(cfg.model.get("dtype") or "float32")
+        self.tokenizer = load_tokenizer(
+            str(cfg.model.get("tokenizer") or self.verifier), role="model.verifier"
+        )
+        eval_cfg = cfg.get("eval") or {}
+        count = num_prompts or int(eval_cfg.get("num_prompts", 8))
+        length = prompt_len or int(eval_cfg.get("prompt_len", 256))
+        data = instantiate_group(cfg, "data")
+        self.prompts = build_prompts(self.tokenizer, data, count, length, seed=int(cfg.get("seed", 0)))
+
+
+def run_prompts(
+    run_dir: str | os.PathLike[str], num_prompts: int | None = None, prompt_len: int | None = None
+) -> RunPrompts:
+    return RunPrompts(Path(run_dir), num_prompts, prompt_len)
+
+
+def _vllm_job(
+    run: RunPrompts, eos: list[int], max_new_tokens: int, served: ServedExport | None
+) -> dict[str, Any]:
+    longest = max(int(p.numel()) for p in run.prompts)
+    return {
+        "mode": "decode",
+        "model": run.verifier,
+        "dtype": run.dtype,
+        "max_model_len": longest + max_new_tokens + 16,
+        "seed": 0,
+        "speculative_config": None if served is None else served.speculative_config(),
+        "prompts": [p.reshape(-1).tolist() for p in run.prompts],
+        "max_new_tokens": max_new_tokens,
+        "temperature": 0.0,
+        "stop_token_ids": eos,
+    }
+
+
+def _load_export(served: ServedExport, dtype: str) -> torch.nn.Module:
+    if served.kind == "drafter":
+        return load_model(str(served.folder), dtype=dtype, role="drafter")
+    module: torch.nn.Module = LOADERS[served.kind](str(served.folder))
+    return module.to(getattr(torch, dtype))
+
+
+def _ours(
+    verifier: torch.nn.Module, run: RunPrompts, served: ServedExport, eos: list[int], max_new_tokens: int
+) -> tuple[dict[str, Any], list[list[int]], list[list[int]]]:
+    """This project's evaluator on the export under vLLM's chain: (figures, outputs, plain outputs)."""
+    entry = served.decoder_entry()
+    outputs: dict[tuple[str, int], list[int]] = {}
+
+    def keep(gen: Generation) -> None:
+        outputs[(gen.decoder, gen.prompt_index)] = gen.tokens
+
+    cfg = {
+        "temperatures": [0.0],
+        "seeds": [0],
+        "decoders": [entry],
+        "num_prompts": len(run.prompts),
+        "max_new_tokens": max_new_tokens,
+        "tie_ulps": 16.0,
+        "num_threads": None,
+        "progress": False,
+        "plots": False,
+    }
+    drafter = _load_export(served, run.dtype)
+    results = evaluate_drafters(
+        verifier, {served.kind: drafter}, run.prompts, cfg, eos_token_id=eos, on_output=keep
+    )
+    metrics = find_run(results, served.kind, 0.0, entry["name"])["metrics"]
+    figures = ours_figures(metrics, served.num_speculative_tokens)
+    figures["tokens_per_second"] = float(metrics["tokens_per_second"]["mean"])
+    figures["tokens_per_second_alone"] = float(results["baseline"][0]["metrics"]["tokens_per_second"]["mean"])
+    n = len(run.prompts)
+    return figures, [outputs[(entry["name"], i)] for i in range(n)], [outputs[("ar", i)] for i in range(n)]
+
+
+def _equal(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> str:
+    same = sum(list(x) == list(y) for x, y in zip(a, b, strict=True))
+    return "yes" if same == len(a) else f"{same}/{len(a)}"
+
+
+def serve_run(
+    run_dir: str | os.PathLike[str],
+    folders: Sequence[str | os.PathLike[str]] = (),
+    num_speculative_tokens: int = 4,
+    num_prompts: int | None = None,
+    prompt_len: int | None = None,
+    max_new_tokens: int = 64,
+    python: str | None = None,
+    out_dir: str | os.PathLike[str] | None = None,
+) -> dict[str, Any]:
+    """Serve ``folders`` (default: every export in ``run_dir`` vLLM serves) and write ``serving.json`` and
+    ``serving.md`` to ``out_dir`` (default ``<run_dir>/vllm``); return what ``serving.json`` holds."""
+    run_path = Path(run_dir)
+    out = Path(out_dir) if out_dir is not None else run_path / "vllm"
+    out.mkdir(parents=True, exist_ok=True)
+    exports = (
+        [served_export(f, num_speculative_tokens) for f in folders]
+        if folders
+        else served_exports(run_path, num_speculative_tokens)
+    )
+    if not exports:
+        raise FileNotFoundError(
+            f"{run_path}: no export vLLM serves (drafter/, heads_vllm/, eagle3_speculators/)"
+        )
+    run = run_prompts(run_path, num_prompts, prompt_len)
+    verifier = load_model(run.verifier, dtype=run.dtype, role="model.verifier").eval()
+    eos = eos_token_ids(run.tokenizer, verifier)
+    log_file = out / "vllm.log"
+    plain = run_vllm_job(_vllm_job(run, eos, max_new_tokens, None), python, log_file=log_file)
+    plain_tps = tokens_per_second(plain["outputs"], plain["seconds"])
+    rows = []
+    for served in exports:
+        print(
+            f"serving {served.folder} in vLLM ({served.method}, {served.num_speculative_tokens} tokens)",
+            flush=True,
+        )
+        spec = run_vllm_job(_vllm_job(run, eos, max_new_tokens, served), python, log_file=log_file)
+        vllm = vllm_figures(spec["spec"])
+        vllm["tokens_per_second"] = tokens_per_second(spec["outputs"], spec["seconds"])
+        vllm["tokens_per_second_alone"] = plain_tps
+        vllm["batch_tokens_per_second"] = spec["batch_tokens"] / spec["batch_seconds"]
+        vllm["batch_tokens_per_second_alone"] = plain["batch_tokens"] / plain["batch_seconds"]
+        vllm["greedy_equal"] = _equal(spec["outputs"], plain["outputs"])
+        ours, our_outputs, our_plain = _ours(verifier, run, served, eos, max_new_tokens)
+        ours["greedy_equal"] = _equal(our_outputs, our_plain)
+        rows.append(
+            {
+                "export": served.folder.name,
+                "folder": str(served.folder),
+                "method": served.method,
+                "num_speculative_tokens": served.num_speculative_tokens,
+                "vllm_version": spec["vllm_version"],
+                "startup_seconds": spec["startup_seconds"],
+                "vllm": vllm,
+                "ours": ours,
+                # vLLM's plain greedy tokens against this project's verifier's (float32 kernels differ)
+                "vllm_plain_equals_ours": _equal(plain["outputs"], our_plain),
+                "vllm_outputs": spec["outputs"],
+            }
+        )
+    report = {
+        "run_dir": str(run_path),
+        "verifier": run.verifier,
+        "dtype": run.dtype,
+        "prompts": len(run.prompts),
+        "max_new_tokens": max_new_tokens,
+        "vllm_plain": {"tokens_per_second": plain_tps, "startup_seconds": plain["startup_seconds"]},
+        "rows": rows,
+    }
+    table = serving_table(rows)
+    (out / "serving.json").write_text(json.dumps(report, indent=1))
+    (out / "serving.md").write_text(table + "\n")
+    print(table, flush=True)
+    print(f"written to {out}", flush=True)
+    return report
