@@ -14,8 +14,8 @@ import logging
 import sys
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="serve_vllm.py", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "run_dir", help="a training run directory (its config.yaml names the verifier and data)"
     )
@@ -32,7 +32,11 @@ def main(argv: list[str] | None = None) -> int:
         "--vllm-python", default=None, help="the vLLM environment's Python (default: .venv-vllm)"
     )
     parser.add_argument("--out", default=None, help="output folder (default RUN_DIR/vllm)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
 
     from train.serving.serve import serve_run

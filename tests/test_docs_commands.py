@@ -77,6 +77,8 @@ def not_runnable_here(command: DocCommand) -> str | None:
         return "logs online: needs the network"
     if "trainer.plugins=" in args:
         return "a SLURM job's setting"
+    if command.entry == "scripts/bench.py" and command.args[:1] == ("answers",):
+        return "needs the vLLM environment (vLLM's answers: tests/test_main_job.py's real-pair micro run)"
     if "experiment=<name>" in args:
         return "a form: each experiment runs as its own documented command"
     return None
@@ -96,6 +98,9 @@ RUN_ELSEWHERE: dict[str, str] = {
     ),
     r"experiment=steering trainer=ddp trainer.accelerator=cpu trainer.devices=2$": (
         "tests/methods/test_steering_method.py::test_cpu_ddp_two_processes"
+    ),
+    r"scripts/serve_vllm.py ": (
+        "tests/test_main_job.py::test_real_pair_main_job_runs_end_to_end_on_a_micro_recipe"
     ),
     r"experiment=distillspec_ablation hydra.sweep.dir=": (
         "tests/test_main_job.py::test_the_data_ablation_runs_both_arms_for_the_same_budget_and_tabulates_them"

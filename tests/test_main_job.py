@@ -102,6 +102,51 @@ def test_real_pair_main_job_runs_end_to_end_on_a_micro_recipe(tmp_path: Path) ->
     plain = verifier.generate(ids, max_new_tokens=16, do_sample=False)
     assisted = verifier.generate(ids, max_new_tokens=16, do_sample=False, assistant_model=drafter)
     assert torch.equal(plain, assisted)
+    _served_in_vllm(run_dir, tmp_path / "checkpoints" / "smollm2")
+
+
+def _served_in_vllm(run_dir: Path, pair_dir: Path) -> None:
+    """The run's export served by vLLM (``scripts/serve_vllm.py``, docs/serving.md) as its ``draft_model``
+    speculator: vLLM's greedy output with it equals vLLM's own without it, it accepts drafts, and this
+    project's evaluator decodes the same chain on the same prompts. CI makes the vLLM environment and sets
+    DRAFTSMITH_REQUIRE_VLLM; elsewhere the check runs where ``.venv-vllm`` exists."""
+    from train.vllm import vllm_available
+
+    if not vllm_available():
+        assert not os.environ.get("DRAFTSMITH_REQUIRE_VLLM"), (
+            "DRAFTSMITH_REQUIRE_VLLM is set and no vLLM found"
+        )
+        print("no vLLM environment: the export was not served in vLLM")
+        return
+    cmd = [sys.executable, "scripts/serve_vllm.py", str(run_dir), "--prompts", "2", "--max-new-tokens", "24"]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    print(f"served in vLLM and compared in {time.perf_counter() - start:.0f}s")
+    (row,) = json.loads((run_dir / "vllm" / "serving.json").read_text())["rows"]
+    assert (row["export"], row["method"]) == ("drafter", "draft_model")
+    assert row["vllm"]["greedy_equal"] == "yes" and row["ours"]["greedy_equal"] == "yes"
+    assert row["vllm"]["drafts"] > 0 and sum(row["vllm"]["acceptance"]) > 0
+    assert len(row["vllm"]["acceptance"]) == len(row["ours"]["acceptance"]) == 4
+    assert "| vLLM " in (run_dir / "vllm" / "serving.md").read_text()
+
+    # the verifier's answers through vLLM (answer_engine=vllm) are transformers' own
+    from train.models.answers import generate_answers
+    from train.models.answers_vllm import answer_prompts
+    from train.models.loading import eos_token_ids, load_model, load_tokenizer
+    from train.models.smollm2 import chat_ids
+
+    folder = str(pair_dir / "verifier")
+    verifier = load_model(folder, dtype="float32")
+    tokenizer = load_tokenizer(folder)
+    eos = eos_token_ids(tokenizer, verifier)
+    requests = ("Write a function that adds two numbers.", "What does a Python list comprehension do?")
+    prompts = [chat_ids(tokenizer, text).reshape(-1).tolist() for text in requests]
+    served = answer_prompts("vllm", verifier, prompts, eos, max_new_tokens=12, top_k=4)
+    local = generate_answers(verifier, prompts, eos, max_new_tokens=12, batch_size=2, top_k=4)
+    for a, b in zip(served, local, strict=True):
+        assert a.answer == b.answer and torch.equal(a.top_ids, b.top_ids)
+        assert torch.allclose(a.top_logprobs.float(), b.top_logprobs.float(), atol=0.02)
 
 
 @pytest.mark.slow

@@ -1,0 +1,190 @@
+"""The parts of serving in vLLM that need no vLLM: which exports a run holds and how vLLM serves each, the
+chain this project's evaluator decodes for comparison, the figures from vLLM's counters, finding the vLLM
+environment, and choosing the answers' engine. The serving itself: tests/test_vllm_serving.py (slow)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from tests.conftest import make_tokenizer, tiny_llama
+from train.evaluation.eval_config import build_eval_config
+from train.export.medusa_layout import export_vllm_medusa
+from train.export.speculators import export_speculators
+from train.models.answers_vllm import resolve_answer_engine
+from train.models.eagle3_drafter import Eagle3Drafter
+from train.models.heads import MedusaHeads
+from train.serving.exports import served_export, served_exports
+from train.serving.figures import (
+    conditional_from_unconditional,
+    ours_figures,
+    serving_table,
+    unconditional_from_conditional,
+    vllm_figures,
+)
+from train.vllm import VllmNotInstalledError, find_vllm_python
+from train.vllm.worker import counter_delta, spec_counters
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run folder with one export of each kind vLLM serves, and a steering-like folder it does not."""
+    root = tmp_path_factory.mktemp("run")
+    verifier = tiny_llama(hidden=32, layers=4)
+    drafter = tiny_llama(hidden=16, seed=1)
+    drafter.save_pretrained(root / "drafter")
+    make_tokenizer().save_pretrained(root / "drafter")
+    eagle = Eagle3Drafter.from_verifier(verifier, draft_ids=list(range(0, 260, 2)))
+    export_speculators(eagle, root / "eagle3_speculators", "org/verifier")
+    heads = MedusaHeads(hidden_size=32, vocab_size=260, num_heads=3, draft_vocab=list(range(0, 260, 4)))
+    export_vllm_medusa(heads, root / "heads_vllm")
+    (root / "steering").mkdir()
+    (root / "steering" / "config.json").write_text('{"hidden_size": 16}')
+    (root / "eval").mkdir()  # no config.json: not an export
+    return root
+
+
+def test_every_export_vllm_serves_is_found_with_its_method(run_dir: Path) -> None:
+    found = {s.folder.name: s for s in served_exports(run_dir, num_speculative_tokens=5)}
+    assert set(found) == {"drafter", "eagle3_speculators", "heads_vllm"}
+    assert found["drafter"].speculative_config() == {
+        "method": "draft_model",
+        "model": str(run_dir / "drafter"),
+        "num_speculative_tokens": 5,
+    }
+    assert found["eagle3_speculators"].method == "eagle3"
+    assert found["eagle3_speculators"].num_speculative_tokens == 5
+    # Medusa drafts one token per head, whatever was asked
+    assert found["heads_vllm"].method == "medusa"
+    assert found["heads_vllm"].num_speculative_tokens == 3
+
+
+def test_an_export_vllm_cannot_serve_says_why(run_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="no vLLM method"):
+        served_export(run_dir / "steering")
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        served_export(tmp_path)
+
+
+@pytest.mark.parametrize("folder", ["drafter", "eagle3_speculators", "heads_vllm"])
+def test_the_evaluators_counterpart_is_vllms_chain_and_builds(run_dir: Path, folder: str) -> None:
+    served = served_export(run_dir / folder, num_speculative_tokens=4)
+    entry = served.decoder_entry()
+    cfg = build_eval_config({"decoders": [entry], "temperatures": [0.0], "seeds": [0]})  # binds, or raises
+    (decoder,) = cfg.decoders
+    k = served.num_speculative_tokens
+    if folder == "drafter":
+        assert decoder["gamma"] == k
+    elif folder == "heads_vllm":
+        assert decoder["tree"] == [[0] * (i + 1) for i in range(k)]  # one branch: each head's top token
+    else:
+        assert (decoder["depth"], decoder["top_k"], decoder["total_tokens"]) == (k, 1, k)
+
+
+def test_vllms_counters_give_acceptance_per_position_and_block_efficiency() -> None:
+    spec = {
+        "num_drafts": 10,
+        "num_draft_tokens": 30,
+        "num_accepted_tokens": 9,
+        "accepted_per_position": [5, 3, 1],
+    }
+    fig = vllm_figures(spec)
+    assert fig["acceptance"] == [0.5, 0.3, 0.1]
+    assert fig["conditional"] == pytest.approx([0.5, 0.6, 1 / 3])
+    assert fig["block_efficiency"] == pytest.approx(1.9)
+    assert fig["acceptance_rate"] == pytest.approx(0.3)
+    with pytest.raises(ValueError, match="no drafts"):
+        vllm_figures({**spec, "num_drafts": 0})
+
+
+def test_conditional_and_unconditional_acceptance_are_each_others_inverse() -> None:
+    conditional = [0.8, 0.5, 0.25]
+    unconditional = unconditional_from_conditional(conditional)
+    assert unconditional == pytest.approx([0.8, 0.4, 0.1])
+    assert conditional_from_unconditional(unconditional) == pytest.approx(conditional)
+    assert math.isnan(conditional_from_unconditional([0.0, 0.0])[1])
+
+
+def test_our_figures_read_the_metric_contract_in_the_same_terms() -> None:
+    metrics = {
+        "per_position_acceptance": {"mean": [0.5, 0.6, 0.5, 0.2, 0.9]},
+        "verifier_calls": {"mean": 12},
+        "block_efficiency": {"mean": 1.7},
+        "acceptance_rate": {"mean": 0.3},
+    }
+    fig = ours_figures(metrics, k=3)
+    assert fig["acceptance"] == pytest.approx([0.5, 0.3, 0.15])
+    assert fig["drafts"] == 12 and fig["block_efficiency"] == 1.7
+
+
+def test_the_table_has_a_row_per_engine() -> None:
+    fig = {
+        "drafts": 3,
+        "acceptance": [0.5],
+        "conditional": [0.5],
+        "block_efficiency": 1.5,
+        "tokens_per_second": 30.0,
+        "tokens_per_second_alone": 20.0,
+        "greedy_equal": "yes",
+    }
+    row = {"export": "drafter", "method": "draft_model", "vllm_version": "0.32.0", "vllm": fig, "ours": fig}
+    lines = serving_table([row]).splitlines()
+    assert len(lines) == 4 and "vLLM 0.32.0" in lines[2] and "draftsmith" in lines[3] and "1.50x" in lines[3]
+
+
+def _metric(name: str, value: float | None = None, values: list[int] | None = None) -> SimpleNamespace:
+    return SimpleNamespace(name=name, value=value, values=values)
+
+
+def test_the_worker_reads_vllms_counters_and_their_difference() -> None:
+    before = spec_counters([_metric("vllm:spec_decode_num_drafts", 2), _metric("vllm:other", 7)])
+    assert before == {
+        "num_drafts": 2,
+        "num_draft_tokens": 0,
+        "num_accepted_tokens": 0,
+        "accepted_per_position": [],
+    }
+    after = spec_counters(
+        [
+            _metric("vllm:spec_decode_num_drafts", 12),
+            _metric("vllm:spec_decode_num_draft_tokens", 30),
+            _metric("vllm:spec_decode_num_accepted_tokens", 9),
+            _metric("vllm:spec_decode_num_accepted_tokens_per_pos", values=[5, 3, 1]),
+        ]
+    )
+    delta = counter_delta(after, before)
+    assert delta == {
+        "num_drafts": 10,
+        "num_draft_tokens": 30,
+        "num_accepted_tokens": 9,
+        "accepted_per_position": [5, 3, 1],
+    }
+
+
+def test_the_vllm_environment_is_found_or_named(tmp_path: Path) -> None:
+    with pytest.raises(VllmNotInstalledError, match="no such file"):
+        find_vllm_python({"DRAFTSMITH_VLLM_PYTHON": str(tmp_path / "nope")}, root=tmp_path)
+    venv = tmp_path / ".venv-vllm" / "bin"
+    venv.mkdir(parents=True)
+    (venv / "python").write_text("")
+    assert find_vllm_python({}, root=tmp_path) == str(venv / "python")
+
+
+def test_the_answer_engine_is_chosen_from_the_setting_and_the_verifier(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv("DRAFTSMITH_VLLM_PYTHON", raising=False)
+    model = tiny_llama()
+    assert resolve_answer_engine("transformers", model) == "transformers"
+    with pytest.raises(ValueError, match="one of"):
+        resolve_answer_engine("sglang", model)
+    with pytest.raises(ValueError, match="local folder"):
+        resolve_answer_engine("vllm", model)  # built in memory: nothing for vLLM to load
+    model.save_pretrained(tmp_path)
+    saved = type(model).from_pretrained(tmp_path)
+    assert resolve_answer_engine("vllm", saved) == "vllm"
+    # auto: vLLM only where it imports here or is named (this environment has neither)
+    assert resolve_answer_engine("auto", saved) == "transformers"
+    monkeypatch.setenv("DRAFTSMITH_VLLM_PYTHON", "/some/python")
+    assert resolve_answer_engine("auto", saved) == "vllm"
