@@ -18,6 +18,7 @@ from tests.conftest import make_tokenizer, tiny_llama
 from tests.methods.vllm_medusa_reference import load_vllm_medusa
 from train.config import ConfigError
 from train.export.medusa_layout import export_vllm_medusa
+from train.export.medusa_layout import load_vllm_medusa as train_load_vllm_medusa
 from train.methods.medusa.config import MedusaConfig
 from train.methods.medusa.module import head_metrics, unpack
 from train.models.answers import Answer, save_answers
@@ -81,13 +82,33 @@ def test_both_layouts_keep_the_draft_vocabulary(tmp_path):
     assert loaded.draft_vocab == DRAFT
     torch.testing.assert_close(loaded(hidden), expected)
     config = json.loads((tmp_path / "heads_vllm" / "config.json").read_text())
-    assert config["truncated_vocab_size"] == len(DRAFT) and config["vocab_size"] == 11
-    torch.testing.assert_close(load_vllm_medusa(tmp_path / "heads_vllm")(hidden), expected)
-    # the full-vocabulary heads keep vLLM's untruncated form: no token_map
+    assert (
+        config["vocab_size"] == 11 and config["draft_vocab"] == DRAFT and "truncated_vocab_size" not in config
+    )
+    assert train_load_vllm_medusa(tmp_path / "heads_vllm").draft_vocab == DRAFT
+    torch.testing.assert_close(train_load_vllm_medusa(tmp_path / "heads_vllm")(hidden), expected)
+    # what vLLM computes from the folder: full-vocabulary rows, and each head's argmax is a draft token,
+    # the same one the heads propose here
+    vllm = load_vllm_medusa(tmp_path / "heads_vllm")
+    assert torch.equal(vllm.propose(hidden), expected.argmax(dim=-1).movedim(0, -1))
+    torch.testing.assert_close(vllm(hidden)[..., DRAFT], expected[..., DRAFT])
+    # the full-vocabulary heads: no draft vocabulary anywhere
     full = _heads(draft=None)
     export_vllm_medusa(full, tmp_path / "full_vllm")
-    assert json.loads((tmp_path / "full_vllm" / "config.json").read_text())["truncated_vocab_size"] is None
-    assert load_vllm_medusa(tmp_path / "full_vllm").draft_vocab is None
+    assert "draft_vocab" not in json.loads((tmp_path / "full_vllm" / "config.json").read_text())
+    assert train_load_vllm_medusa(tmp_path / "full_vllm").draft_vocab is None
+
+
+def test_vllms_argmax_over_the_exported_rows_stays_in_the_draft_vocabulary(tmp_path):
+    """The rows outside the draft vocabulary are the draft rows' mean: their logit is the draft logits'
+    mean, never above the maximum, whatever the hidden state (here 2,000 random ones, large and small)."""
+    heads = _heads()
+    export_vllm_medusa(heads, tmp_path / "heads_vllm")
+    vllm = load_vllm_medusa(tmp_path / "heads_vllm")
+    hidden = torch.randn(2000, 6) * torch.logspace(-3, 3, 2000).unsqueeze(1)
+    proposed = vllm.propose(hidden)
+    assert torch.isin(proposed, torch.tensor(DRAFT)).all()
+    assert torch.equal(proposed, heads(hidden).argmax(dim=-1).movedim(0, -1))
 
 
 # ------------------------------------------------------------------------------------- loss and metrics
