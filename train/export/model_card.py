@@ -214,8 +214,9 @@ def usage_section(kind: str, verifier_ref: str, folder: str, layout: Mapping[str
             [],
             verifier_ref,
             {"model": f"./{folder}", "method": "medusa", "num_speculative_tokens": heads},
-            "vLLM drafts a top-1 chain from the heads (one token per head); `token_map` holds the verifier "
-            "id of each row of a head over a draft vocabulary.",
+            "vLLM drafts a top-1 chain from the heads (one token per head). Heads over a draft vocabulary are "
+            "written with full-vocabulary rows (the others their mean, so vLLM's argmax stays in the draft "
+            "vocabulary); `draft_vocab` in `config.json` names the trained rows.",
         )
     return _assistant_usage(verifier_ref)
 

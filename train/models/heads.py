@@ -14,7 +14,7 @@ initialised from the verifier's rows for them) and :meth:`MedusaHeads.forward` s
 full-vocabulary logits, ``-inf`` elsewhere, so every decoder reads them unchanged. On a 49,152-token
 verifier a full projection per head is 28M parameters, as many bytes per step as a fifth of the
 verifier; 8,192 rows cut that six-fold. Decoding stays exact: the heads only propose candidates, the
-verifier decides (docs/medusa.md). vLLM reads such heads as ``truncated_vocab_size`` + ``token_map``.
+verifier decides (docs/medusa.md). vLLM reads such heads with full-vocabulary rows (train/export/medusa_layout.py).
 
 Parameter names are the ones vLLM's Medusa loader reads: ``blocks.{h}.layers.{l}.weight`` / ``.bias``
 and ``lm_heads.{h}.weight``. ``save_pretrained`` / ``from_pretrained`` / ``push_to_hub`` come from
