@@ -73,7 +73,9 @@ def _worker_env(python: str, kv_cache_gb: float) -> dict[str, str]:
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{kv_cache_gb:g}")
     # vLLM's CPU build wants Intel's OpenMP preloaded for speculative decoding (it warns and runs slower
     # without); the intel-openmp wheel it depends on puts it in the environment's lib/
-    iomp = Path(python).resolve().parent.parent / "lib" / "libiomp5.so"
+    iomp = (
+        Path(os.path.abspath(python)).parent.parent / "lib" / "libiomp5.so"
+    )  # the venv, not its base Python
     if iomp.is_file() and "libiomp5" not in env.get("LD_PRELOAD", ""):
         env["LD_PRELOAD"] = ":".join(p for p in (str(iomp), env.get("LD_PRELOAD", "")) if p)
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")

@@ -60,6 +60,16 @@ def counter_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, An
     return delta
 
 
+def _eager(job: dict[str, Any]) -> bool:
+    """``enforce_eager`` unless the job says: on the CPU eager (torch.compile's warm-up took 148 s against
+    44 s here and bought 10% of generation speed), on GPUs not (CUDA graphs are most of vLLM's decode speed)."""
+    if job.get("enforce_eager") is not None:
+        return bool(job["enforce_eager"])
+    import torch
+
+    return not torch.cuda.is_available()
+
+
 def _engine(job: dict[str, Any]) -> Any:
     from vllm import LLM
 
@@ -69,7 +79,7 @@ def _engine(job: dict[str, Any]) -> Any:
         "dtype": job["dtype"],
         "max_model_len": job["max_model_len"],
         "seed": job.get("seed", 0),
-        "enforce_eager": job.get("enforce_eager", True),
+        "enforce_eager": _eager(job),
         "disable_log_stats": False,
     }
     if job.get("speculative_config"):
