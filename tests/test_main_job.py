@@ -33,8 +33,8 @@ MICRO_SMOLLM2 = [
             "num_kv_heads=2",
             "intermediate_size=128",
             "draft_vocab_size=1024",
-            "max_steps=4",
-            "batch_size=4",
+            "max_steps=80",
+            "batch_size=8",
         ]
     ),
 ]
@@ -118,7 +118,7 @@ def _served_in_vllm(run_dir: Path, pair_dir: Path) -> None:
         )
         print("no vLLM environment: the export was not served in vLLM")
         return
-    cmd = [sys.executable, "scripts/serve_vllm.py", str(run_dir), "--prompts", "2", "--max-new-tokens", "24"]
+    cmd = [sys.executable, "scripts/serve_vllm.py", str(run_dir), "--prompts", "4", "--max-new-tokens", "32"]
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
