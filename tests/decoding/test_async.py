@@ -285,3 +285,66 @@ def test_on_a_cpu_the_two_models_split_the_intra_op_threads(tiny_pairs):
     finally:
         torch.set_num_threads(before)
     assert set(v.seen) == {2} and set(d.seen) == {2}, (v.seen, d.seen)
+
+
+# ------------------------------------------------------------------------------ one GPU, two streams
+
+
+class _FakeStream:
+    made: list[object] = []
+
+    def __init__(self, device: object) -> None:
+        self.device = device
+        _FakeStream.made.append(device)
+
+
+def test_on_a_gpu_the_drafter_thread_drafts_on_a_stream_of_its_own(monkeypatch) -> None:
+    """Both models on one GPU: the drafter's thread must not queue behind the verifier on the default
+    stream (issue 43, item 11: overlap reported that never happened). Without a GPU the CUDA calls are
+    stand-ins; the GPU smoke run decodes with both models on cuda:0."""
+    from train.decoding import async_loop
+
+    entered: list[object] = []
+
+    class _Context:
+        def __init__(self, stream: _FakeStream) -> None:
+            self.stream = stream
+
+        def __enter__(self) -> None:
+            entered.append(self.stream)
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+    monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
+    monkeypatch.setattr(torch.cuda, "stream", _Context)
+    with async_loop.drafter_stream(torch.device("cuda", 0)):
+        pass
+    assert len(entered) == 1 and entered[0].device == torch.device("cuda", 0)
+    with async_loop.drafter_stream(torch.device("cpu")):
+        pass
+    assert len(entered) == 1  # nothing on the CPU
+
+
+def test_a_models_clock_waits_for_its_own_threads_stream_only(monkeypatch) -> None:
+    """TimedModel's clock on a GPU waits for the current stream of the calling thread (not the whole device,
+    which would count the other thread's kernels as this model's)."""
+    waited: list[object] = []
+
+    class _Stream:
+        def __init__(self, device: object) -> None:
+            self.device = device
+
+        def synchronize(self) -> None:
+            waited.append(self.device)
+
+    def whole_device(*_: object) -> None:
+        raise AssertionError("torch.cuda.synchronize waits for every stream on the device")
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream(device))
+    monkeypatch.setattr(torch.cuda, "synchronize", whole_device)
+    timed = TimedModel.__new__(TimedModel)
+    timed.device = torch.device("cuda", 0)
+    timed._sync = True
+    timed.synchronize()
+    assert waited == [torch.device("cuda", 0)]

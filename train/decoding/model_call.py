@@ -4,8 +4,10 @@
 decoders: it knows the model's device, its output vocabulary and how many ids it can embed, and runs
 ``model(input_ids, cache, ...)`` with optional explicit ``position_ids``, an optional 4-D
 attention mask (tree attention), ``logits_to_keep`` and the capture of chosen layers' hidden states.
-The clock stops after the model's *own* device has finished (``torch.cuda.synchronize(device)``), so
-two models on two GPUs are each timed on the GPU that ran them.
+The clock stops after the work this thread queued on the model's device has finished (its current CUDA
+stream, ``torch.cuda.current_stream(device).synchronize()``), so two models on two GPUs are each timed on
+the GPU that ran them, and two threads on one GPU on their own streams (the asynchronous schedule gives
+the drafter's thread a stream of its own) are each timed on their own work, not on each other's.
 
 Which name the installed transformers gives the cache argument, the model's device and vocabulary
 sizes come from :mod:`train.models.introspect`.
@@ -86,9 +88,10 @@ class TimedModel:
         return draft_support(self.model)
 
     def synchronize(self) -> None:
-        """Wait for this model's device (only its own: the other model may sit on another GPU)."""
+        """Wait for the work this thread queued on this model's device (its current stream: not another
+        GPU's, nor another thread's stream on this one)."""
         if self._sync:
-            torch.cuda.synchronize(self.device)
+            torch.cuda.current_stream(self.device).synchronize()
 
     def __call__(
         self,
@@ -143,7 +146,7 @@ class TimedModel:
             start = time.perf_counter()
             out = self.model(input_ids=ids, **kwargs)
         if self._sync:
-            torch.cuda.synchronize(self.device)
+            torch.cuda.current_stream(self.device).synchronize()
         seconds = time.perf_counter() - start
         logits = out.logits[0]
         if logits_to_keep is not None and not keep:
