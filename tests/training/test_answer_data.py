@@ -253,7 +253,7 @@ def test_run_answers_reads_a_folder_the_pairs_cache_or_generates(tmp_path, monke
 
     calls = []
 
-    def fake_generate(verifier, tokenizer, data, counts, prompt_len, answer_tokens, batch, seed):
+    def fake_generate(verifier, tokenizer, data, counts, prompt_len, answer_tokens, batch, seed, engine):
         calls.append((data, dict(counts), prompt_len, answer_tokens, batch, seed))
         return {"train": [], "validation": []}
 
@@ -294,9 +294,11 @@ def test_pair_answers_are_generated_when_first_needed_and_only_the_new_prompts_l
     monkeypatch.setattr(answer_data, "chat_prompt_ids", lambda tok, split, n, plen, seed: prompts[split][:n])
     monkeypatch.setattr(answer_data, "eos_token_ids", lambda t, v: [0])
     generated: list[int] = []
-    real = answer_data.generate_answers
+    real = answer_data.answer_prompts
     monkeypatch.setattr(
-        answer_data, "generate_answers", lambda v, p, *a, **k: generated.append(len(p)) or real(v, p, *a, **k)
+        answer_data,
+        "answer_prompts",
+        lambda e, v, p, *a, **k: generated.append(len(p)) or real(e, v, p, *a, **k),
     )
     build_cfg = SimpleNamespace(
         out_dir=str(tmp_path),
@@ -364,13 +366,13 @@ def test_sampled_answers_are_cached_per_recipe(sampling_verifier, tmp_path, monk
 
     prompts = [[1, 2, 3], [4, 5], [6]]
     calls: list[int] = []
-    generate = answer_data.generate_answers
+    generate = answer_data.answer_prompts
 
-    def counted(verifier, rows, *args, **kwargs):
+    def counted(engine, verifier, rows, *args, **kwargs):
         calls.append(len(rows))
-        return generate(verifier, rows, *args, **kwargs)
+        return generate(engine, verifier, rows, *args, **kwargs)
 
-    monkeypatch.setattr(answer_data, "generate_answers", counted)
+    monkeypatch.setattr(answer_data, "answer_prompts", counted)
     assert sampled_answers(sampling_verifier, [0], prompts, 0, 1.0, 6, 4, 0, tmp_path) == []
     first = sampled_answers(sampling_verifier, [0], prompts, 2, 1.0, 6, 4, 0, tmp_path)
     assert [a.prompt for a in first] == [p for p in prompts for _ in range(2)]  # each prompt, twice
