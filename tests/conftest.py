@@ -28,12 +28,6 @@ MICRO_PAIR = [
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    # One intra-op thread per xdist worker, and for the runs it starts (train.py, the scripts): the workers
-    # already fill the cores, and torch threads spin-waiting on a core another worker holds run many times
-    # slower (a real-pair forward: 742 ms with 2 threads against 63 ms with 1, docs/evaluation.md).
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def make_tokenizer(extra: str = "") -> PreTrainedTokenizerFast:
