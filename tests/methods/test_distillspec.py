@@ -423,8 +423,6 @@ def test_validating_first_records_the_starting_drafter_and_the_report_compares_i
     """What the train command does with ``validate_before``: ``trainer.validate`` at step 0, then ``fit``
     (its state from inference mode does not reach training); every validation is recorded, the teacher's
     continuations are generated once, and the report's table compares step 0 with the last step."""
-    from train.methods.distillspec.finish import report_sections, report_summary
-
     module, data = _module(_cfg(data_source="mixed_teacher", lmbda=0.5, validate_before=True))
     assert module.validate_before_fit
     trainer = _trainer(tmp_path, 4)
@@ -438,16 +436,16 @@ def test_validating_first_records_the_starting_drafter_and_the_report_compares_i
         last["expected_acceptance"]
     )
     assert last["loss"] != start["loss"]  # the drafter moved between the two
-    (table,) = report_sections(module)
+    (table,) = module.report_sections()
     assert "| metric | step 0 | step 4 | ratio |" in table
     ratio = last["expected_acceptance"] / start["expected_acceptance"]
     assert (
         f"| {start['expected_acceptance']:.4f} | {last['expected_acceptance']:.4f} | {ratio:.3f} |" in table
     )
-    assert report_summary(module)["validation"] == module.validation_history
+    assert module.report_summary()["validation"] == module.validation_history
     plain, _ = _module(_cfg())  # without validate_before: no table (a single validation has no "before")
     plain.validation_history = [start]
-    assert not plain.validate_before_fit and report_sections(plain) == []
+    assert not plain.validate_before_fit and plain.report_sections() == []
 
 
 def test_resume_continues_global_step(tmp_path):

@@ -21,9 +21,11 @@ from train.export.medusa_layout import export_vllm_medusa
 from train.export.medusa_layout import load_vllm_medusa as train_load_vllm_medusa
 from train.methods.medusa.config import MedusaConfig
 from train.methods.medusa.module import head_metrics, unpack
+from train.methods.registry import build_method
 from train.models.answers import Answer, save_answers
 from train.models.heads import MedusaHeads, medusa_loss
-from train.training.answer_data import AnswerDataModule, pair_answers_folder
+from train.training.answer_data import AnswerDataModule
+from train.training.answer_sources import pair_answers_folder
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2)
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -214,14 +216,20 @@ class _Pair:
 
 def _spec(tmp_path, answers_folder):
     return OmegaConf.create(
-        {"seed": 0, "model": {"smollm2": {"out_dir": str(answers_folder.parent)}}, "data": {}}
+        {
+            "seed": 0,
+            "model": {"smollm2": {"out_dir": str(answers_folder.parent)}},
+            "data": {},
+            "trainer": {"accelerator": "cpu"},
+            "paths": {"checkpoints_dir": str(tmp_path / "checkpoints")},
+        }
     )
 
 
 def test_config_builds_heads_over_the_answers_frequent_tokens_and_answer_batches(tmp_path, monkeypatch):
     """``answers: pair`` reads the real pair's answers (train.training.pair_answers: generated on first
     need and cached; here given as they would be read back)."""
-    import train.training.answer_data as answer_data
+    import train.training.answer_sources as answer_data
 
     pair = _Pair()
     folder = tmp_path / "pair" / "answers"
@@ -230,14 +238,14 @@ def test_config_builds_heads_over_the_answers_frequent_tokens_and_answer_batches
     for split, answers in saved.items():
         save_answers(answers, str(folder / f"{split}.pt"))
     monkeypatch.setattr(
-        answer_data, "pair_answers", lambda model, v, t, train_prompts=None: saved if model.smollm2 else None
+        answer_data, "pair_answers", lambda model, v, t, **_: saved if model.smollm2 else None
     )
     cfg = MedusaConfig(
         optimizer=ADAMW, num_heads=3, answers="pair", batch_size=4, max_len=32, draft_vocab_size=8, tree_top=4
     )
     spec = _spec(tmp_path, folder)
     assert pair_answers_folder(spec.model) == str(folder)
-    module, data = cfg.build(pair, spec)
+    module, data = build_method(cfg, pair, spec)
     assert isinstance(data, AnswerDataModule)
     # the answers hold 10..14 and eos: all of them, then the lowest unseen ids fill the 8 rows
     assert set(range(10, 15)) | {pair.tokenizer.eos_token_id} <= set(module.heads.draft_vocab)
@@ -258,7 +266,7 @@ def test_config_builds_heads_over_the_answers_frequent_tokens_and_answer_batches
     # the answers are a fixed cycle: head 0 learns it within a few steps
     assert float(metrics["val/head0_top1"]) > 0.5
     with pytest.raises(ConfigError, match="method.answers"):
-        MedusaConfig(optimizer=ADAMW, answers=str(tmp_path / "missing")).build(pair, spec)
+        build_method(MedusaConfig(optimizer=ADAMW, answers=str(tmp_path / "missing")), pair, spec)
 
 
 def test_answer_settings_are_checked():

@@ -20,9 +20,8 @@ from train.training.answer_data import (
     answer_row,
     cached_answers,
     collate_answers,
-    run_answers,
-    sampled_answers,
 )
+from train.training.answer_sources import run_answers, sampled_answers
 
 PAD = 258
 
@@ -249,35 +248,42 @@ def test_grouping_by_length_cuts_the_padding_and_still_sees_every_row():
 def test_run_answers_reads_a_folder_the_pairs_cache_or_generates(tmp_path, monkeypatch):
     """``method.answers``: a folder is read; ``pair`` is the real pair's (:func:`pair_answers`) and, on a
     pair without one, greedy answers generated from the run's data, as with None."""
-    import train.training.answer_data as answer_data
+    import train.training.answer_sources as answer_data
 
     calls = []
 
-    def fake_generate(verifier, tokenizer, data, counts, prompt_len, answer_tokens, batch, seed, engine):
-        calls.append((data, dict(counts), prompt_len, answer_tokens, batch, seed))
+    def fake_generate(
+        verifier, tokenizer, data, counts, prompt_len, answer_tokens, batch, seed, engine, **where
+    ):
+        calls.append((data, dict(counts), prompt_len, answer_tokens, batch, seed, where["device"].type))
+        assert where["cache_dir"] == str(tmp_path / "ckpt" / "answers")
         return {"train": [], "validation": []}
 
     own = {
         s: [Answer([1, 2], [3, 4], torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, 1))] for s in SPLITS
     }
     monkeypatch.setattr(answer_data, "generated_answers", fake_generate)
-    monkeypatch.setattr(
-        answer_data, "pair_answers", lambda model, v, t, train_prompts=None: own if model.smollm2 else None
-    )
+    monkeypatch.setattr(answer_data, "pair_answers", lambda model, v, t, **_: own if model.smollm2 else None)
     folder = tmp_path / "answers"
     folder.mkdir(parents=True)
     for split in SPLITS:
         save_answers(own[split], str(folder / f"{split}.pt"))
     pair = SimpleNamespace(verifier=None, tokenizer=None)
-    real = SimpleNamespace(model=SimpleNamespace(smollm2=SimpleNamespace(out_dir="x")), data="d", seed=3)
-    tiny = SimpleNamespace(model=SimpleNamespace(smollm2=None), data="d", seed=3)
+    where = {
+        "trainer": SimpleNamespace(accelerator="cpu"),
+        "paths": SimpleNamespace(checkpoints_dir=str(tmp_path / "ckpt")),
+    }
+    real = SimpleNamespace(
+        model=SimpleNamespace(smollm2=SimpleNamespace(out_dir="x")), data="d", seed=3, **where
+    )
+    tiny = SimpleNamespace(model=SimpleNamespace(smollm2=None), data="d", seed=3, **where)
     counts = {"train": 5, "validation": 2}
     assert run_answers("pair", pair, real, counts, 16, 8, 4)["train"][0].answer == [3, 4]
     assert run_answers(str(folder), pair, tiny, counts, 16, 8, 4)["validation"][0].prompt == [1, 2]
     assert not calls
     run_answers("pair", pair, tiny, counts, 16, 8, 4)
     run_answers(None, pair, real, counts, 16, 8, 4)
-    assert calls == [("d", counts, 16, 8, 4, 3)] * 2
+    assert calls == [("d", counts, 16, 8, 4, 3, "cpu")] * 2
     with pytest.raises(ConfigError, match="method.answers"):
         run_answers(str(tmp_path / "nothing"), pair, tiny, counts, 16, 8, 4)
 
@@ -362,7 +368,7 @@ def test_sampled_answers_follow_the_verifiers_law_at_the_temperature(sampling_ve
 
 
 def test_sampled_answers_are_cached_per_recipe(sampling_verifier, tmp_path, monkeypatch):
-    import train.training.answer_data as answer_data
+    import train.training.answer_sources as answer_data
 
     prompts = [[1, 2, 3], [4, 5], [6]]
     calls: list[int] = []

@@ -34,7 +34,8 @@ from train.models.eagle3_drafter import Eagle3Drafter
 from train.models.eagle3_ttt import ttt_unroll
 from train.paths import project_root
 from train.tables import markdown_table
-from train.training.answer_data import answer_eos_ids, sampled_answers
+from train.training.answer_data import answer_eos_ids
+from train.training.answer_sources import sampled_answers
 
 SCALES = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.2)
 

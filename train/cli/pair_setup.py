@@ -28,7 +28,7 @@ from train.evaluation import build_prompts
 from train.hardware import best_dtype
 from train.pairs.smollm2_pair import MANIFEST
 from train.paths import PROJECT_ROOT, project_root, register_resolvers
-from train.training.answer_data import pair_answers_folder
+from train.training.answer_sources import pair_answers_folder
 
 __all__ = ["DecodeSetup", "conf_data", "heads_setup", "newest_heads", "pair_setup"]
 

@@ -22,7 +22,6 @@ import shlex
 import signal
 import sys
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
 from typing import Any
 
 import lightning as L
@@ -36,13 +35,12 @@ from omegaconf import DictConfig, OmegaConf
 from train.cli.console import is_rank_zero
 from train.config import (
     ConfigError,
-    LoggerConfig,
-    ModelConfig,
-    PathsConfig,
     TrainerConfig,
     instantiate_group,
 )
 from train.evaluation import EvalConfig, build_eval_config
+from train.methods.registry import build_method
+from train.methods.run_spec import RunSpec
 from train.models.loading import load_pair, resolve_device
 from train.pairs.built import ensure_built_pair
 from train.pairs.tiny import build_tiny_pair, format_report
@@ -60,36 +58,6 @@ from train.training.trainer import (
 )
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RunSpec:
-    """The validated configuration of one run."""
-
-    name: str
-    seed: int
-    paths: PathsConfig
-    model: ModelConfig
-    data: Any
-    method: Any
-    trainer: TrainerConfig
-    logger: LoggerConfig
-    callbacks: Any
-    ckpt_path: str | None
-    cfg: DictConfig
-    eval: EvalConfig | None = None
-    """The finish step's evaluation (the ``eval`` node); None when the config has none."""
-    devices: tuple[torch.device | None, torch.device | None] = (None, None)
-    """Where the finish step evaluates (``device``, ``drafter_device``); None: the device training ran on
-    (``trainer.strategy.root_device``) and the verifier's."""
-
-    @property
-    def run_dir(self) -> str:
-        return self.paths.run_dir
-
-    @property
-    def experiment_dir(self) -> str:
-        return os.path.join(self.paths.checkpoints_dir, self.name)
 
 
 def load_eval_config(cfg: DictConfig) -> EvalConfig | None:
@@ -242,7 +210,7 @@ def fit(spec: RunSpec) -> Any:
         refuse_finished(ckpt, spec.ckpt_path or ckpt, spec.trainer.max_steps)
         log.info("Resuming from %s", ckpt)
     pair = load_pair(spec.model)
-    module, datamodule = spec.method.build(pair, spec)
+    module, datamodule = build_method(spec.method, pair, spec)
     # Data problems (an empty file, a missing column) surface here, before loggers and checkpoints
     # make the run directory worth keeping; Lightning's own setup call later finds the data ready.
     datamodule.setup("fit")

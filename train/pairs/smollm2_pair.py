@@ -18,7 +18,7 @@ verifier output goes into it. Stages, each with a progress bar, all cached under
 
 The verifier's own answers (greedy and sampled, with top-k log-probabilities), which EAGLE-3, Medusa and
 the fixed-data DistillSpec ablation train on, are not part of the build: they are generated when a run
-first needs them and cached beside the pair (:func:`train.training.answer_data.pair_answers`).
+first needs them and cached beside the pair (:func:`train.training.pair_answers.pair_answers`).
 :func:`ensure_smol_pair` reuses what is cached when its manifest records the same recipe.
 """
 
@@ -99,7 +99,7 @@ class SmolDrafterSpec:
 class SmolPairConfig:
     """The pair's recipe (``drafter``, ``seed``: a change rebuilds the drafter) and the recipe of the
     verifier's answers that runs generate when they first need them (the rest; a change regenerates
-    only the answers, :func:`train.training.answer_data.pair_answers`)."""
+    only the answers, :func:`train.training.pair_answers.pair_answers`)."""
 
     out_dir: str
     drafter: SmolDrafterSpec

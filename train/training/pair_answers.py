@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from filelock import FileLock
 from rich.progress import Progress
 
@@ -21,6 +22,7 @@ from train.data.sources import DataSourceConfig, load_text_dataset
 from train.models.answers import Answer, load_answers, save_answers
 from train.models.answers_vllm import answer_prompts
 from train.models.loading import eos_token_ids
+from train.training.answer_share import on_device
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +37,11 @@ def chat_prompt_ids(tokenizer: Any, split: str, count: int, prompt_len: int, see
 
 
 def pair_answers(
-    model: Any, verifier: Any, tokenizer: Any, train_prompts: int | None = None
+    model: Any,
+    verifier: Any,
+    tokenizer: Any,
+    train_prompts: int | None = None,
+    device: torch.device | None = None,
 ) -> dict[str, list[Answer]] | None:
     """The real pair's greedy answers to its chat prompts (``model.smollm2``: ``train_prompts`` (or the
     ``train_prompts`` given) / ``val_prompts``, ``answer_tokens`` at most, the ``top_k`` log-probabilities
@@ -43,8 +49,8 @@ def pair_answers(
     :func:`pair_answers_folder` by prompt: a later run that asks for more prompts generates only the new
     ones. The recipe (``answers.json``, written last, so a cut-off write is regenerated) names what every
     cached answer was made with; another recipe starts the cache afresh. ``<folder>.lock`` is held
-    meanwhile, so runs or ranks started together generate them once. None for a pair that is not the real
-    one."""
+    meanwhile, so runs or ranks started together generate them once; the answers are generated on
+    ``device`` (default: the verifier's). None for a pair that is not the real one."""
     build = getattr(model, "smollm2", None)
     if build is None:
         return None
@@ -66,9 +72,10 @@ def pair_answers(
             path = folder / f"{split}.pt"
             cached = [] if fresh or not path.is_file() else load_answers(str(path))
             prompts = chat_prompt_ids(tokenizer, split, count, build.prompt_len, build.seed)
-            out[split] = answers_for(
-                prompts, cached, verifier, eos, build, f"the verifier's answers ({split})"
-            )
+            with on_device(verifier, device or next(verifier.parameters()).device):
+                out[split] = answers_for(
+                    prompts, cached, verifier, eos, build, f"the verifier's answers ({split})"
+                )
             if len(out[split]) > len(cached) or fresh:
                 meta_path.unlink(missing_ok=True)  # no recipe vouches for the files while they are rewritten
                 known = {tuple(a.prompt) for a in out[split]}

@@ -2,30 +2,24 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-import lightning as L
+from typing import Any
 
 from train.config import ConfigError, require
-from train.models.loading import load_model
 from train.models.lora import LoraSettings
 from train.training.answer_data import cached_answers
+from train.training.answer_share import answer_device
 from train.training.optim import (
     check_optimizer,
 )
 from train.training.pair_answers import pair_answers
-from train.training.prompt_data import ResponseDistillSettings, prompt_data
+from train.training.prompt_data import ResponseDistillSettings
 
 log = logging.getLogger(__name__)
 
 DATA_SOURCES: tuple[str, ...] = ("fixed", "teacher", "student", "mixed_fixed", "mixed_teacher")
-
-if TYPE_CHECKING:
-    from train.methods.distillspec.module import DistillSpecModule
 
 
 @dataclass
@@ -106,29 +100,15 @@ class DistillSpecConfig(ResponseDistillSettings):
         """What a batch that is not on-policy trains on: ``fixed`` or ``teacher``."""
         return "fixed" if self.data_source in ("fixed", "mixed_fixed") else "teacher"
 
-    def build(self, pair: Any, spec: Any) -> tuple[DistillSpecModule, L.LightningDataModule]:
-        """Student = the pair's drafter (LoRA-wrapped if asked), teacher = the frozen verifier; the
-        pretrained drafter is reloaded from ``model.drafter`` for the finish step's ``before``."""
-        from train.methods.distillspec.module import DistillSpecModule  # noqa: I001 -- the module imports this config (a cycle)
-
-        data = prompt_data(self, pair.tokenizer, spec.data, spec.seed)
-        m = spec.model
-        pretrained = functools.partial(
-            load_model, m.drafter, m.dtype, m.attn_implementation, m.trust_remote_code
-        )
-        module = DistillSpecModule(
-            pair.drafter, pair.verifier, pair.tokenizer, self, seed=spec.seed, pretrained=pretrained
-        )
-        if self.teacher_answers is not None and self.on_policy_probability < 1.0:
-            module.preload_teacher(self.offline_teacher_answers(pair, spec))
-        return module, data
-
     def offline_teacher_answers(self, pair: Any, spec: Any) -> list[Any]:
         """The training answers ``teacher_answers`` names: the real pair's to this run's ``num_prompts``
         training prompts (generated on first use, cached), or a folder's."""
         if self.teacher_answers != "pair":
             return cached_answers(str(self.teacher_answers), key="method.teacher_answers")["train"]
-        answers = pair_answers(spec.model, pair.verifier, pair.tokenizer, train_prompts=self.num_prompts)
+        device = answer_device(spec.trainer.accelerator)
+        answers = pair_answers(
+            spec.model, pair.verifier, pair.tokenizer, train_prompts=self.num_prompts, device=device
+        )
         if answers is None:
             raise ConfigError(
                 "method.teacher_answers=pair: only the real pair (model=smollm2) keeps the verifier's answers; "

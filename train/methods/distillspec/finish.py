@@ -3,42 +3,16 @@ report adds (the ``Finishable`` side of :class:`~train.methods.distillspec.modul
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from train.export.drafter import export_drafter
+from train.methods.distillspec.config import DistillSpecConfig
 from train.models.lora import merge_lora
-
-if TYPE_CHECKING:
-    from train.methods.distillspec.module import DistillSpecModule
-
-
-def distilled_drafter(module: DistillSpecModule) -> torch.nn.Module:
-    """The student as a plain Hugging Face model (LoRA adapters merged into a copy) in the dtype it
-    was loaded in (``model.dtype``): what is exported and evaluated as ``after``."""
-    return merge_lora(module.student, module.export_dtype)
-
-
-def drafters_to_evaluate(module: DistillSpecModule) -> dict[str, torch.nn.Module]:
-    """``before`` (the pretrained drafter, reloaded) and ``after`` (the distilled one)."""
-    drafters = {"after": module.distilled_drafter()}
-    if module.pretrained is not None:
-        drafters = {"before": module.pretrained(), **drafters}
-    return drafters
-
-
-def evaluation_verifier(module: DistillSpecModule, verifier: torch.nn.Module) -> torch.nn.Module:
-    """The pair's verifier, unchanged by distillation."""
-    return verifier
-
-
-def report_sections(module: DistillSpecModule) -> list[str]:
-    """The validation before and after training, when the run validated the starting drafter."""
-    table = validation_table(module.validation_history, module.cfg.num_val_prompts)
-    return [table] if table else []
 
 
 def validation_table(history: list[dict[str, float]], num_prompts: int) -> str:
@@ -67,29 +41,66 @@ def validation_table(history: list[dict[str, float]], num_prompts: int) -> str:
     return "\n".join(lines)
 
 
-def export(module: DistillSpecModule, out_dir: str) -> Path:
-    """The distilled drafter as a Hugging Face folder (safetensors + tokenizer)."""
-    return export_drafter(module.distilled_drafter(), module.tokenizer, out_dir)
+class DistillSpecFinish:
+    """The finish step's side of :class:`~train.methods.distillspec.module.DistillSpecModule` (what
+    :class:`train.report.Finishable` asks for): what the run exports, which drafters the evaluator
+    measures, what its report adds."""
 
+    reference_drafter: str | None = "before"
+    artifact_dir = "drafter"
+    card_base = "drafter"
 
-def report_summary(module: DistillSpecModule) -> dict[str, Any]:
-    """The settings that define this distillation run, for ``report.json``."""
-    keys = (
-        "divergence",
-        "beta",
-        "lmbda",
-        "data_source",
-        "temperature",
-        "max_new_tokens",
-        "prompt_len",
-        "batch_size",
-        "num_prompts",
-        "ce_weight",
-        "gamma",
-    )
-    return {
-        "method": "distillspec",
-        **{k: getattr(module.cfg, k) for k in keys},
-        "lora": asdict(module.cfg.lora),
-        "validation": list(module.validation_history),
-    }
+    # what the module holds
+    cfg: DistillSpecConfig
+    student: torch.nn.Module
+    tokenizer: Any
+    export_dtype: torch.dtype
+    pretrained: Callable[[], torch.nn.Module] | None
+    validation_history: list[dict[str, float]]
+
+    def distilled_drafter(self) -> torch.nn.Module:
+        """The student as a plain Hugging Face model (LoRA adapters merged into a copy) in the dtype it
+        was loaded in (``model.dtype``): what is exported and evaluated as ``after``."""
+        return merge_lora(self.student, self.export_dtype)
+
+    def drafters_to_evaluate(self) -> dict[str, torch.nn.Module]:
+        """``before`` (the pretrained drafter, reloaded) and ``after`` (the distilled one)."""
+        drafters = {"after": self.distilled_drafter()}
+        if self.pretrained is not None:
+            drafters = {"before": self.pretrained(), **drafters}
+        return drafters
+
+    def evaluation_verifier(self, verifier: torch.nn.Module) -> torch.nn.Module:
+        """The pair's verifier, unchanged by distillation."""
+        return verifier
+
+    def report_sections(self) -> list[str]:
+        """The validation before and after training, when the run validated the starting drafter."""
+        table = validation_table(self.validation_history, self.cfg.num_val_prompts)
+        return [table] if table else []
+
+    def export(self, out_dir: str) -> Path:
+        """The distilled drafter as a Hugging Face folder (safetensors + tokenizer)."""
+        return export_drafter(self.distilled_drafter(), self.tokenizer, out_dir)
+
+    def report_summary(self) -> dict[str, Any]:
+        """The settings that define this distillation run, for ``report.json``."""
+        keys = (
+            "divergence",
+            "beta",
+            "lmbda",
+            "data_source",
+            "temperature",
+            "max_new_tokens",
+            "prompt_len",
+            "batch_size",
+            "num_prompts",
+            "ce_weight",
+            "gamma",
+        )
+        return {
+            "method": "distillspec",
+            **{k: getattr(self.cfg, k) for k in keys},
+            "lora": asdict(self.cfg.lora),
+            "validation": list(self.validation_history),
+        }

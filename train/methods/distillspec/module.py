@@ -41,7 +41,6 @@ import dataclasses
 import logging
 import random
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -50,8 +49,8 @@ import torch
 from train.decoding.metrics import simulated_block_efficiency
 from train.decoding.sampling import SamplingParams
 from train.losses import acceptance_from_logits, divergence
-from train.methods.distillspec import finish as finish_step
 from train.methods.distillspec.config import DistillSpecConfig
+from train.methods.distillspec.finish import DistillSpecFinish
 from train.models.draft_vocab import (
     DraftVocabModel,
     argmax_agreement,
@@ -74,7 +73,7 @@ from train.training.seeding import mix_seed, seeded_generator
 log = logging.getLogger(__name__)
 
 
-class DistillSpecModule(L.LightningModule):
+class DistillSpecModule(DistillSpecFinish, L.LightningModule):
     """The drafter learns the verifier's next-token distributions on continuation tokens.
 
     ``pretrained``: loads the drafter as it was before training (the finish step's ``before``);
@@ -82,9 +81,6 @@ class DistillSpecModule(L.LightningModule):
     """
 
     teacher: torch.nn.Module
-    reference_drafter: str | None = "before"
-    artifact_dir = "drafter"
-    card_base = "drafter"
 
     def __init__(
         self,
@@ -373,23 +369,3 @@ class DistillSpecModule(L.LightningModule):
     def validate_before_fit(self) -> bool:
         """Whether the train command validates the starting drafter before fitting (``validate_before``)."""
         return bool(self.cfg.validate_before)
-
-    # ---- the finish step (finish.py): what the run exports, evaluates and reports
-
-    def distilled_drafter(self) -> torch.nn.Module:
-        return finish_step.distilled_drafter(self)
-
-    def drafters_to_evaluate(self) -> dict[str, torch.nn.Module]:
-        return finish_step.drafters_to_evaluate(self)
-
-    def evaluation_verifier(self, verifier: torch.nn.Module) -> torch.nn.Module:
-        return finish_step.evaluation_verifier(self, verifier)
-
-    def report_sections(self) -> list[str]:
-        return finish_step.report_sections(self)
-
-    def export(self, out_dir: str) -> Path:
-        return finish_step.export(self, out_dir)
-
-    def report_summary(self) -> dict[str, Any]:
-        return finish_step.report_summary(self)

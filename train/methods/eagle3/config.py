@@ -3,21 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-import lightning as L
+from pathlib import Path
+from typing import Any
 
 from train.config import ConfigError, require
 from train.models.answers_vllm import ANSWER_ENGINES
 from train.models.draft_vocab import frequent_tokens
 from train.models.eagle3_drafter import Eagle3Drafter
-from train.training.answer_data import answer_batches, answer_eos_ids, run_answers, sampled_answers
+from train.models.fingerprint import verifier_fingerprint
+from train.training.answer_data import answer_eos_ids
+from train.training.answer_share import prompts_digest, recipe_digest
+from train.training.answer_sources import answers_cache_dir
 from train.training.optim import check_optimizer
 
 __all__ = ["Eagle3Config"]
-
-if TYPE_CHECKING:
-    from train.methods.eagle3.module import Eagle3Module
 
 
 @dataclass
@@ -44,7 +43,8 @@ class Eagle3Config:
     """More training answers: this many per training prompt, sampled from the verifier at
     ``sampled_temperature``. The greedy answers show the drafter one path per prompt; sampled ones show it
     the paths decoding at T > 0 follows, in more contexts. Generated on the first run (batches of
-    ``answer_batch``) and cached in ``sampled_answers_dir`` (null: generated every run)."""
+    ``answer_batch``) and cached in ``sampled_answers_dir`` (null: under ``<paths.checkpoints_dir>/answers``,
+    keyed by the recipe)."""
     sampled_temperature: float = 1.0
     sampled_answers_dir: str | None = None
     max_len: int = 512
@@ -141,49 +141,16 @@ class Eagle3Config:
         )
         require(self.speculative_tokens >= 1, "method.speculative_tokens", ">= 1", self.speculative_tokens)
 
-    def build(self, pair: Any, spec: Any) -> tuple[Eagle3Module, L.LightningDataModule]:
-        """The verifier's answers (cached or generated, plus ``sampled_answers`` per training prompt), the
-        draft vocabulary counted on the training answers, a fresh drafter on the pair's verifier (or ``init``), and the answers' batches."""
-        from train.methods.eagle3.module import Eagle3Module  # noqa: I001 -- the module imports this config (a cycle)
-
-        verifier, tokenizer = pair.verifier, pair.tokenizer
-        counts = {"train": self.num_prompts, "validation": self.num_val_prompts}
-        answers = run_answers(
-            self.answers,
-            pair,
-            spec,
-            counts,
-            self.prompt_len,
-            self.answer_tokens,
-            self.answer_batch,
-            self.answer_engine,
-        )
-        extra = sampled_answers(
-            verifier,
-            answer_eos_ids(verifier, tokenizer),
-            [a.prompt for a in answers["train"]],
-            self.sampled_answers,
-            self.sampled_temperature,
-            self.answer_tokens,
-            self.answer_batch,
-            spec.seed,
-            self.sampled_answers_dir,
-            engine=self.answer_engine,
-        )
-        answers = {**answers, "train": answers["train"] + extra}
-        drafter = self.drafter(verifier, tokenizer, answers["train"])
-        data = answer_batches(
-            answers,
-            verifier,
-            tokenizer,
-            self.batch_size,
-            self.max_len,
-            spec.seed,
-            self.prompt_loss,
-            self.group_by_length,
-        )
-        comparison = pair.drafter if self.compare_pair_drafter else None
-        return Eagle3Module(verifier, drafter, self, tokenizer, comparison=comparison), data
+    def default_sampled_dir(self, verifier: Any, train_answers: list[Any], spec: Any) -> str:
+        """Where the sampled answers are cached when ``sampled_answers_dir`` is null: a folder of the run's
+        answer cache named by what they are sampled from (the verifier's weights, the prompts, T)."""
+        key = {
+            "verifier": verifier_fingerprint(verifier),
+            "prompts": prompts_digest([a.prompt for a in train_answers]),
+            "temperature": self.sampled_temperature,
+            "per_prompt": self.sampled_answers,
+        }
+        return str(Path(answers_cache_dir(spec)) / f"sampled-{recipe_digest(key)}")
 
     def drafter(self, verifier: Any, tokenizer: Any, train_answers: list[Any]) -> Eagle3Drafter:
         """``init`` loaded, or a fresh drafter over the ``draft_vocab_size`` most frequent answer tokens

@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 
+from train.models.fingerprint import model_fingerprint
+
 __all__ = ["CachedRow", "FeatureCache", "fingerprint", "padded_rows", "row_keys"]
 
 log = logging.getLogger(__name__)
@@ -165,24 +167,11 @@ def row_keys(input_ids: torch.Tensor, lengths: Sequence[int]) -> list[str]:
 def fingerprint(
     verifier: torch.nn.Module, aux_layers: Sequence[int], precision: str, device: str
 ) -> dict[str, Any]:
-    """What the features of a row depend on besides its tokens: the verifier (its configuration, dtype and a
-    checksum of a slice of every parameter, cheap for a large model yet different for another
-    checkpoint), the fused layers, the training precision (autocast) and the device kind."""
-    digest = hashlib.blake2b(digest_size=16)
-    with torch.no_grad():
-        for name, param in sorted(verifier.named_parameters()):
-            head = param.detach().reshape(-1)[:4096].double()
-            digest.update(
-                f"{name}:{tuple(param.shape)}:{float(head.sum())!r}:{float(head.abs().sum())!r}".encode()
-            )
-    config = getattr(verifier, "config", None)
-    settings = config.to_dict() if config is not None else {"class": type(verifier).__name__}
-    for where in ("_name_or_path", "transformers_version"):  # not what the model computes
-        settings.pop(where, None)
+    """What the features of a row depend on besides its tokens: the verifier
+    (:func:`~train.models.fingerprint.model_fingerprint`: its configuration, dtype and a checksum of every
+    parameter), the fused layers, the training precision (autocast) and the device kind."""
     return {
-        "config": json.dumps(settings, sort_keys=True, default=str),
-        "dtype": str(next(verifier.parameters()).dtype),
-        "weights": digest.hexdigest(),
+        **model_fingerprint(verifier),
         "aux_layers": [int(i) for i in aux_layers],
         "precision": precision,
         "device": device,

@@ -39,9 +39,9 @@ import lightning as L
 import torch
 
 from train.config import ConfigError
-from train.methods.eagle3 import finish as finish_step
 from train.methods.eagle3.config import Eagle3Config
 from train.methods.eagle3.feature_cache import FeatureCache, fingerprint, padded_rows, row_keys
+from train.methods.eagle3.finish import Eagle3Finish
 from train.models.eagle3_drafter import Eagle3Drafter
 from train.models.eagle3_ttt import (
     TTTResult,
@@ -58,12 +58,9 @@ from train.training.optim import clip_gradients, configure_optimizers, weights_d
 log = logging.getLogger(__name__)
 
 
-class Eagle3Module(L.LightningModule):
+class Eagle3Module(Eagle3Finish, L.LightningModule):
     """Trains ``drafter`` on ``verifier``'s features (see the module docstring)."""
 
-    reference_drafter: str | None = None
-    artifact_dir = "eagle3"
-    card_base = "verifier"
     verifier: Any
     comparison: torch.nn.Module | None
 
@@ -260,26 +257,6 @@ class Eagle3Module(L.LightningModule):
             self.log(key, value, prog_bar=prog, sync_dist=True)
         if metrics:
             self.last_validation = metrics
-
-    # ---- the finish step (finish.py): what the run exports, evaluates and reports
-
-    def trained_drafter(self) -> Eagle3Drafter:
-        return finish_step.trained_drafter(self)
-
-    def evaluation_verifier(self, verifier: torch.nn.Module) -> torch.nn.Module:
-        return finish_step.evaluation_verifier(self, verifier)
-
-    def drafters_to_evaluate(self) -> dict[str, torch.nn.Module]:
-        return finish_step.drafters_to_evaluate(self)
-
-    def export(self, out_dir: str) -> Path:
-        return finish_step.export(self, out_dir)
-
-    def report_summary(self) -> dict[str, Any]:
-        return finish_step.report_summary(self)
-
-    def report_sections(self) -> list[str]:
-        return finish_step.report_sections(self)
 
 
 def validation_metrics(sums: dict[str, float], steps: int) -> dict[str, float]:

@@ -5,28 +5,20 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-import lightning as L
+from typing import Any
 
 from train.config import require
-from train.data.datamodule import packed_corpus
-from train.data.lm import document_token_ids
-from train.data.sources import load_text_dataset
 from train.models.answers_vllm import ANSWER_ENGINES
 from train.models.draft_vocab import frequent_tokens
 from train.models.heads import MedusaHeads
 from train.models.lora import LoraSettings
 from train.rundir import newest_artifact_of
-from train.training.answer_data import answer_batches, answer_eos_ids, run_answers
+from train.training.answer_data import answer_eos_ids
 from train.training.optim import check_optimizer
 
 __all__ = ["MedusaConfig"]
 
 log = logging.getLogger(__name__)
-
-if TYPE_CHECKING:
-    from train.methods.medusa.module import MedusaModule
 
 
 @dataclass
@@ -160,50 +152,6 @@ class MedusaConfig:
             "true for Medusa-2 (joint: true trains the verifier through LoRA adapters only)",
             self.lora.enabled,
         )
-
-    def build(self, pair: Any, spec: Any) -> tuple[MedusaModule, L.LightningDataModule]:
-        """Heads from ``init_heads`` or the pair's verifier (its lm_head), trained on packed ``spec.data``."""
-        from train.methods.medusa.module import MedusaModule  # noqa: I001 -- the module imports this config (a cycle)
-
-        verifier, tokenizer = pair.verifier, pair.tokenizer
-        answers = None
-        if self.answers is not None:
-            counts = {"train": self.num_prompts, "validation": self.num_val_prompts}
-            answers = run_answers(
-                self.answers,
-                pair,
-                spec,
-                counts,
-                self.answer_prompt_len,
-                self.answer_tokens,
-                self.answer_batch,
-                self.answer_engine,
-            )
-            data: L.LightningDataModule = answer_batches(
-                answers, verifier, tokenizer, self.batch_size, self.max_len, spec.seed, self.prompt_loss
-            )
-        else:
-            data = packed_corpus(spec.data, tokenizer, self.seq_len, self.batch_size, spec.seed)
-
-        def training_documents() -> list[list[int]]:
-            if answers is not None:
-                return [list(a.prompt) + list(a.answer) for a in answers["train"]]
-            return document_token_ids(load_text_dataset(spec.data, tokenizer)["train"], tokenizer)
-
-        def target_tokens() -> list[list[int]]:  # what the heads learn to guess
-            if answers is not None and not self.prompt_loss:
-                return [list(a.answer) for a in answers["train"]]
-            return training_documents()
-
-        module = MedusaModule(
-            verifier,
-            self.heads(verifier, tokenizer, target_tokens, self.initial_heads(spec)),
-            self,
-            tokenizer,
-            training_documents,
-            seed=spec.seed,
-        )
-        return module, data
 
     def initial_heads(self, spec: Any) -> str | None:
         """``init_heads`` as a folder: ``auto`` is the newest Medusa-1 run's heads for this verifier

@@ -36,7 +36,6 @@ run's ``eval`` config (against the merged verifier for Medusa-2) and writes ``re
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -44,8 +43,8 @@ import torch
 import torch.nn.functional as F
 
 from train.decoding.sampling import SamplingParams
-from train.methods.medusa import finish as finish_step
 from train.methods.medusa.config import MedusaConfig
+from train.methods.medusa.finish import MedusaFinish
 from train.models.heads import MedusaHeads, medusa_loss, shifted_targets
 from train.models.introspect import supports_logits_to_keep
 from train.models.lora import apply_lora
@@ -122,12 +121,8 @@ def unpack(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor |
     return ids, batch.get("attention_mask"), targets
 
 
-class MedusaModule(L.LightningModule):
+class MedusaModule(MedusaFinish, L.LightningModule):
     """Trains ``heads`` (and, for Medusa-2, LoRA adapters on ``verifier``); see the module docstring."""
-
-    reference_drafter: str | None = None
-    artifact_dir = "heads"
-    card_base = "verifier"
 
     def __init__(
         self,
@@ -336,28 +331,3 @@ class MedusaModule(L.LightningModule):
                 key, value, prog_bar=key in ("val/loss", "val/simulated_block_efficiency"), sync_dist=True
             )
         self.last_validation = metrics
-
-    # ---- the finish step (finish.py): what the run exports, evaluates and reports
-
-    def measured_tree(self) -> list[list[int]] | None:
-        return finish_step.measured_tree(self)
-
-    def trained_heads(self) -> MedusaHeads:
-        return finish_step.trained_heads(self)
-
-    def evaluation_verifier(self, verifier: torch.nn.Module) -> torch.nn.Module:
-        return finish_step.evaluation_verifier(self, verifier)
-
-    def drafters_to_evaluate(self) -> dict[str, torch.nn.Module]:
-        return finish_step.drafters_to_evaluate(self)
-
-    def export(self, out_dir: str) -> Path:
-        return finish_step.export(self, out_dir)
-
-    def report_summary(self) -> dict[str, Any]:
-        return finish_step.report_summary(self)
-
-    def report_sections(self) -> list[str]:
-        return finish_step.report_sections(self)
-
-    # ------------------------------------------------------------------ the finish step (Finishable)

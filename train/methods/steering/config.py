@@ -2,27 +2,21 @@
 
 from __future__ import annotations
 
-import copy
-import functools
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import lightning as L
 import torch
 
 from train.config import check_model_source, require
-from train.models.loading import load_drafter
 from train.models.lora import LoraSettings
 from train.models.steering_module import (
     SteeringModule,
 )
-from train.rundir import newest_artifact_of
 from train.training.optim import (
     check_optimizer,
 )
-from train.training.prompt_data import ResponseDistillSettings, prompt_data
+from train.training.prompt_data import ResponseDistillSettings
 
 __all__ = ["SteeringConfig"]
 
@@ -31,9 +25,6 @@ log = logging.getLogger(__name__)
 MAIN_ARM = "steered"
 BASELINE_ARM = "distilled"
 DISTILLSPEC_ARM = "distillspec_steered"
-
-if TYPE_CHECKING:
-    from train.methods.steering.module import SteeringTrainingModule
 
 
 @dataclass
@@ -83,46 +74,6 @@ class SteeringConfig(ResponseDistillSettings):
             check_model_source("method.drafter", str(self.drafter))
         if self.distillspec_drafter not in (None, "auto"):
             check_model_source("method.distillspec_drafter", str(self.distillspec_drafter))
-
-    def build(self, pair: Any, spec: Any) -> tuple[SteeringTrainingModule, L.LightningDataModule]:
-        """The arms (see the module docstring) on the pair's verifier, trained on ``spec.data`` prompts."""
-        from train.methods.steering.module import SteeringTrainingModule  # noqa: I001 -- the module imports this config (a cycle)
-
-        data = prompt_data(self, pair.tokenizer, spec.data, spec.seed)
-        m = spec.model
-        load = functools.partial(load_drafter, m, tokenizer=pair.tokenizer, verifier=pair.verifier)
-        source = self.drafter or m.drafter
-        drafter = pair.drafter if self.drafter is None else load(source, key="method.drafter")
-        arms: dict[str, tuple[torch.nn.Module, SteeringModule | None]] = {}
-        if self.distilled_baseline and self.train_drafter:  # frozen, it would be the pretrained drafter
-            arms[BASELINE_ARM] = (copy.deepcopy(drafter), None)
-        arms[MAIN_ARM] = (drafter, self.steering_for(pair.verifier, drafter))
-        references: dict[str, Callable[[], torch.nn.Module]] = {
-            "pretrained": functools.partial(load, source, key="method.drafter")
-        }
-        distillspec = self.distillspec_drafter
-        if distillspec == "auto":
-            # the main job's recipe or its tiny-pair twin: whichever trained a drafter for this verifier
-            distillspec = newest_artifact_of(
-                spec.paths.checkpoints_dir, ("distillspec", "distillspec_tiny"), m.verifier, "drafter"
-            )
-            if distillspec is None:
-                log.warning(
-                    "method.distillspec_drafter=auto: no DistillSpec run of %s under %s; the %s arm is "
-                    "skipped (run `python train.py experiment=distillspec` first to add it)",
-                    m.verifier,
-                    spec.paths.checkpoints_dir,
-                    DISTILLSPEC_ARM,
-                )
-        if distillspec is not None:
-            ds = load(distillspec, key="method.distillspec_drafter")
-            arms[DISTILLSPEC_ARM] = (ds, self.steering_for(pair.verifier, ds))
-            references["distillspec"] = functools.partial(load, distillspec, key="method.distillspec_drafter")
-        module = SteeringTrainingModule(
-            pair.verifier, arms, pair.tokenizer, self, seed=spec.seed, references=references
-        )
-        module.sources = {"drafter": source, "distillspec_drafter": distillspec}
-        return module, data
 
     def steering_for(self, verifier: Any, drafter: torch.nn.Module) -> SteeringModule:
         """A zero-initialised steering module for this drafter, reading ``layers`` of the verifier."""

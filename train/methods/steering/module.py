@@ -44,16 +44,15 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import lightning as L
 import torch
 
 from train.decoding.metrics import positional_block_efficiency
 from train.losses import acceptance_from_logits, divergence
-from train.methods.steering import finish as finish_step
 from train.methods.steering.config import BASELINE_ARM, MAIN_ARM, SteeringConfig, log
+from train.methods.steering.finish import SteeringFinish
 from train.models.lora import apply_lora
 from train.models.steering_module import (
     SteeringModule,
@@ -73,15 +72,13 @@ from train.training.rollout import ResponseSampler, Rollout, position_ids_from_m
 from train.training.seeding import mix_seed, seeded_generator
 
 
-class SteeringTrainingModule(L.LightningModule):
+class SteeringTrainingModule(SteeringFinish, L.LightningModule):
     """Every arm's drafter (and steering module) learns the verifier's distributions on its responses.
 
     ``arms``: {label: (drafter, steering module or None)}; ``references``: {label: loader} of drafters
     evaluated as they are (the pretrained drafter, the DistillSpec drafter)."""
 
     verifier: torch.nn.Module
-    artifact_dir = "steering"
-    card_base = "drafter"
 
     def __init__(
         self,
@@ -137,9 +134,6 @@ class SteeringTrainingModule(L.LightningModule):
         self.reference_drafter: str | None = BASELINE_ARM if BASELINE_ARM in self.drafters else "pretrained"
 
     # ---------------------------------------------------------------- plumbing
-
-    def steering_of(self, label: str) -> SteeringModule:
-        return cast(SteeringModule, self.steering[label])
 
     def setup(self, stage: str) -> None:
         self.verifier.to(self.device)
@@ -322,26 +316,3 @@ class SteeringTrainingModule(L.LightningModule):
         for key, value in metrics.items():
             self.log(key, value, prog_bar=key in ("val/loss", "val/expected_acceptance"), sync_dist=True)
         self.last_validation = metrics
-
-    # ---- the finish step (finish.py): what the run exports, evaluates and reports
-
-    def plain_drafter(self, label: str) -> torch.nn.Module:
-        return finish_step.plain_drafter(self, label)
-
-    def trained(self, label: str) -> torch.nn.Module:
-        return finish_step.trained(self, label)
-
-    def drafters_to_evaluate(self) -> dict[str, torch.nn.Module]:
-        return finish_step.drafters_to_evaluate(self)
-
-    def evaluation_verifier(self, verifier: torch.nn.Module) -> torch.nn.Module:
-        return finish_step.evaluation_verifier(self, verifier)
-
-    def export(self, out_dir: str) -> Path:
-        return finish_step.export(self, out_dir)
-
-    def report_summary(self) -> dict[str, Any]:
-        return finish_step.report_summary(self)
-
-    def report_sections(self) -> list[str]:
-        return finish_step.report_sections(self)
