@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 from torch.distributed.fsdp import FullyShardedDataParallel
@@ -55,3 +56,24 @@ def test_wandb_prints_no_run_history_or_summary(tmp_path, monkeypatch, capfd):
     close_loggers(loggers)
     out = capfd.readouterr()
     assert "wandb" not in (out.out + out.err).lower()
+
+
+def test_fsdp_refuses_a_module_of_several_dtypes_before_training_and_says_what_to_change():
+    """Issue 43, item 9: FSDP1 flattens the module as one unit of one dtype; a bfloat16 base beside float32
+    adapters (LoRA on a bfloat16 drafter) used to fail deep inside ``fit``."""
+    from train.config import ConfigError, TrainerConfig
+    from train.training.trainer import check_fsdp_dtypes
+
+    mixed = torch.nn.ModuleDict(
+        {
+            "base": torch.nn.Linear(4, 4).to(torch.bfloat16).requires_grad_(False),
+            "adapter": torch.nn.Linear(4, 2),
+        }
+    )
+    for strategy in (FSDPStrategy(), "fsdp"):
+        with pytest.raises(
+            ConfigError, match=r"trainer=fsdp: .*bfloat16: 2 tensors, e.g. base.weight.*model.dtype=float32"
+        ):
+            check_fsdp_dtypes(mixed, TrainerConfig(strategy=strategy))
+    check_fsdp_dtypes(mixed, TrainerConfig(strategy="ddp"))  # DDP replicates each parameter as it is
+    check_fsdp_dtypes(mixed.float(), TrainerConfig(strategy=FSDPStrategy()))  # one dtype: fine

@@ -51,6 +51,7 @@ from train.training.trainer import (
     build_callbacks,
     build_loggers,
     build_trainer,
+    check_fsdp_dtypes,
     close_loggers,
     full_weights_on_rank_zero,
     requeued_checkpoint,
@@ -211,6 +212,7 @@ def fit(spec: RunSpec) -> Any:
         log.info("Resuming from %s", ckpt)
     pair = load_pair(spec.model)
     module, datamodule = build_method(spec.method, pair, spec)
+    check_fsdp_dtypes(module, spec.trainer)  # before any data, logger or checkpoint
     # Data problems (an empty file, a missing column) surface here, before loggers and checkpoints
     # make the run directory worth keeping; Lightning's own setup call later finds the data ready.
     datamodule.setup("fit")

@@ -130,6 +130,32 @@ def fsdp_mixed_precision(
     )
 
 
+def check_fsdp_dtypes(module: torch.nn.Module, cfg: TrainerConfig) -> None:
+    """A ConfigError, before training starts, when FSDP would refuse ``module``: Lightning's FSDP strategy
+    (FSDP1) wraps the whole module as one unit and flattens it into one tensor of one dtype, so frozen
+    bfloat16 weights beside float32 trainables (LoRA on a bfloat16 drafter, SD^2 with
+    ``train_drafter=false``, Medusa-2's verifier) fail deep inside ``fit`` with ``Must flatten tensors
+    with uniform dtype``. Nothing to check for another strategy."""
+    strategy = cfg.strategy
+    fsdp = isinstance(strategy, FSDPStrategy) or (isinstance(strategy, str) and strategy.startswith("fsdp"))
+    if not fsdp:
+        return
+    by_dtype: dict[str, list[str]] = {}
+    for name, param in module.named_parameters():
+        by_dtype.setdefault(str(param.dtype).removeprefix("torch."), []).append(name)
+    if len(by_dtype) <= 1:
+        return
+    held = "; ".join(
+        f"{dtype}: {len(names)} tensors, e.g. {names[0]}" for dtype, names in sorted(by_dtype.items())
+    )
+    raise ConfigError(
+        f"trainer=fsdp: the module to train holds parameters of several dtypes ({held}), and FSDP as "
+        "Lightning runs it flattens the module into one tensor of one dtype. Load the pair in float32 "
+        "(model.dtype=float32: FSDP shards float32 weights and still computes in bfloat16 under "
+        "bf16-mixed; the exports are float32), or train under trainer=ddp (docs/scale.md)"
+    )
+
+
 def build_callbacks(cfg: DictConfig | dict | None) -> list[L.Callback]:
     """Instantiate every ``_target_`` under the ``callbacks`` group."""
     if not cfg:
