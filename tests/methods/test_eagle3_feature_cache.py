@@ -188,6 +188,29 @@ def test_saved_rows_read_back_bit_for_bit_within_the_budget(tmp_path):
     assert FeatureCache(max_bytes=10**6).load(tmp_path / "missing.pt", _stamp()) == 0
 
 
+def test_a_rank_saves_the_rows_it_computed_and_reads_another_ranks_file_into_memory(tmp_path, monkeypatch):
+    """Issue 43, item 5: rank 1 reads rank 0's file (not memory-mapped: rank 0, maybe on another node,
+    replaces it at its next save) and uses its rows, but its own file holds only the rows it computed."""
+    aux, states, argmax = _features(batch=3, length=5)
+    rank0 = FeatureCache(max_bytes=10**6)
+    rank0.store(["a", "b"], [5, 2], aux[:2], states[:2], argmax[:2])
+    rank0.save(tmp_path / "features.rank0.pt", _stamp())
+    mapped = []
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: mapped.append(k.get("mmap")) or real_load(*a, **k))
+    rank1 = FeatureCache(max_bytes=10**6)
+    assert rank1.load(tmp_path / "features.rank0.pt", _stamp(), own=False) == 2 and mapped == [False]
+    assert rank1.lookup(["a", "b"]) is not None  # served from rank 0's rows
+    rank1.store(["c"], [4], aux[2:], states[2:], argmax[2:])
+    rank1.save(tmp_path / "features.rank1.pt", _stamp())
+    assert FeatureCache(max_bytes=10**6).load(tmp_path / "features.rank1.pt", _stamp()) == 1  # "c" only
+    assert mapped[-1] is True  # a rank's own file is memory-mapped
+    again = FeatureCache(max_bytes=10**6)
+    again.load(tmp_path / "features.rank1.pt", _stamp())
+    again.save(tmp_path / "features.rank1.pt", _stamp())  # rows read as its own are saved again
+    assert FeatureCache(max_bytes=10**6).load(tmp_path / "features.rank1.pt", _stamp()) == 1
+
+
 @pytest.mark.parametrize(
     "change", [{"weights": "abd"}, {"aux_layers": [0, 1, 0]}, {"precision": "bf16-mixed"}, {"device": "cuda"}]
 )

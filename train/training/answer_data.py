@@ -22,9 +22,10 @@ from typing import Any
 import lightning as L
 import torch
 from torch.utils.data import DataLoader
-from transformers.trainer_pt_utils import LengthGroupedSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from train.config import ConfigError
+from train.data.samplers import PinnedShardSampler
 from train.models.answers import Answer, load_answers
 from train.models.loading import eos_token_ids
 
@@ -119,12 +120,16 @@ def answer_batches(
 
 
 class AnswerDataModule(L.LightningDataModule):
-    """Batches of :func:`collate_answers` over the train / validation answers (train shuffled with a
-    seeded generator, the last incomplete batch dropped; under DDP / FSDP Lightning shards them).
+    """Batches of :func:`collate_answers` over the train / validation answers. Training rows are pinned
+    to ranks and shuffled per ``(seed, epoch)`` (:class:`~train.data.samplers.PinnedShardSampler`: a
+    rank sees the same rows every epoch, so EAGLE-3's per-rank feature cache serves every epoch after the
+    first), the last incomplete batch dropped, through a ``StatefulDataLoader`` (a mid-epoch resume
+    continues the epoch's order); Lightning shards the validation rows under DDP / FSDP.
     ``prompt_loss``: training rows count the prompt's rows too (validation always the answers' only).
     ``group_by_length``: training batches of rows of similar length (transformers'
-    ``LengthGroupedSampler``: shuffled, then sorted by length within mega-batches of up to 50 batches), so
-    little of a batch is padding (on the real pair's answers, padded tokens / real ones 1.28 -> 1.02)."""
+    ``get_length_grouped_indices``: shuffled, then sorted by length within mega-batches of up to 50
+    batches), so little of a batch is padding (on the real pair's answers, padded tokens / real ones
+    1.28 -> 1.02)."""
 
     def __init__(
         self,
@@ -157,19 +162,16 @@ class AnswerDataModule(L.LightningDataModule):
             )
 
     def _loader(self, split: str, shuffle: bool) -> DataLoader:
-        generator = torch.Generator().manual_seed(self.seed)
-        sampler = None
-        if shuffle and self.group_by_length:
-            lengths = [len(r["input_ids"]) for r in self.rows[split]]
-            sampler = LengthGroupedSampler(self.batch_size, lengths=lengths, generator=generator)
-        return DataLoader(
+        if not shuffle:
+            return DataLoader(self.rows[split], batch_size=self.batch_size, collate_fn=self._collate)  # type: ignore[arg-type]
+        lengths = [len(r["input_ids"]) for r in self.rows[split]] if self.group_by_length else None
+        sampler = PinnedShardSampler(len(self.rows[split]), self.seed, lengths, self.batch_size)
+        return StatefulDataLoader(
             self.rows[split],  # type: ignore[arg-type]
             batch_size=self.batch_size,
-            shuffle=shuffle and sampler is None,
             sampler=sampler,
-            drop_last=shuffle,
+            drop_last=True,
             collate_fn=self._collate,
-            generator=generator,
         )
 
     def _collate(self, rows: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

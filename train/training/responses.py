@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from train.training.across_ranks import merged_over_ranks
 from train.training.rollout import Rollout, position_ids_from_mask
 
 __all__ = ["ResponseCache", "continuation_logits", "with_continuation"]
@@ -95,8 +96,11 @@ class ResponseCache:
         self.responses[key] = torch.tensor(list(continuation), dtype=torch.long)
 
     def state(self) -> dict[str, Any]:
-        """What a checkpoint carries so a resumed run reuses the responses drawn so far."""
-        return {"prompts": list(self.responses), "continuations": list(self.responses.values())}
+        """What a checkpoint carries so a resumed run reuses the responses drawn so far: every rank's (a
+        collective under DDP / FSDP, where Lightning builds the checkpoint on every rank and rank 0 writes
+        it; any rank can serve any prompt after a resume)."""
+        responses = merged_over_ranks(self.responses)
+        return {"prompts": list(responses), "continuations": list(responses.values())}
 
     def load(self, saved: dict[str, Any] | None) -> None:
         if saved:

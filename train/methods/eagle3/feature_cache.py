@@ -73,6 +73,9 @@ class FeatureCache:
         self.misses = 0
         self.unsaved = 0
         """Rows kept since the last :meth:`save` or :meth:`load`."""
+        self.own: set[Hashable] = set()
+        """The keys of the rows this rank computed (in this run, or in an earlier one whose file it read
+        as its own): what :meth:`save` writes. Rows read from other ranks' files are used, never saved."""
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -112,17 +115,19 @@ class FeatureCache:
                 argmax=argmax[i, :n].detach().to("cpu", dtype=torch.long, copy=True),
             )
             self.rows[key] = row
+            self.own.add(key)
             self.nbytes += row.nbytes
             added += 1
         self.unsaved += added
         return added
 
     def save(self, path: str | os.PathLike[str], stamp: dict[str, Any]) -> None:
-        """Write every kept row to ``path`` with ``stamp`` (the verifier's :func:`fingerprint`), atomically:
-        a file is either the previous one or this one, never half written."""
+        """Write the rows this rank computed (:attr:`own`) to ``path`` with ``stamp`` (the verifier's
+        :func:`fingerprint`), atomically: a file is either the previous one or this one, never half
+        written."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        keys = list(self.rows)
+        keys = [key for key in self.rows if key in self.own]
         payload = {
             "format": FORMAT,
             "stamp": json.dumps(stamp, sort_keys=True),
@@ -134,13 +139,16 @@ class FeatureCache:
         os.replace(partial, path)
         self.unsaved = 0
 
-    def load(self, path: str | os.PathLike[str], stamp: dict[str, Any]) -> int:
-        """Keep the rows saved in ``path`` (memory-mapped, read as batches need them) when its stamp is
-        ``stamp``, within the budget. Returns how many rows were added (0 for a missing or stale file)."""
+    def load(self, path: str | os.PathLike[str], stamp: dict[str, Any], own: bool = True) -> int:
+        """Keep the rows saved in ``path`` when its stamp is ``stamp``, within the budget. ``own``: this
+        rank's file (only this rank replaces it: memory-mapped, read as batches need them, and saved
+        again); another rank's is read into memory, so that rank (on another node, on a shared
+        filesystem) may replace it meanwhile. Returns how many rows were added (0 for a missing or
+        stale file)."""
         path = Path(path)
         if not path.is_file():
             return 0
-        payload = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        payload = torch.load(path, map_location="cpu", mmap=own, weights_only=True)
         if payload.get("format") != FORMAT or payload.get("stamp") != json.dumps(stamp, sort_keys=True):
             log.info("%s holds the features of another verifier or layout; ignored", path)
             return 0
@@ -150,6 +158,8 @@ class FeatureCache:
             if key in self.rows or self.nbytes + row.nbytes > self.max_bytes:
                 continue
             self.rows[key] = row
+            if own:
+                self.own.add(key)
             self.nbytes += row.nbytes
             added += 1
         return added

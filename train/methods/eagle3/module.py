@@ -52,6 +52,7 @@ from train.models.eagle3_ttt import (
     ttt_loss,
     verifier_targets,
 )
+from train.training.across_ranks import summed_over_ranks
 from train.training.callbacks import describe_nonfinite, nonfinite_losses
 from train.training.optim import clip_gradients, configure_optimizers, weights_dtype
 
@@ -96,9 +97,10 @@ class Eagle3Module(Eagle3Finish, L.LightningModule):
         folder = self.cfg.feature_cache_dir
         if folder is None:
             return
-        stamp = self.feature_stamp()
-        for path in sorted(Path(folder).glob("features.rank*.pt")):
-            added = self.feature_cache.load(path, stamp)
+        stamp, own = self.feature_stamp(), f"features.rank{self.global_rank}.pt"
+        # this rank's own file first: its rows are the ones this rank's pinned share asks for
+        for path in sorted(Path(folder).glob("features.rank*.pt"), key=lambda p: (p.name != own, p.name)):
+            added = self.feature_cache.load(path, stamp, own=path.name == own)
             if added:
                 log.info("Read the verifier's features of %d rows from %s", added, path)
 
@@ -251,7 +253,8 @@ class Eagle3Module(Eagle3Finish, L.LightningModule):
             self._sums[key] = self._sums.get(key, 0.0) + value
 
     def on_validation_epoch_end(self) -> None:
-        metrics = validation_metrics(self._sums, self.cfg.ttt_steps)
+        # every rank's counts (a collective), so rank 0's last_validation is the whole validation's
+        metrics = validation_metrics(summed_over_ranks(self._sums, self.device), self.cfg.ttt_steps)
         for key, value in metrics.items():
             prog = key in ("val/acc_0", "val/simulated_block_efficiency")
             self.log(key, value, prog_bar=prog, sync_dist=True)

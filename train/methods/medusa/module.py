@@ -48,6 +48,7 @@ from train.methods.medusa.finish import MedusaFinish
 from train.models.heads import MedusaHeads, medusa_loss, shifted_targets
 from train.models.introspect import supports_logits_to_keep
 from train.models.lora import apply_lora
+from train.training.across_ranks import summed_over_ranks
 from train.training.callbacks import describe_nonfinite, nonfinite_losses
 from train.training.optim import (
     clip_gradients,
@@ -312,7 +313,7 @@ class MedusaModule(MedusaFinish, L.LightningModule):
             self._sums[key] = self._sums.get(key, 0.0) + float(value)
 
     def on_validation_epoch_end(self) -> None:
-        s = self._sums
+        s = summed_over_ranks(self._sums, self.device)  # every rank's counts, not rank 0's alone
         if not s.get("batches"):
             return
         metrics = {"val/loss": s["loss"] / s["batches"]}

@@ -1,0 +1,60 @@
+"""Exact resume and whole validations under DDP (issue 43, item 10): two gloo processes on the CPU. A
+response cache's checkpoint state carries every rank's responses (Lightning writes rank 0's checkpoint,
+every rank loads it); validation sums are added over the ranks, not rank 0's alone."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests.fsdp import gloo_rank
+from train.training.across_ranks import merged_over_ranks, summed_over_ranks
+from train.training.responses import ResponseCache
+
+TIMEOUT_S = 120
+
+
+def _worker(rank: int, out: str) -> None:
+    with gloo_rank(rank, 2, out):
+        sums = summed_over_ranks({"tokens": 10.0 * (rank + 1), f"seen_on_{rank}": 1.0})
+        merged = merged_over_ranks({f"row{rank}": rank, "shared": rank})
+        cache = ResponseCache(generate=None, pad_token_id=0)  # type: ignore[arg-type]
+        cache.add([1, 2, rank], [7, rank])
+        state = cache.state()
+        restored = ResponseCache(generate=None, pad_token_id=0)  # type: ignore[arg-type]
+        restored.load(state)
+        outcome = {
+            "sums": sums,
+            "merged": merged,
+            "responses": sorted(torch.tensor(list(c)).tolist() for c in restored.responses.values()),
+        }
+        (Path(out) / f"rank{rank}.json").write_text(json.dumps(outcome))
+
+
+@pytest.mark.slow
+def test_sums_and_caches_are_made_whole_over_the_ranks(tmp_path: Path) -> None:
+    context = mp.start_processes(_worker, args=(str(tmp_path),), nprocs=2, join=False, start_method="spawn")
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        while not context.join(timeout=2):
+            if time.monotonic() > deadline:
+                pytest.fail(f"a rank still runs after {TIMEOUT_S} s: it hangs in a collective")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+    for rank in (0, 1):
+        outcome = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert outcome["sums"] == {"tokens": 30.0, "seen_on_0": 1.0, "seen_on_1": 1.0}
+        assert outcome["merged"] == {"row0": 0, "row1": 1, "shared": 0}  # the lowest rank's value wins
+        assert outcome["responses"] == [[7, 0], [7, 1]]  # rank 0's checkpoint holds rank 1's response too
+
+
+def test_in_one_process_everything_is_as_it_was() -> None:
+    assert summed_over_ranks({"a": 2.0}) == {"a": 2.0}
+    assert merged_over_ranks({"k": 1}) == {"k": 1}
