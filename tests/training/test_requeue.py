@@ -190,3 +190,40 @@ def test_a_requeued_job_resumes_in_its_run_directory_and_its_wandb_run(
     steps = [int(r["step"]) for r in read_metrics(run_dir) if r.get("train/loss")]
     assert steps and min(steps) >= 3, steps  # the restart's CSV: the steps after the requeue
     assert len(list((run_dir / "wandb").glob(f"offline-run-*-{wandb_id}"))) == 2
+
+
+class ValidatingLinear(Linear):
+    def validation_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.layer(batch[0]).pow(2).mean()
+
+
+class SignalInSanityCheck(L.Callback):
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):  # noqa: ANN001
+        if trainer.sanity_checking and batch_idx == 0:
+            signal.raise_signal(signal.SIGUSR1)
+
+
+def test_the_requeue_signal_during_the_sanity_check_only_flags_the_requeue(on_slurm, tmp_path: Path) -> None:
+    """Before, our handler was installed at on_train_start, after the sanity check: a requeue signal during
+    the sanity check ran Lightning's handler, which saves inside the handler (hpc_ckpt_1.ckpt)."""
+    stop = GracefulStop(str(tmp_path))
+    data = DataLoader(TensorDataset(torch.randn(64, 4)), batch_size=2)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=8,
+        num_sanity_val_steps=2,
+        plugins=[SLURMEnvironment(auto_requeue=True)],
+        callbacks=[SignalInSanityCheck(), stop],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=str(tmp_path),
+    )
+    with pytest.raises(SystemExit):
+        trainer.fit(ValidatingLinear(), train_dataloaders=data, val_dataloaders=data)
+    assert not list(tmp_path.glob("hpc_ckpt_*.ckpt"))  # Lightning's handler did not run
+    # flagged only: training stops before its first step, with nothing to save, and the job is requeued
+    assert stop.requeue and stop.signum == signal.SIGUSR1 and trainer.global_step == 0
+    assert stop.checkpoint is None

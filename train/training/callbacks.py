@@ -106,13 +106,28 @@ class GracefulStop(L.Callback):
         self._signals: Any = None  # Lightning's signal connector, whose received_sigterm the loops read
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # Lightning has registered its handlers by now and restores the previous ones at teardown.
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, self._on_sigint)
+        self._take_over_requeue(trainer)
+
+    def on_sanity_check_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # the sanity check runs after Lightning registered its handlers and before on_train_start: its
+        # requeue handler would save (and wait for the other ranks) inside the signal handler
+        self._take_over_requeue(trainer)
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._take_over_requeue(trainer)  # trainer.validate before fit (validate_before) too
+
+    def _take_over_requeue(self, trainer: L.Trainer) -> None:
+        """Our requeue handler in place of Lightning's (registered by now; Lightning restores the previous
+        handlers at teardown). A requeue flagged before training stops it at its first step boundary."""
+        if threading.current_thread() is threading.main_thread():
             requeue_signal = slurm_requeue_signal(trainer)
             if requeue_signal is not None:
                 self._signals = trainer._signal_connector
                 signal.signal(requeue_signal, self._on_requeue_signal)
+                if self.requeue:  # flagged in an earlier run of this trainer (validate before fit), whose
+                    self._signals.received_sigterm = True  # flag the next run's registration cleared
 
     def _on_sigint(self, signum: int, frame: FrameType | None) -> None:
         lightning_handler = signal.getsignal(signal.SIGTERM)
