@@ -91,3 +91,23 @@ def gloo_rank(rank: int, world_size: int, folder: str | os.PathLike[str]) -> Ite
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def run_ranks(worker: Any, folder: str | os.PathLike[str], nprocs: int = 2, timeout_s: float = 120) -> None:
+    """``worker(rank, folder)`` in ``nprocs`` spawned processes (each enters :func:`gloo_rank` itself);
+    fails the test when a rank still runs after ``timeout_s`` (it hangs in a collective)."""
+    import time
+
+    import pytest
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(worker, args=(str(folder),), nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not context.join(timeout=2):
+            if time.monotonic() > deadline:
+                pytest.fail(f"a rank still runs after {timeout_s:.0f} s: it hangs in a collective")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()

@@ -5,14 +5,12 @@ every rank loads it); validation sums are added over the ranks, not rank 0's alo
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from tests.fsdp import gloo_rank
+from tests.fsdp import gloo_rank, run_ranks
 from train.training.across_ranks import merged_over_ranks, summed_over_ranks
 from train.training.responses import ResponseCache
 
@@ -38,16 +36,7 @@ def _worker(rank: int, out: str) -> None:
 
 @pytest.mark.slow
 def test_sums_and_caches_are_made_whole_over_the_ranks(tmp_path: Path) -> None:
-    context = mp.start_processes(_worker, args=(str(tmp_path),), nprocs=2, join=False, start_method="spawn")
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while not context.join(timeout=2):
-            if time.monotonic() > deadline:
-                pytest.fail(f"a rank still runs after {TIMEOUT_S} s: it hangs in a collective")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
+    run_ranks(_worker, tmp_path, timeout_s=TIMEOUT_S)
     for rank in (0, 1):
         outcome = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert outcome["sums"] == {"tokens": 30.0, "seen_on_0": 1.0, "seen_on_1": 1.0}

@@ -4,17 +4,15 @@ processes under Lightning's DDP strategy on the CPU, only rank 1's loss is NaN."
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import lightning as L
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch.utils.data import DataLoader, TensorDataset
 
-from tests.fsdp import gloo_rank
+from tests.fsdp import gloo_rank, run_ranks
 from train.training.callbacks import NonFiniteLossError, NonFiniteLossGuard, nonfinite_losses
 
 BAD_STEP = 2
@@ -63,16 +61,7 @@ def _worker(rank: int, out: str) -> None:
 
 @pytest.mark.slow
 def test_a_nan_on_one_rank_stops_every_rank_with_the_same_error(tmp_path: Path) -> None:
-    context = mp.start_processes(_worker, args=(str(tmp_path),), nprocs=2, join=False, start_method="spawn")
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while not context.join(timeout=5):
-            if time.monotonic() > deadline:
-                pytest.fail(f"a rank still runs after {TIMEOUT_S} s: it hangs in a collective")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
+    run_ranks(_worker, tmp_path, timeout_s=TIMEOUT_S)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for outcome in ranks:
         assert outcome["raised"] is not None, ranks

@@ -34,12 +34,43 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "answers_cache_dir",
+    "answered_on",
     "generated_answers",
     "greedy_answers",
+    "method_answers",
     "pair_answers_folder",
     "run_answers",
     "sampled_answers",
 ]
+
+
+def answered_on(
+    device: torch.device | None,
+    verifier: Any,
+    label: str,
+    engine: str,
+    prompts: list[list[int]],
+    eos: Sequence[int],
+    answer_tokens: int,
+    **settings: Any,
+) -> list[Answer]:
+    """:func:`~train.models.answers_vllm.answer_prompts` with the verifier on ``device`` (default: where
+    it is) for the generation only, and a transient progress bar named ``label``."""
+    with on_device(verifier, device or next(verifier.parameters()).device), Progress(transient=True) as bar:
+        task = bar.add_task(label, total=len(prompts))
+        return answer_prompts(
+            engine, verifier, prompts, eos, answer_tokens, on_batch=lambda n: bar.advance(task, n), **settings
+        )
+
+
+def method_answers(cfg: Any, pair: Any, spec: Any, prompt_len: int) -> dict[str, list[Answer]]:
+    """:func:`run_answers` for a method's settings ``cfg`` (its ``answers``, ``num_prompts``,
+    ``num_val_prompts``, ``answer_tokens``, ``answer_batch`` and ``answer_engine``), prompts of
+    ``prompt_len`` tokens."""
+    counts = {"train": cfg.num_prompts, "validation": cfg.num_val_prompts}
+    return run_answers(
+        cfg.answers, pair, spec, counts, prompt_len, cfg.answer_tokens, cfg.answer_batch, cfg.answer_engine
+    )
 
 
 def generated_answers(
@@ -87,21 +118,9 @@ def greedy_answers(
     weights, the prompts and the settings; a later run with the same recipe reads them."""
 
     def generate(share: list[list[int]], rank: int) -> list[Answer]:
-        with (
-            on_device(verifier, device or next(verifier.parameters()).device),
-            Progress(transient=True) as bar,
-        ):
-            task = bar.add_task(label, total=len(share))
-            return answer_prompts(
-                engine,
-                verifier,
-                share,
-                eos,
-                answer_tokens,
-                batch_size=batch_size,
-                top_k=1,
-                on_batch=lambda n: bar.advance(task, n),
-            )
+        return answered_on(
+            device, verifier, label, engine, share, eos, answer_tokens, batch_size=batch_size, top_k=1
+        )
 
     if cache_dir is None:
         return generate([list(p) for p in prompts], 0)
@@ -204,23 +223,9 @@ def sampled_answers(
 
     def generate(share: list[list[int]], rank: int) -> list[Answer]:
         start = time.perf_counter()
-        with (
-            on_device(verifier, device or next(verifier.parameters()).device),
-            Progress(transient=True) as bar,
-        ):
-            task = bar.add_task(f"sampled answers (T = {temperature:g})", total=len(share))
-            out = answer_prompts(
-                engine,
-                verifier,
-                share,
-                eos,
-                answer_tokens,
-                batch_size=batch_size,
-                top_k=top_k,
-                temperature=temperature,
-                seed=seed + rank,
-                on_batch=lambda n: bar.advance(task, n),
-            )
+        label = f"sampled answers (T = {temperature:g})"
+        kwargs = {"batch_size": batch_size, "top_k": top_k, "temperature": temperature, "seed": seed + rank}
+        out = answered_on(device, verifier, label, engine, share, eos, answer_tokens, **kwargs)
         tokens = sum(len(a.answer) for a in out)
         log.info("sampled answers: %d (%d tokens) in %.0f s", len(out), tokens, time.perf_counter() - start)
         return out

@@ -11,24 +11,15 @@ from train.methods.run_spec import RunSpec
 from train.models.loading import ModelPair
 from train.training.answer_data import answer_batches, answer_eos_ids
 from train.training.answer_share import answer_device
-from train.training.answer_sources import run_answers, sampled_answers
+from train.training.answer_sources import method_answers, sampled_answers
 
 
 def build(cfg: Eagle3Config, pair: ModelPair, spec: RunSpec) -> tuple[Eagle3Module, L.LightningDataModule]:
     """The verifier's answers (cached or generated, plus ``sampled_answers`` per training prompt), the
-    draft vocabulary counted on the training answers, a fresh drafter on the pair's verifier (or ``init``), and the answers' batches."""
+    draft vocabulary counted on the training answers, a fresh drafter on the pair's verifier (or
+    ``init``), and the answers' batches."""
     verifier, tokenizer = pair.verifier, pair.tokenizer
-    counts = {"train": cfg.num_prompts, "validation": cfg.num_val_prompts}
-    answers = run_answers(
-        cfg.answers,
-        pair,
-        spec,
-        counts,
-        cfg.prompt_len,
-        cfg.answer_tokens,
-        cfg.answer_batch,
-        cfg.answer_engine,
-    )
+    answers = method_answers(cfg, pair, spec, cfg.prompt_len)
     extra = sampled_answers(
         verifier,
         answer_eos_ids(verifier, tokenizer),

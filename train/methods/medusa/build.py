@@ -13,7 +13,7 @@ from train.methods.medusa.module import MedusaModule
 from train.methods.run_spec import RunSpec
 from train.models.loading import ModelPair
 from train.training.answer_data import answer_batches
-from train.training.answer_sources import run_answers
+from train.training.answer_sources import method_answers
 
 
 def build(cfg: MedusaConfig, pair: ModelPair, spec: RunSpec) -> tuple[MedusaModule, L.LightningDataModule]:
@@ -21,17 +21,7 @@ def build(cfg: MedusaConfig, pair: ModelPair, spec: RunSpec) -> tuple[MedusaModu
     verifier, tokenizer = pair.verifier, pair.tokenizer
     answers = None
     if cfg.answers is not None:
-        counts = {"train": cfg.num_prompts, "validation": cfg.num_val_prompts}
-        answers = run_answers(
-            cfg.answers,
-            pair,
-            spec,
-            counts,
-            cfg.answer_prompt_len,
-            cfg.answer_tokens,
-            cfg.answer_batch,
-            cfg.answer_engine,
-        )
+        answers = method_answers(cfg, pair, spec, cfg.answer_prompt_len)
         data: L.LightningDataModule = answer_batches(
             answers, verifier, tokenizer, cfg.batch_size, cfg.max_len, spec.seed, cfg.prompt_loss
         )
