@@ -26,6 +26,30 @@ MICRO_PAIR = [
 ]
 """Overrides that make the embedded tiny pair a micro one (built in seconds) for end-to-end runs."""
 
+LONGEST_SLOW_TESTS = (
+    "test_the_tiny_pair_jobs_meet_their_targets",  # builds the tiny pair, then two full jobs: ~30 min here
+    "test_documented_commands_run_on_micro_recipes",  # ~12 min
+    "test_real_pair_main_job_runs_end_to_end_on_a_micro_recipe",  # ~6 min, vLLM included
+)
+"""The slow suite's longest tests, longest first (measured on 2 CPU cores, `--durations`)."""
+
+
+@pytest.hookimpl(trylast=True)  # after `-m` deselected what this run leaves out
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Start the longest slow tests first, one at the head of each half of the run. pytest-xdist's
+    ``--dist worksteal`` (CI's slow suite) gives each of the two workers one contiguous half of the tests
+    and lets a worker that runs dry take from the other's queue; a long test left near the end of a half
+    would start late and run on alone. So the longest goes first in the first half and the next ones
+    first in the second half; every other test keeps its place in collection order."""
+    names = {item.name: item for item in items}
+    long = [names[name] for name in LONGEST_SLOW_TESTS if name in names]
+    if not long:
+        return
+    rest = [item for item in items if item not in long]
+    half = max(len(items) // 2 - 1, 0)
+    items[:] = [long[0], *rest[:half], *long[1:], *rest[half:]]
+
+
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 
