@@ -22,7 +22,7 @@ from train.methods.distillspec.config import DistillSpecConfig
 from train.methods.distillspec.module import DistillSpecModule
 from train.methods.eagle3.config import Eagle3Config
 from train.methods.eagle3.module import Eagle3Module
-from train.methods.steering.config import BASELINE_ARM, MAIN_ARM, SteeringConfig
+from train.methods.steering.config import DISTILLED_ARM, MAIN_ARM, SteeringConfig
 from train.methods.steering.module import SteeringTrainingModule
 from train.models.answers import Answer
 from train.models.draft_vocab import set_draft_vocab
@@ -72,11 +72,11 @@ def _steering() -> tuple[L.LightningModule, PromptDataModule, list[list[str]]]:
     cfg = SteeringConfig(optimizer=ADAMW, gamma=2, **PROMPTS)
     verifier, drafter = tiny_llama(hidden=64, seed=0).to(torch.bfloat16), tiny_llama(hidden=32, seed=1)
     arms = {
-        BASELINE_ARM: (tiny_llama(hidden=32, seed=2).to(torch.bfloat16), None),
+        DISTILLED_ARM: (tiny_llama(hidden=32, seed=2).to(torch.bfloat16), None),
         MAIN_ARM: (drafter.to(torch.bfloat16), cfg.steering_for(verifier, drafter)),
     }
     module = SteeringTrainingModule(verifier, arms, make_tokenizer(), cfg)
-    groups = [[f"drafters.{BASELINE_ARM}."], [f"drafters.{MAIN_ARM}.", f"steering.{MAIN_ARM}."]]  # per arm
+    groups = [[f"drafters.{DISTILLED_ARM}."], [f"drafters.{MAIN_ARM}.", f"steering.{MAIN_ARM}."]]  # per arm
     return module, _data(cfg), groups
 
 

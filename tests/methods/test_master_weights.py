@@ -18,7 +18,7 @@ from train.methods.distillspec.config import DistillSpecConfig
 from train.methods.distillspec.module import DistillSpecModule
 from train.methods.medusa.config import MedusaConfig
 from train.methods.medusa.module import MedusaModule
-from train.methods.steering.config import BASELINE_ARM, MAIN_ARM, SteeringConfig
+from train.methods.steering.config import DISTILLED_ARM, MAIN_ARM, SteeringConfig
 from train.methods.steering.module import SteeringTrainingModule
 from train.models.heads import MedusaHeads
 
@@ -130,11 +130,11 @@ def test_medusa2_heads_and_lora(tmp_path):
 def test_sd2_steering_and_drafter_arms(tmp_path):
     cfg = SteeringConfig(optimizer=ADAMW, gamma=2, **PROMPTS)
     verifier, drafter = _bf16(64, 0), _bf16(32, 1)
-    arms = {BASELINE_ARM: (_bf16(32, 1), None), MAIN_ARM: (drafter, cfg.steering_for(verifier, drafter))}
+    arms = {DISTILLED_ARM: (_bf16(32, 1), None), MAIN_ARM: (drafter, cfg.steering_for(verifier, drafter))}
     module = SteeringTrainingModule(verifier, arms, make_tokenizer(), cfg)
     before = _snapshot([module.drafters, module.steering])
     trainer = _fit(module, _prompts(cfg), tmp_path)
     _check_trained(trainer, [module.drafters, module.steering], before)
     assert _floating_dtypes(verifier) == {BF16}
-    for label in (BASELINE_ARM, MAIN_ARM):
+    for label in (DISTILLED_ARM, MAIN_ARM):
         assert _floating_dtypes(module.plain_drafter(label)) == {BF16}

@@ -30,7 +30,7 @@ from train.data.datamodule import PromptDataModule
 from train.decoding import AutoregressiveDecoder, SamplingParams, SpeculativeDecoder
 from train.evaluation import build_eval_config
 from train.evaluation.decoder_build import build_decoders
-from train.methods.steering.config import BASELINE_ARM, MAIN_ARM, SteeringConfig
+from train.methods.steering.config import DISTILLED_ARM, MAIN_ARM, SteeringConfig
 from train.methods.steering.module import SteeringTrainingModule
 from train.models.steering_module import SteeredDrafter, SteeringModule
 from train.rundir import newest_artifact, newest_artifact_of
@@ -68,7 +68,7 @@ def _module(cfg: SteeringConfig, extra_arm: bool = False) -> tuple[SteeringTrain
     verifier, drafter = tiny_llama(hidden=64, seed=0), tiny_llama(hidden=32, seed=1)
     arms: dict = {}
     if cfg.distilled_baseline:
-        arms[BASELINE_ARM] = (tiny_llama(hidden=32, seed=1), None)
+        arms[DISTILLED_ARM] = (tiny_llama(hidden=32, seed=1), None)
     arms[MAIN_ARM] = (drafter, cfg.steering_for(verifier, drafter))
     if extra_arm:
         other = tiny_llama(hidden=32, seed=2)
@@ -188,14 +188,14 @@ def test_at_zero_initialisation_the_steered_arm_equals_the_distilled_arm():
     ro = module.responses(batch["input_ids"], batch["attention_mask"], module._generator(0))
     _, states = module.verifier_view(ro)
     with torch.no_grad():
-        plain = module.arm_logits(BASELINE_ARM, ro, states, 2)
+        plain = module.arm_logits(DISTILLED_ARM, ro, states, 2)
         steered = module.arm_logits(MAIN_ARM, ro, states, 2)
         torch.testing.assert_close(steered, plain, rtol=0, atol=0)
         module.steering_of(MAIN_ARM).project.weight.normal_(0, 0.1)
         moved = module.arm_logits(MAIN_ARM, ro, states, 2)
     assert not torch.allclose(moved, plain)
     # the hooks were removed after the forward: the drafter is plain again
-    torch.testing.assert_close(module.arm_logits(BASELINE_ARM, ro, states, 2), plain, rtol=0, atol=0)
+    torch.testing.assert_close(module.arm_logits(DISTILLED_ARM, ro, states, 2), plain, rtol=0, atol=0)
 
 
 def test_the_first_block_is_unsteered_and_later_blocks_one_to_offset_stale():
@@ -209,7 +209,7 @@ def test_the_first_block_is_unsteered_and_later_blocks_one_to_offset_stale():
     with torch.no_grad():
         module.steering_of(MAIN_ARM).project.weight.normal_(0, 0.5)
         by_offset = {o: module.arm_logits(MAIN_ARM, ro, states, o) for o in (1, 2, 3)}
-        plain = module.arm_logits(BASELINE_ARM, ro, states, 1)
+        plain = module.arm_logits(DISTILLED_ARM, ro, states, 1)
     assert not torch.allclose(by_offset[1], by_offset[3])
     for o, logits in by_offset.items():
         torch.testing.assert_close(logits[:, :o], plain[:, :o], rtol=0, atol=0)
@@ -268,7 +268,7 @@ def test_train_drafter_false_trains_the_steering_module_alone(tmp_path):
     after = module.drafters.state_dict()
     assert set(after) == set(before) and all(torch.equal(before[k], after[k]) for k in before)
     assert module.steering_of(MAIN_ARM).project.weight.abs().sum() > 0
-    assert BASELINE_ARM not in module.drafters
+    assert DISTILLED_ARM not in module.drafters
     assert module.reference_drafter == "pretrained"
     evaluated = module.drafters_to_evaluate()
     assert set(evaluated) == {"pretrained", MAIN_ARM}
@@ -285,7 +285,7 @@ def test_arms_do_not_interact(tmp_path):
     del alone.drafters[MAIN_ARM]  # keep the baseline arm only (the steering module stays, unused)
     alone.steering[MAIN_ARM].requires_grad_(False)
     _trainer(tmp_path / "alone", 3, clip=0.01).fit(alone, datamodule=data2)
-    a, b = both.drafters[BASELINE_ARM].state_dict(), alone.drafters[BASELINE_ARM].state_dict()
+    a, b = both.drafters[DISTILLED_ARM].state_dict(), alone.drafters[DISTILLED_ARM].state_dict()
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
 
 
@@ -298,8 +298,8 @@ def test_fit_validates_checkpoints_without_the_verifier_and_resumes(tmp_path):
         "val/expected_acceptance",
         "val/simulated_block_efficiency",
         "val/loss",
-        f"val/{BASELINE_ARM}/expected_acceptance",
-        f"val/{BASELINE_ARM}/simulated_block_efficiency",
+        f"val/{DISTILLED_ARM}/expected_acceptance",
+        f"val/{DISTILLED_ARM}/simulated_block_efficiency",
         "train/loss",
         "train/expected_acceptance",
         "train/guide_offset",
@@ -398,7 +398,7 @@ def test_main_job_end_to_end_with_the_distillspec_row(tmp_path):
     proc, run_dir = _micro_run(tmp_path, [], "first")  # no DistillSpec run yet: that arm is skipped
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((run_dir / "report.json").read_text())
-    assert set(report["drafters"]) == {"pretrained", BASELINE_ARM, MAIN_ARM}
+    assert set(report["drafters"]) == {"pretrained", DISTILLED_ARM, MAIN_ARM}
     # a DistillSpec run of this verifier: its exported drafter is picked up by distillspec_drafter=auto
     fake = tmp_path / "checkpoints" / "distillspec_tiny" / "2026-01-01_00-00-00"  # the tiny twin
     fake.mkdir(parents=True)
@@ -409,10 +409,10 @@ def test_main_job_end_to_end_with_the_distillspec_row(tmp_path):
     proc, run_dir = _micro_run(tmp_path, [], "second")
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((run_dir / "report.json").read_text())
-    assert report["reference"] == BASELINE_ARM
+    assert report["reference"] == DISTILLED_ARM
     assert set(report["drafters"]) == {
         "pretrained",
-        BASELINE_ARM,
+        DISTILLED_ARM,
         MAIN_ARM,
         "distillspec",
         "distillspec_steered",

@@ -14,7 +14,7 @@ from tests.conftest import make_tokenizer, tiny_llama
 from tests.fsdp import RecordingRoot, fake_fsdp_trainer
 from train.data.datamodule import PromptDataModule
 from train.losses import divergence
-from train.methods.steering.config import BASELINE_ARM, MAIN_ARM, SteeringConfig
+from train.methods.steering.config import DISTILLED_ARM, MAIN_ARM, SteeringConfig
 from train.methods.steering.module import SteeringTrainingModule
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -31,7 +31,7 @@ def _module(**kw) -> tuple[SteeringTrainingModule, dict[str, torch.Tensor]]:
     tok = make_tokenizer()
     verifier, drafter = tiny_llama(hidden=64, seed=0), tiny_llama(hidden=32, seed=1)
     arms: dict = {
-        BASELINE_ARM: (tiny_llama(hidden=32, seed=1), None),
+        DISTILLED_ARM: (tiny_llama(hidden=32, seed=1), None),
         MAIN_ARM: (drafter, cfg.steering_for(verifier, drafter)),
     }
     docs = [f"def add(a, b):\n    return a + b  # doc {i} " + "x" * (i % 5) for i in range(12)]
@@ -83,7 +83,7 @@ def test_each_arm_is_clipped_by_its_norm_summed_over_the_fsdp_shards(monkeypatch
     reduced: list[tuple[float, object]] = []
     monkeypatch.setattr(optim.dist, "all_reduce", lambda t, group=None: reduced.append((float(t), group)))
     arms = {
-        BASELINE_ARM: list(module.drafters[BASELINE_ARM].parameters()),
+        DISTILLED_ARM: list(module.drafters[DISTILLED_ARM].parameters()),
         MAIN_ARM: [*module.drafters[MAIN_ARM].parameters(), *module.steering[MAIN_ARM].parameters()],
     }
     for params, scale in zip(arms.values(), (1.0, 2.0), strict=True):

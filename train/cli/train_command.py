@@ -4,7 +4,7 @@
 dataclass first (:func:`load_spec`), so a bad value fails before any model or data loads. After
 ``Trainer.fit``, a method module that implements :class:`train.report.Finishable` goes through the
 shared finish step on rank 0 (:func:`train.report.finish`: export, evaluation under the run's
-``eval`` config, report); a module with its own ``finish(trainer, spec)`` (plain pretraining) runs that.
+``eval`` config, report); a module with its own ``save_trained(trainer, spec)`` (plain pretraining) runs that.
 
 The run directory belongs to one live run (:class:`train.rundir.RunDirLock`, rank 0 only); a run that
 fails before it wrote anything worth keeping removes the directory it made. SIGTERM or SIGINT during
@@ -257,7 +257,8 @@ def ended_between_validations(
 
 
 def finish_run(module: Any, trainer: L.Trainer, spec: RunSpec, pair: Any, config: dict[str, Any]) -> Any:
-    """The finish step after a completed fit: the shared one on rank 0, or the module's own."""
+    """The end of a completed fit: the shared finish step on rank 0 for a :class:`Finishable` module, else
+    the module's own ``save_trained(trainer, spec)`` (plain pretraining), if it has one."""
     if isinstance(module, Finishable):
         if not trainer.is_global_zero:
             return None
@@ -278,8 +279,8 @@ def finish_run(module: Any, trainer: L.Trainer, spec: RunSpec, pair: Any, config
             device=device,
             drafter_device=spec.devices[1],
         )
-    own_finish = getattr(module, "finish", None)
-    return own_finish(trainer, spec) if own_finish is not None else None
+    save_trained = getattr(module, "save_trained", None)
+    return save_trained(trainer, spec) if save_trained is not None else None
 
 
 def on_training_device(

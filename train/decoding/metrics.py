@@ -252,15 +252,17 @@ def summarize(stats: DecodeStats, c_param: float | None = None) -> dict[str, flo
     ``mbsu`` is included when ``c_param`` (drafter params / verifier params) is given.
     """
     tau = block_efficiency(stats)
-    ea = expected_acceptance(stats)
+    acceptance = expected_acceptance(stats)
     out: dict[str, float | list[float]] = {
         "acceptance_rate": acceptance_rate(stats),
-        "expected_acceptance": ea,
+        "expected_acceptance": acceptance,
         "block_efficiency": tau,
         "accepted_per_block": tau - 1.0,
         "per_position_acceptance": per_position_acceptance(stats),
         "simulated_block_efficiency": (
-            simulated_block_efficiency(ea, stats.max_draft) if not math.isnan(ea) else float("nan")
+            simulated_block_efficiency(acceptance, stats.max_draft)
+            if not math.isnan(acceptance)
+            else float("nan")
         ),
         "verifier_tokens_per_call": verifier_tokens_per_call(stats),
         "drafter_calls_per_verifier_call": drafter_calls_per_verifier_call(stats),

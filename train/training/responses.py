@@ -38,14 +38,14 @@ def with_continuation(
     return Rollout(torch.cat([input_ids, continuation_ids], dim=1), full_mask, cont_mask, width)
 
 
-def continuation_logits(model: torch.nn.Module, ro: Rollout, **kwargs: Any) -> torch.Tensor:
-    """(B, N, V) logits predicting the continuation positions of ``ro`` (the prompt's logits are never
+def continuation_logits(model: torch.nn.Module, rollouts: Rollout, **kwargs: Any) -> torch.Tensor:
+    """(B, N, V) logits predicting the continuation positions of ``rollouts`` (the prompt's logits are never
     built); ``kwargs`` go to the model's forward."""
-    n = ro.sequences.shape[1] - ro.prompt_width
+    n = rollouts.sequences.shape[1] - rollouts.prompt_width
     out = model(
-        input_ids=ro.sequences,
-        attention_mask=ro.attention_mask,
-        position_ids=position_ids_from_mask(ro.attention_mask),
+        input_ids=rollouts.sequences,
+        attention_mask=rollouts.attention_mask,
+        position_ids=position_ids_from_mask(rollouts.attention_mask),
         logits_to_keep=n + 1,
         use_cache=False,
         **kwargs,

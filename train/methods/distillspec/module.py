@@ -207,27 +207,29 @@ class DistillSpecModule(DistillSpecFinish, L.LightningModule):
 
     def pick_source(self, step: int) -> str:
         """On-policy with probability lambda, drawn from a per-step seed (reproducible on resume)."""
-        lam = self.cfg.on_policy_probability
-        if lam >= 1.0:
+        on_policy = self.cfg.on_policy_probability
+        if on_policy >= 1.0:
             return "student"
-        if lam > 0.0 and random.Random(mix_seed(self.seed, step, -2)).random() < lam:
+        if on_policy > 0.0 and random.Random(mix_seed(self.seed, step, -2)).random() < on_policy:
             return "student"
         return self.cfg.off_policy_source
 
     # ---------------------------------------------------------------- loss
 
-    def logits(self, model: torch.nn.Module, ro: Rollout) -> torch.Tensor:
+    def logits(self, model: torch.nn.Module, rollouts: Rollout) -> torch.Tensor:
         """(B, N, V) logits predicting the continuation positions."""
-        return continuation_logits(model, ro)
+        return continuation_logits(model, rollouts)
 
-    def distill_loss(self, ro: Rollout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(loss, student logits, teacher logits, mask) on the continuation tokens of ``ro``."""
-        mask = ro.continuation_mask[:, ro.prompt_width :]
+    def distill_loss(
+        self, rollouts: Rollout
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(loss, student logits, teacher logits, mask) on the continuation tokens of ``rollouts``."""
+        mask = rollouts.continuation_mask[:, rollouts.prompt_width :]
         with torch.no_grad():
-            teacher_logits = self.logits(self.teacher, ro)
+            teacher_logits = self.logits(self.teacher, rollouts)
         cfg = self.cfg
         if self.draft_ids is None:
-            student_logits = self.logits(self.student, ro)
+            student_logits = self.logits(self.student, rollouts)
             loss = divergence(
                 cfg.divergence,
                 student_logits,
@@ -237,7 +239,7 @@ class DistillSpecModule(DistillSpecFinish, L.LightningModule):
                 beta=cfg.beta,
             )
         else:  # (B, N, n_draft) logits; the teacher renormalised over the draft ids (FR-Spec, EAGLE-3)
-            student_logits = self.logits(self.drafting_student(full_logits=False), ro)
+            student_logits = self.logits(self.drafting_student(full_logits=False), rollouts)
             loss = draft_divergence(
                 cfg.divergence,
                 student_logits,
@@ -263,34 +265,36 @@ class DistillSpecModule(DistillSpecFinish, L.LightningModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         step = self.global_step
         source = self.pick_source(step)
-        ro = self.make_batch(batch, source, self._generator(step, self.global_rank))  # each rank its own
-        loss, s_logits, t_logits, mask = self.distill_loss(ro)
+        rollouts = self.make_batch(
+            batch, source, self._generator(step, self.global_rank)
+        )  # each rank its own
+        loss, s_logits, t_logits, mask = self.distill_loss(rollouts)
         self.last_num_tokens = int(mask.sum())
         total = loss
         if self.cfg.ce_weight > 0:
             ce = self.ground_truth_ce(batch)
             total = loss + self.cfg.ce_weight * ce
             self.log("train/ce", ce)
-        ea = self.acceptance(s_logits.detach(), t_logits, mask)
-        bs = batch["input_ids"].shape[0]
-        self.log("train/loss", total, prog_bar=True, batch_size=bs)
-        self.log("train/divergence", loss.detach(), batch_size=bs)
-        self.log("train/expected_acceptance", ea, prog_bar=True, batch_size=bs)
-        self.log("train/on_policy_fraction", float(source == "student"), batch_size=bs)
-        self.log("train/continuation_tokens", float(mask.sum()), batch_size=bs, reduce_fx="sum")
+        acceptance = self.acceptance(s_logits.detach(), t_logits, mask)
+        batch_size = batch["input_ids"].shape[0]
+        self.log("train/loss", total, prog_bar=True, batch_size=batch_size)
+        self.log("train/divergence", loss.detach(), batch_size=batch_size)
+        self.log("train/expected_acceptance", acceptance, prog_bar=True, batch_size=batch_size)
+        self.log("train/on_policy_fraction", float(source == "student"), batch_size=batch_size)
+        self.log("train/continuation_tokens", float(mask.sum()), batch_size=batch_size, reduce_fx="sum")
         return total
 
     def ground_truth_ce(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Next-token cross-entropy of the student on the corpus continuation."""
-        ro = self._fixed(batch)
-        labels = ro.sequences[:, ro.prompt_width :]
-        mask = ro.continuation_mask[:, ro.prompt_width :]
+        rollouts = self._fixed(batch)
+        labels = rollouts.sequences[:, rollouts.prompt_width :]
+        mask = rollouts.continuation_mask[:, rollouts.prompt_width :]
         if self.draft_ids is not None:  # over the draft vocabulary: labels outside it do not count
             labels = vocab_index(self.draft_ids.to(labels.device), self.sampler.vocab_size)[labels]
             mask = mask & (labels >= 0)
-            logits = self.logits(self.drafting_student(full_logits=False), ro)
+            logits = self.logits(self.drafting_student(full_logits=False), rollouts)
         else:
-            logits = self.logits(self.student, ro)[..., : self.sampler.vocab_size]
+            logits = self.logits(self.student, rollouts)[..., : self.sampler.vocab_size]
         if not mask.any():  # no label inside the draft vocabulary: a zero still attached to the graph
             return logits.sum() * 0.0
         return torch.nn.functional.cross_entropy(logits[mask].float(), labels[mask])
@@ -339,11 +343,13 @@ class DistillSpecModule(DistillSpecFinish, L.LightningModule):
         sums = self._val_sums
         if not sums["tokens"]:
             return
-        ea = min(max(sums["acceptance"] / sums["tokens"], 0.0), 1.0)
+        acceptance = min(max(sums["acceptance"] / sums["tokens"], 0.0), 1.0)
         self.log("val/loss", sums["loss"] / sums["tokens"], prog_bar=True, sync_dist=True)
-        self.log("val/expected_acceptance", ea, prog_bar=True, sync_dist=True)
+        self.log("val/expected_acceptance", acceptance, prog_bar=True, sync_dist=True)
         self.log(
-            "val/simulated_block_efficiency", simulated_block_efficiency(ea, self.cfg.gamma), sync_dist=True
+            "val/simulated_block_efficiency",
+            simulated_block_efficiency(acceptance, self.cfg.gamma),
+            sync_dist=True,
         )
         if sums["greedy_tokens"]:
             agreement = sums["greedy_agreement"] / sums["greedy_tokens"]

@@ -222,11 +222,11 @@ class Eagle3Module(Eagle3Finish, L.LightningModule):
                 f"the EAGLE-3 loss is {describe_nonfinite(bad, self)} "
                 f"at step {self.global_step}; lower method.optimizer.lr"
             )
-        bs = batch["input_ids"].shape[0]
-        self.log("train/loss", result.loss, prog_bar=True, batch_size=bs)
+        batch_size = batch["input_ids"].shape[0]
+        self.log("train/loss", result.loss, prog_bar=True, batch_size=batch_size)
         for k, (loss, accuracy) in enumerate(zip(result.losses, result.accuracies, strict=True)):
-            self.log(f"train/acc_{k}", accuracy, prog_bar=k == 0, batch_size=bs)
-            self.log(f"train/loss_{k}", loss.detach(), batch_size=bs)
+            self.log(f"train/acc_{k}", accuracy, prog_bar=k == 0, batch_size=batch_size)
+            self.log(f"train/loss_{k}", loss.detach(), batch_size=batch_size)
         return result.loss
 
     # ------------------------------------------------------------------ validation

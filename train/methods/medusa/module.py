@@ -268,23 +268,23 @@ class MedusaModule(MedusaFinish, L.LightningModule):
             draft_ids=self._draft_ids(),
             target_mask=targets,
         )
-        bs = ids.shape[0]
+        batch_size = ids.shape[0]
         loss = heads_loss
         if self.cfg.joint:
             loss = self.cfg.heads_weight * heads_loss
             if self._backbone_trains():
                 base = self._base_loss(ids, logits, attention_mask)
                 loss = loss + base
-                self.log("train/base_loss", base, batch_size=bs)
+                self.log("train/base_loss", base, batch_size=batch_size)
         bad = nonfinite_losses(loss, self)  # every rank, so all raise together
         if bad:
             raise FloatingPointError(
                 f"the Medusa loss is {describe_nonfinite(bad, self)} "
                 f"at step {self.global_step}; lower method.optimizer.lr"
             )
-        self.log("train/loss", loss, prog_bar=True, batch_size=bs)
+        self.log("train/loss", loss, prog_bar=True, batch_size=batch_size)
         for k, value in enumerate(per_head):
-            self.log(f"train/head{k}_{'kl' if self.cfg.self_distill else 'ce'}", value, batch_size=bs)
+            self.log(f"train/head{k}_{'kl' if self.cfg.self_distill else 'ce'}", value, batch_size=batch_size)
         return loss
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

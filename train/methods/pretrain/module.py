@@ -104,8 +104,9 @@ class PretrainModule(L.LightningModule):
     def configure_optimizers(self) -> Any:
         return configure_optimizers(self.model.parameters(), self.cfg.optimizer, self.cfg.scheduler)
 
-    def finish(self, trainer: L.Trainer, spec: Any) -> str | None:
-        """Save the trained model (rank 0 only) as a Hugging Face folder in the run directory."""
+    def save_trained(self, trainer: L.Trainer, spec: Any) -> str | None:
+        """Save the trained model (rank 0 only) as a Hugging Face folder in the run directory: this
+        method's end of a run, in place of the shared finish step (:func:`train.report.finish`)."""
         if not trainer.is_global_zero:
             return None
         out = os.path.join(spec.run_dir, "model")

@@ -12,7 +12,7 @@ import lightning as L
 import torch
 
 from train.methods.run_spec import RunSpec
-from train.methods.steering.config import BASELINE_ARM, DISTILLSPEC_ARM, MAIN_ARM, SteeringConfig
+from train.methods.steering.config import DISTILLED_ARM, DISTILLSPEC_STEERED_ARM, MAIN_ARM, SteeringConfig
 from train.methods.steering.module import SteeringTrainingModule
 from train.models.loading import ModelPair, load_drafter
 from train.models.steering_module import (
@@ -35,7 +35,7 @@ def build(
     drafter = pair.drafter if cfg.drafter is None else load(source, key="method.drafter")
     arms: dict[str, tuple[torch.nn.Module, SteeringModule | None]] = {}
     if cfg.distilled_baseline and cfg.train_drafter:  # frozen, it would be the pretrained drafter
-        arms[BASELINE_ARM] = (copy.deepcopy(drafter), None)
+        arms[DISTILLED_ARM] = (copy.deepcopy(drafter), None)
     arms[MAIN_ARM] = (drafter, cfg.steering_for(pair.verifier, drafter))
     references: dict[str, Callable[[], torch.nn.Module]] = {
         "pretrained": functools.partial(load, source, key="method.drafter")
@@ -52,11 +52,11 @@ def build(
                 "skipped (run `python train.py experiment=distillspec` first to add it)",
                 m.verifier,
                 spec.paths.checkpoints_dir,
-                DISTILLSPEC_ARM,
+                DISTILLSPEC_STEERED_ARM,
             )
     if distillspec is not None:
         ds = load(distillspec, key="method.distillspec_drafter")
-        arms[DISTILLSPEC_ARM] = (ds, cfg.steering_for(pair.verifier, ds))
+        arms[DISTILLSPEC_STEERED_ARM] = (ds, cfg.steering_for(pair.verifier, ds))
         references["distillspec"] = functools.partial(load, distillspec, key="method.distillspec_drafter")
     module = SteeringTrainingModule(
         pair.verifier, arms, pair.tokenizer, cfg, seed=spec.seed, references=references

@@ -23,8 +23,8 @@ __all__ = ["SteeringConfig"]
 log = logging.getLogger(__name__)
 
 MAIN_ARM = "steered"
-BASELINE_ARM = "distilled"
-DISTILLSPEC_ARM = "distillspec_steered"
+DISTILLED_ARM = "distilled"
+DISTILLSPEC_STEERED_ARM = "distillspec_steered"
 
 
 @dataclass

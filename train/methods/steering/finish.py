@@ -11,7 +11,7 @@ from typing import Any, cast
 import torch
 
 from train.export.drafter import export_drafter
-from train.methods.steering.config import BASELINE_ARM, DISTILLSPEC_ARM, MAIN_ARM, SteeringConfig
+from train.methods.steering.config import DISTILLED_ARM, DISTILLSPEC_STEERED_ARM, MAIN_ARM, SteeringConfig
 from train.models.lora import merge_lora
 from train.models.steering_module import SteeredDrafter, SteeringModule
 from train.tables import format_value, markdown_table
@@ -56,7 +56,7 @@ class SteeringFinish:
         """The pretrained drafter, the DistillSpec drafter as it was (when given) and every arm."""
         drafters = {"pretrained": self.references["pretrained"]()} if "pretrained" in self.references else {}
         for label in self.drafters:
-            if label == DISTILLSPEC_ARM and "distillspec" in self.references:
+            if label == DISTILLSPEC_STEERED_ARM and "distillspec" in self.references:
                 drafters["distillspec"] = self.references["distillspec"]()
             drafters[label] = self.trained(label)
         return drafters
@@ -72,12 +72,14 @@ class SteeringFinish:
         export_drafter(
             self.plain_drafter(MAIN_ARM), self.tokenizer, out.parent / "drafter", name="SD^2 drafter"
         )
-        if BASELINE_ARM in self.drafters:
-            export_drafter(self.plain_drafter(BASELINE_ARM), self.tokenizer, out.parent / "distilled_drafter")
-        if DISTILLSPEC_ARM in self.drafters:
-            folder = out.parent / DISTILLSPEC_ARM
-            self.steering_of(DISTILLSPEC_ARM).standalone_copy().save_pretrained(folder / "steering")
-            export_drafter(self.plain_drafter(DISTILLSPEC_ARM), self.tokenizer, folder / "drafter")
+        if DISTILLED_ARM in self.drafters:
+            export_drafter(
+                self.plain_drafter(DISTILLED_ARM), self.tokenizer, out.parent / "distilled_drafter"
+            )
+        if DISTILLSPEC_STEERED_ARM in self.drafters:
+            folder = out.parent / DISTILLSPEC_STEERED_ARM
+            self.steering_of(DISTILLSPEC_STEERED_ARM).standalone_copy().save_pretrained(folder / "steering")
+            export_drafter(self.plain_drafter(DISTILLSPEC_STEERED_ARM), self.tokenizer, folder / "drafter")
         return out
 
     def report_summary(self) -> dict[str, Any]:

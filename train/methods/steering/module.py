@@ -51,7 +51,7 @@ import torch
 
 from train.decoding.metrics import positional_block_efficiency
 from train.losses import acceptance_from_logits, divergence
-from train.methods.steering.config import BASELINE_ARM, MAIN_ARM, SteeringConfig, log
+from train.methods.steering.config import DISTILLED_ARM, MAIN_ARM, SteeringConfig, log
 from train.methods.steering.finish import SteeringFinish
 from train.models.lora import apply_lora
 from train.models.steering_module import (
@@ -128,10 +128,12 @@ class SteeringTrainingModule(SteeringFinish, L.LightningModule):
         self.responses = ResponseCache(self._generate, self.sampler.pad_token_id)
         self._val_cache: dict[int, Rollout] = {}
         self._val_sums: dict[tuple[str, int], list[float]] = {}
-        self._val_stale: dict[tuple[str, int], list[float]] = {}  # (arm, staleness) -> [sum of ea, count]
+        self._val_stale: dict[
+            tuple[str, int], list[float]
+        ] = {}  # (arm, staleness) -> [sum of acceptance, count]
         self.last_validation: dict[str, float] = {}
         # ratios are taken against the paper's baseline when it trains, else against the untouched drafter
-        self.reference_drafter: str | None = BASELINE_ARM if BASELINE_ARM in self.drafters else "pretrained"
+        self.reference_drafter: str | None = DISTILLED_ARM if DISTILLED_ARM in self.drafters else "pretrained"
 
     # ---------------------------------------------------------------- plumbing
 
@@ -192,42 +194,44 @@ class SteeringTrainingModule(SteeringFinish, L.LightningModule):
     # ---------------------------------------------------------------- loss
 
     @torch.no_grad()
-    def verifier_view(self, ro: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
+    def verifier_view(self, rollouts: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
         """The verifier's logits on the response positions (B, N, V) and its states entering the guide's
         layers at every position (B, T, S, d), from one forward."""
         out = self.verifier(
-            input_ids=ro.sequences,
-            attention_mask=ro.attention_mask,
-            position_ids=position_ids_from_mask(ro.attention_mask),
-            logits_to_keep=ro.sequences.shape[1] - ro.prompt_width + 1,
+            input_ids=rollouts.sequences,
+            attention_mask=rollouts.attention_mask,
+            position_ids=position_ids_from_mask(rollouts.attention_mask),
+            logits_to_keep=rollouts.sequences.shape[1] - rollouts.prompt_width + 1,
             output_hidden_states=True,
             use_cache=False,
         )
         states = torch.stack([out.hidden_states[i] for i in self.layers], dim=2)
         return out.logits[:, :-1], states
 
-    def arm_logits(self, label: str, ro: Rollout, states: torch.Tensor, offset: int) -> torch.Tensor:
+    def arm_logits(self, label: str, rollouts: Rollout, states: torch.Tensor, offset: int) -> torch.Tensor:
         """The arm's drafter logits on the response positions, steered with guides ``offset`` stale."""
         drafter = self.drafters[label]
         if label not in self.steering:
-            return continuation_logits(drafter, ro)
+            return continuation_logits(drafter, rollouts)
         steering = self.steering_of(label)
         guides, has_guide = stale_guide_states(
-            states, simulated_guides(ro.prompt_width, offset, states.shape[1])
+            states, simulated_guides(rollouts.prompt_width, offset, states.shape[1])
         )
         deltas = steering(guides.to(steering.norm.weight.dtype))
         deltas = deltas * has_guide[..., None, None].to(deltas.dtype)
         with steering.attach(drafter) as handle:
             handle.set(deltas)
-            return continuation_logits(drafter, ro)
+            return continuation_logits(drafter, rollouts)
 
-    def staleness(self, ro: Rollout, offset: int) -> torch.Tensor:
+    def staleness(self, rollouts: Rollout, offset: int) -> torch.Tensor:
         """(N,) how stale the guide of each response logit is in :meth:`arm_logits` (t - guide of its
         drafter position t; 0: no guide, the first block)."""
-        width, length = ro.prompt_width, ro.sequences.shape[1]
+        width, length = rollouts.prompt_width, rollouts.sequences.shape[1]
         guides = simulated_guides(width, offset, length)
         sources = {t: guide_for(t, guides) for t in range(width - 1, length - 1)}
-        return torch.tensor([t - g if g >= 0 else 0 for t, g in sources.items()], device=ro.sequences.device)
+        return torch.tensor(
+            [t - g if g >= 0 else 0 for t, g in sources.items()], device=rollouts.sequences.device
+        )
 
     def _divergence(self, logits: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return divergence(
@@ -236,25 +240,29 @@ class SteeringTrainingModule(SteeringFinish, L.LightningModule):
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         step = self.global_step
-        ro = self.responses(
+        rollouts = self.responses(
             batch["input_ids"], batch["attention_mask"], self._generator(step, self.global_rank)
         )
-        mask = ro.continuation_mask[:, ro.prompt_width :]
-        teacher, states = self.verifier_view(ro)
+        mask = rollouts.continuation_mask[:, rollouts.prompt_width :]
+        teacher, states = self.verifier_view(rollouts)
         offset = self.offset_for(step)
-        bs = batch["input_ids"].shape[0]
+        batch_size = batch["input_ids"].shape[0]
         total = torch.zeros((), device=self.device)
         for label in self.drafters:
-            logits = self.arm_logits(label, ro, states, offset)
+            logits = self.arm_logits(label, rollouts, states, offset)
             loss = self._divergence(logits, teacher, mask)
             total = total + loss
-            ea = acceptance_from_logits(logits.detach(), teacher, mask, temperature=self.cfg.temperature)
+            acceptance = acceptance_from_logits(
+                logits.detach(), teacher, mask, temperature=self.cfg.temperature
+            )
             prefix = "train" if label == MAIN_ARM else f"train/{label}"
-            self.log(f"{prefix}/divergence", loss.detach(), batch_size=bs)
-            self.log(f"{prefix}/expected_acceptance", ea, prog_bar=label == MAIN_ARM, batch_size=bs)
-        self.log("train/loss", total, prog_bar=True, batch_size=bs)
-        self.log("train/guide_offset", float(offset), batch_size=bs)
-        self.log("train/response_tokens", float(mask.sum()), batch_size=bs, reduce_fx="sum")
+            self.log(f"{prefix}/divergence", loss.detach(), batch_size=batch_size)
+            self.log(
+                f"{prefix}/expected_acceptance", acceptance, prog_bar=label == MAIN_ARM, batch_size=batch_size
+            )
+        self.log("train/loss", total, prog_bar=True, batch_size=batch_size)
+        self.log("train/guide_offset", float(offset), batch_size=batch_size)
+        self.log("train/response_tokens", float(mask.sum()), batch_size=batch_size, reduce_fx="sum")
         return total
 
     # ---------------------------------------------------------------- validation
@@ -269,23 +277,25 @@ class SteeringTrainingModule(SteeringFinish, L.LightningModule):
             self._val_cache[batch_idx] = self._generate(
                 batch["input_ids"], batch["attention_mask"], self._generator(-1, batch_idx, self.global_rank)
             )
-        ro = self._val_cache[batch_idx]
-        mask = ro.continuation_mask[:, ro.prompt_width :]
+        rollouts = self._val_cache[batch_idx]
+        mask = rollouts.continuation_mask[:, rollouts.prompt_width :]
         n = float(mask.sum())
-        teacher, states = self.verifier_view(ro)
+        teacher, states = self.verifier_view(rollouts)
         for label in self.drafters:
             steered = label in self.steering
             for o in range(1, self.cfg.gamma + 1) if steered else (0,):
-                logits = self.arm_logits(label, ro, states, max(o, 1))
-                ea = float(acceptance_from_logits(logits, teacher, mask, temperature=self.cfg.temperature))
+                logits = self.arm_logits(label, rollouts, states, max(o, 1))
+                acceptance = float(
+                    acceptance_from_logits(logits, teacher, mask, temperature=self.cfg.temperature)
+                )
                 loss = float(self._divergence(logits, teacher, mask))
                 sums = self._val_sums.setdefault((label, o), [0.0, 0.0, 0.0])
                 sums[0] += loss * n
-                sums[1] += ea * n
+                sums[1] += acceptance * n
                 sums[2] += n
                 if not steered:
                     continue
-                stale = self.staleness(ro, o)
+                stale = self.staleness(rollouts, o)
                 for s in range(1, o + 1):  # acceptance by staleness: draft i of a block has staleness i
                     selected = mask & (stale == s)
                     count = float(selected.sum())
