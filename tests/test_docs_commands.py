@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import open_dict
@@ -514,8 +515,12 @@ def _order(commands: list[DocCommand]) -> list[DocCommand]:
 
 
 def _run_in_process(entry: str, argv: list[str]) -> None:
-    """``python <entry> <argv>`` in this process (no interpreter start-up per command)."""
-    old_argv = sys.argv
+    """``python <entry> <argv>`` in this process (no interpreter start-up per command). What a command
+    leaves behind in the process is undone after it: a two-process (DDP) command's process group, still
+    open in this one, would make a later command's collectives wait on a peer that is gone, and the
+    ``MASTER_PORT`` / ``WORLD_SIZE`` Lightning put into the environment would send a later test's
+    subprocesses to the port this process still holds."""
+    old_argv, old_environ = sys.argv, dict(os.environ)
     sys.argv = [str(REPO_ROOT / entry), *argv]
     GlobalHydra.instance().clear()
     try:
@@ -526,6 +531,10 @@ def _run_in_process(entry: str, argv: list[str]) -> None:
     finally:
         sys.argv = old_argv
         GlobalHydra.instance().clear()
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(old_environ)
 
 
 @pytest.mark.slow
