@@ -37,9 +37,9 @@ from train.tables import format_value, markdown_table
 def _pairs(
     names: list[str], n: int, dtypes: list[str]
 ) -> dict[str, tuple[Any, Any, list[torch.Tensor], list[int] | None]]:
-    """{label: (verifier, drafter, prompts, eos ids or None)}: random prompts for the random benchmark pair, prompts cut
-    from the embedded corpus's test split for the embedded pair, held-out chat prompts (whole, up to
-    256 tokens) for the real pair, once per dtype."""
+    """{label: (verifier, drafter, prompts, eos ids or None)}: random prompts for the random benchmark pair,
+    prompts cut from the embedded corpus's test split for the embedded pair, held-out chat prompts
+    (whole, up to 256 tokens) for the real pair, once per dtype."""
     out = {}
     if "bench" in names:
         verifier, drafter = build_pair()

@@ -299,7 +299,8 @@ def main(argv: list[str] | None = None) -> None:
         ngram = {n: NGramLM.load(folder) for n, folder in folders.items()}
         sequences, described = analysis_sequences(setup, tokenizer, answers, args.analysis)
         print(
-            f"# BPD on {heads_dir}\n\nverifier: {setup.verifier} ({setup.dtype}, {torch.get_num_threads()} threads)\n"
+            f"# BPD on {heads_dir}\n\n"
+            f"verifier: {setup.verifier} ({setup.dtype}, {torch.get_num_threads()} threads)\n"
         )
         print(f"## Analysis ({described})\n\n{analyse(verifier, heads, sequences)}")
         print(f"## Tuning (validation prompts, T = 0, p = {args.p})\n")

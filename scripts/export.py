@@ -1,8 +1,8 @@
 """Push an exported drafter to the Hub: ``python scripts/export.py run=PATH hub.repo_id=me/my-drafter``.
 
-A thin Hydra app over conf/export.yaml; the work is :func:`train.cli.export_command.main`. ``hub.dry_run=true``
-loads and checks the folder and lists the files without network access (a corrupt file is an error
-naming it). The token comes from ``$HF_TOKEN`` only. Errors print as one line.
+A thin Hydra app over conf/export.yaml; the work is :func:`train.cli.export_command.main`.
+``hub.dry_run=true`` loads and checks the folder and lists the files without network access (a corrupt
+file is an error naming it). The token comes from ``$HF_TOKEN`` only. Errors print as one line.
 """
 
 import os

@@ -1,7 +1,8 @@
 """Every drafter and decoder in one table: ``python scripts/leaderboard.py`` (docs/leaderboard.md).
 
-A thin Hydra app over conf/leaderboard.yaml; the work is :func:`train.cli.leaderboard_command.main`. Trains what is
-missing first (the newest finished run of each experiment is reused), then evaluates on one prompt set.
+A thin Hydra app over conf/leaderboard.yaml; the work is :func:`train.cli.leaderboard_command.main`.
+Trains what is missing first (the newest finished run of each experiment is reused), then evaluates on
+one prompt set.
 """
 
 import os

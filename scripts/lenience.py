@@ -356,7 +356,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     text = (
         f"Lossy speculative decoding: `{command}` ({summary['seconds']} s, torch on 1 thread)\n\n"
         f"verifier {args.verifier}, drafter {drafter_path}, chain SD gamma {gamma}, T = 1, "
-        f"{len(prompts)} prompts x {args.tokens} new tokens, seeds {list(args.seeds)} (mean ± std over seeds)\n\n"
+        f"{len(prompts)} prompts x {args.tokens} new tokens, seeds {list(args.seeds)} "
+        "(mean ± std over seeds)\n\n"
         f"{table}"
     )
     print(text)

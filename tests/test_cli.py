@@ -76,7 +76,10 @@ def test_appended_unknown_key_names_the_dataclass_fields() -> None:
         cfg = compose("train", overrides=["experiment=distillspec", "+method.divergance=fkl"])
     with pytest.raises(
         ConfigError,
-        match=r"method.divergance is not a setting of method; did you mean method.divergence\? Valid keys: .*lmbda",
+        match=(
+            r"method.divergance is not a setting of method; did you mean method.divergence\? "
+            r"Valid keys: .*lmbda"
+        ),
     ):
         instantiate_group(cfg, "method")
 

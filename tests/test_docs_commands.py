@@ -334,7 +334,9 @@ MICRO_ARGS: dict[str, list[str]] = {
     "scripts/trees.py": ["--prompts", "1", "--tokens", "8", "--seeds", "0"],
     "scripts/medusa_eval.py": ["--prompts", "1", "--tokens", "8"],
     "scripts/bpd.py": ["--prompts", "1", "--tokens", "8"],
-    "scripts/async_bench.py": "--pairs tiny --gammas 2 --prompts 1 --tokens 8 --repeats 1 --threads 1 --min-ahead 1".split(),  # noqa: SIM905
+    "scripts/async_bench.py": (  # noqa: SIM905
+        "--pairs tiny --gammas 2 --prompts 1 --tokens 8 --repeats 1 --threads 1 --min-ahead 1"
+    ).split(),
     "scripts/steering_overhead.py": ["--prompts", "1", "--tokens", "8"],
     "scripts/lenience.py": ["--prompts", "1", "--tokens", "8", "--seeds", "0"],
     "scripts/sweep_table.py": [],

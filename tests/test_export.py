@@ -190,8 +190,8 @@ def test_card_has_a_license_names_local_models_plainly_and_no_absolute_path(pair
     front = yaml.safe_load(card.split("---\n")[1])
     assert front["license"] == "mit" and "base_model" not in front
     assert (
-        "- verifier (target): local folder `checkpoints/tiny/verifier` (not on the Hub; draftsmith's embedded tiny pair"
-        in card
+        "- verifier (target): local folder `checkpoints/tiny/verifier` "
+        "(not on the Hub; draftsmith's embedded tiny pair" in card
     )
     assert 'from_pretrained("PATH_TO_THE_VERIFIER")' in card
     for name in ("README.md", "eval_results.json", "config.json", "tokenizer_config.json"):

@@ -262,7 +262,10 @@ def test_wandb_that_cannot_start_online_falls_back_to_offline(
         (logger,) = build_loggers(cfg, str(tmp_path), "unit", config={"a": 1})
     try:
         assert isinstance(logger, WandbLogger)
-        assert len(tries) == 2 and all(t["settings"].init_timeout == 5 for t in tries)  # type: ignore[attr-defined]
+        assert len(tries) == 2 and all(
+            t["settings"].init_timeout == 5  # type: ignore[attr-defined]
+            for t in tries
+        )
         assert "CommError" in caplog.text and "wandb sync" in caplog.text
         logger.log_metrics({"train/loss": 1.0}, step=0)
     finally:

@@ -2,11 +2,11 @@
 
 On the real pair (SmolLM2-135M-Instruct from its wheel, its drafter pretrained on first use on generic
 text, without the verifier), with a micro recipe so CI can afford it: the conversion, the generic text,
-the reduced-vocabulary drafter, the distillation, the export and the wall-clock evaluation all run; the full recipe's figures come from
-the command itself (docs/real_pair.md). On the tiny pair (`experiment=distillspec_tiny`, built on first
-use), the full recipe: the distilled drafter's block efficiency must be at least 1.10x the pretrained
-one's at both temperatures at gamma 4. Wall times are printed (budgets are measured and recorded in
-docs/, not asserted here).
+the reduced-vocabulary drafter, the distillation, the export and the wall-clock evaluation all run;
+the full recipe's figures come from the command itself (docs/real_pair.md). On the tiny pair
+(`experiment=distillspec_tiny`, built on first use), the full recipe: the distilled drafter's block
+efficiency must be at least 1.10x the pretrained one's at both temperatures at gamma 4. Wall times are
+printed (budgets are measured and recorded in docs/, not asserted here).
 """
 
 from __future__ import annotations

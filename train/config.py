@@ -291,7 +291,9 @@ RENAMED_TARGETS: dict[str, str] = {
     "train.callbacks.NonFiniteLossGuard": "train.training.callbacks.NonFiniteLossGuard",
     "train.export.HubConfig": "train.export.hub.HubConfig",
     "train.decoding.MedusaDecoder": "train.decoding.HeadsDecoder",
-    "train.models.steering.SteeringModule.from_pretrained": "train.models.steering_module.SteeringModule.from_pretrained",
+    "train.models.steering.SteeringModule.from_pretrained": (
+        "train.models.steering_module.SteeringModule.from_pretrained"
+    ),
 }
 
 

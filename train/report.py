@@ -16,8 +16,8 @@ late in the step never loses the trained drafter:
    temperature;
 4. **card**: the exported card is rewritten with the evaluation table (the weights are already on disk).
 
-``train.cli.train_command`` calls :func:`finish` on rank 0 after ``Trainer.fit`` for any module that implements
-the protocol. Every figure is rendered by :mod:`train.tables` or
+``train.cli.train_command`` calls :func:`finish` on rank 0 after ``Trainer.fit`` for any module that
+implements the protocol. Every figure is rendered by :mod:`train.tables` or
 :func:`train.evaluation.results_table`; nothing here formats a number itself.
 """
 

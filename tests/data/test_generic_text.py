@@ -1,4 +1,5 @@
-"""The generic text the real pair's drafter is pretrained on, without the verifier (train/data/generic_text.py)."""
+"""The generic text the real pair's drafter is pretrained on, without the verifier
+(train/data/generic_text.py)."""
 
 from __future__ import annotations
 

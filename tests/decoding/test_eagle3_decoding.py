@@ -96,7 +96,8 @@ def test_oracle_drafter_accepts_long_paths_eos_and_limits(shape, eagle3_verifier
 
 
 class Spy:
-    """Records, at every draft, the committed sequence, the drafter's root logits (N,) and its cache length."""
+    """Records, at every draft, the committed sequence, the drafter's root logits (N,)
+    and its cache length."""
 
     def __init__(self, monkeypatch) -> None:
         self.records: list[tuple[list[int], torch.Tensor, int]] = []

@@ -19,7 +19,8 @@ from .test_eagle3_decoding import PROMPTS, drafter_for, law_statistic, sequentia
 
 
 class ChainSpy:
-    """Records every non-empty draft with the sequence it continues and the drafter's cache length after it."""
+    """Records every non-empty draft with the sequence it continues
+    and the drafter's cache length after it."""
 
     def __init__(self, monkeypatch) -> None:
         self.records: list[tuple[list[int], Draft, int]] = []

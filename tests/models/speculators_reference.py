@@ -62,6 +62,8 @@ def load_speculators(folder: str | Path, verifier: torch.nn.Module | None = None
     )
     if "embed_tokens.weight" not in tensors:
         assert verifier is not None, "no embed_tokens.weight in the folder: pass the verifier"
-        tensors["embed_tokens.weight"] = verifier.get_input_embeddings().weight.detach().cpu()  # type: ignore[operator]
+        tensors["embed_tokens.weight"] = (
+            verifier.get_input_embeddings().weight.detach().cpu()  # type: ignore[operator]
+        )
     drafter.load_state_dict(tensors, strict=True)
     return drafter

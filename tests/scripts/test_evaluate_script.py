@@ -113,7 +113,8 @@ def _run_eval_main(pair: Path, data: Path, tmp_path: Path, extra: list[str]):
 
 
 def test_two_decoder_configs_one_table(tiny_pair_dir, data_file, tmp_path, capsys):
-    """main(cfg) in process: eval.decoders=[sd,sd_g2] gives one row each, on the same prompts, in one table."""
+    """main(cfg) in process: eval.decoders=[sd,sd_g2] gives one row each, on the same prompts,
+    in one table."""
     results = _run_eval_main(
         tiny_pair_dir,
         data_file,

@@ -37,7 +37,9 @@ def test_the_page_describes_the_pair_that_ran(
     monkeypatch.setattr(trees, "bench_pair_overhead", lambda **kwargs: "BENCH PAIR TABLE")
     monkeypatch.setenv("DRAFTSMITH_ROOT", str(tmp_path))
     (tmp_path / "docs").mkdir()
-    micro = "--prompts 1 --tokens 4 --seeds 0 --depths 3 --budgets 4 --threads 1 --device cpu".split()  # noqa: SIM905
+    micro = (  # noqa: SIM905
+        "--prompts 1 --tokens 4 --seeds 0 --depths 3 --budgets 4 --threads 1 --device cpu"
+    ).split()
     trees.main(["--pair", str(tiny_pair_dir), *micro, "--json", str(tmp_path / "raw.json")])
     page = (tmp_path / "docs" / ("trees_real.md" if real else "trees.md")).read_text()
     assert len(list((tmp_path / "docs").iterdir())) == 1

@@ -198,7 +198,9 @@ class ValidatingLinear(Linear):
 
 
 class SignalInSanityCheck(L.Callback):
-    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):  # noqa: ANN001
+    def on_validation_batch_end(  # noqa: ANN001
+        self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0
+    ):
         if trainer.sanity_checking and batch_idx == 0:
             signal.raise_signal(signal.SIGUSR1)
 

@@ -98,7 +98,14 @@ def test_stops_when_every_row_finished():
 
         config = type("C", (), {"vocab_size": 8})()
 
-    ro = rollout(Always(), torch.tensor([[0, 3], [0, 4]]), None, 10, GREEDY, eos_token_id=1)  # type: ignore[arg-type]
+    ro = rollout(
+        Always(),  # type: ignore[arg-type]
+        torch.tensor([[0, 3], [0, 4]]),
+        None,
+        10,
+        GREEDY,
+        eos_token_id=1,
+    )
     assert ro.sequences.shape == (2, 3)
     assert ro.continuation_mask[:, 2].all()
 

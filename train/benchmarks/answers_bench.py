@@ -60,7 +60,8 @@ def main(args: argparse.Namespace) -> None:
         total += n
     print(f"{len(prompts)} prompts x {args.tokens} tokens at most, top {args.top_k}, {args.dtype}")
     print(
-        f"transformers (batch {args.batch}): {hf_tokens} tokens in {hf_seconds:.0f} s = {hf_tokens / hf_seconds:.1f} tokens/s"
+        f"transformers (batch {args.batch}): {hf_tokens} tokens in {hf_seconds:.0f} s = "
+        f"{hf_tokens / hf_seconds:.1f} tokens/s"
     )
     vllm_seconds = timing["seconds"]
     print(
@@ -69,5 +70,6 @@ def main(args: argparse.Namespace) -> None:
         f"{(vllm_tokens / vllm_seconds) / (hf_tokens / hf_seconds):.2f}x"
     )
     print(
-        f"same answers, token for token: {same}/{len(prompts)}; top-1 ids agree on {agree}/{total} shared positions"
+        f"same answers, token for token: {same}/{len(prompts)}; "
+        f"top-1 ids agree on {agree}/{total} shared positions"
     )

@@ -202,9 +202,11 @@ def markdown(res: dict[str, Any]) -> str:
     tps = res["tokens_per_second"]
     ov = res["overhead"]
     lines = [
-        f"verifier {res['verifier_params'] / 1e6:.1f}M params, drafter {res['drafter_params'] / 1e6:.2f}M params, "
+        f"verifier {res['verifier_params'] / 1e6:.1f}M params, "
+        f"drafter {res['drafter_params'] / 1e6:.2f}M params, "
         f"gamma={res['config']['gamma']}, acceptance_rate={res['acceptance_rate']:.3f}, "
-        f"block_efficiency={res['block_efficiency']:.2f}, greedy outputs identical: {res['greedy_identical']}",
+        f"block_efficiency={res['block_efficiency']:.2f}, "
+        f"greedy outputs identical: {res['greedy_identical']}",
         "",
         "| method | tokens/s | median s / prompt | loop overhead (wall / forward - 1) |",
         "|---|---:|---:|---:|",

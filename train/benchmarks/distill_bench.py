@@ -121,7 +121,10 @@ def load(args: argparse.Namespace) -> tuple[Any, Any, Any, list[list[int]]]:
     from train.models.loading import load_model, load_tokenizer
 
     tok = load_tokenizer(args.verifier)
-    verifier, drafter = freeze(load_model(args.verifier)), load_model(args.drafter)  # type: ignore[assignment]
+    verifier, drafter = (
+        freeze(load_model(args.verifier)),  # type: ignore[assignment]
+        load_model(args.drafter),  # type: ignore[assignment]
+    )
     splits = load_text_dataset(DataSourceConfig(corpus_dir="data/stdlib_corpus"), tok)
     ds = make_prompts(
         splits["train"], tok, args.prompt_len, max_prompts=n_prompts, seed=args.seed, continuation_len=0
@@ -340,7 +343,8 @@ def _argv(args: argparse.Namespace, side: str) -> list[str]:
 
 def markdown(res: dict[str, Any]) -> str:
     lines = [
-        "| side | continuation tokens/s | timed steps | tokens | seconds | peak RSS MiB | peak RSS delta MiB |",
+        "| side | continuation tokens/s | timed steps | tokens | seconds "
+        "| peak RSS MiB | peak RSS delta MiB |",
         "|---|---|---|---|---|---|---|",
     ]
     for side in SIDES:

@@ -1,17 +1,18 @@
 """Fixed against adaptive draft length, and prompt lookup first, paired and interleaved in one process.
 
     python scripts/bench.py draft-length                                     # the random-weight pair
-    python scripts/bench.py draft-length --pair checkpoints/smollm2 --threads 2 --prompts 8 --max-new-tokens 64
+    python scripts/bench.py draft-length --pair checkpoints/smollm2 --threads 2 --prompts 8 \\
+        --max-new-tokens 64
     python scripts/bench.py draft-length --pair checkpoints/smollm2 --drafter <run>/drafter --threads 2
 
 Decodes the same prompts with the verifier alone, chain SD at each ``--gammas`` and chain SD with an
 adaptive draft length at each ``--cap`` x ``--thresholds`` (:class:`~train.decoding.SpeculativeDecoder`'s
 ``confidence_threshold``, docs/decoding.md#adaptive-draft-length), and, for each ``--lookup-tokens`` K,
-prompt lookup first with the drafter where nothing matches (``lookup_tokens``, docs/decoding.md#prompt-lookup),
-under a fixed ``--lookup-gamma`` and under the first adaptive setting, greedy and T = 1, every prompt through
-every decoder in a rotating order, so machine load hits them alike (a between-run comparison of one
-seed moves by a few percent on a 2-core machine). Reports tokens/s, speedup over the verifier alone in
-the same loop, block efficiency and drafts per block.
+prompt lookup first with the drafter where nothing matches (``lookup_tokens``,
+docs/decoding.md#prompt-lookup), under a fixed ``--lookup-gamma`` and under the first adaptive setting,
+greedy and T = 1, every prompt through every decoder in a rotating order, so machine load hits them
+alike (a between-run comparison of one seed moves by a few percent on a 2-core machine). Reports
+tokens/s, speedup over the verifier alone in the same loop, block efficiency and drafts per block.
 """
 
 from __future__ import annotations

@@ -141,8 +141,9 @@ def main(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = [time_variant(args, verifier, tokenizer, answers, name) for name in args.variants]
     base = next((r["step_s"] for r in rows if r["variant"] == "online-random"), rows[0]["step_s"])
     print(
-        f"EAGLE-3 training step on {folder} ({dtype}, {torch.get_num_threads()} threads): batch {args.batch_size}, "
-        f"max_len {args.max_len}, {args.ttt_steps} TTT steps, {args.draft_vocab} draft ids; mean of {args.batches} steps"
+        f"EAGLE-3 training step on {folder} ({dtype}, {torch.get_num_threads()} threads): "
+        f"batch {args.batch_size}, max_len {args.max_len}, {args.ttt_steps} TTT steps, "
+        f"{args.draft_vocab} draft ids; mean of {args.batches} steps"
     )
     print(
         markdown_table(

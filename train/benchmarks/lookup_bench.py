@@ -103,9 +103,11 @@ def main(args: argparse.Namespace) -> dict[str, float]:
     print("|---|---|---:|---:|")
     print(f"| lookup copies | lookup | {row['copy_first']:.3f} | {row['copy_run']:.2f} |")
     print(
-        f"| lookup copies | drafter | {row['drafter_first_where_copied']:.3f} | {row['drafter_run_where_copied']:.2f} |"
+        f"| lookup copies | drafter | {row['drafter_first_where_copied']:.3f} "
+        f"| {row['drafter_run_where_copied']:.2f} |"
     )
     print(
-        f"| nothing to copy | drafter | {row['drafter_first_elsewhere']:.3f} | {row['drafter_run_elsewhere']:.2f} |"
+        f"| nothing to copy | drafter | {row['drafter_first_elsewhere']:.3f} "
+        f"| {row['drafter_run_elsewhere']:.2f} |"
     )
     return row

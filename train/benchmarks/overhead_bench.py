@@ -7,8 +7,8 @@
 Both engines decode the same prompts on the decoding benchmark's random-weight pair
 (:func:`train.benchmarks.decoders_bench.build_pair`), or with ``--pair`` on a real pair's validation prompts
 in its dtype (the drafter wrapped over its draft vocabulary as the evaluator wraps it: bfloat16 logits
-and 49,152-id distributions are where the loop's own cost shows), greedy and T = 1, alternating and rotating per prompt,
-so machine load hits both alike. Reported per engine and decoder: tokens/s and
+and 49,152-id distributions are where the loop's own cost shows), greedy and T = 1, alternating and
+rotating per prompt, so machine load hits both alike. Reported per engine and decoder: tokens/s and
 ``loop_overhead = wall / forward time - 1`` (the loop's own cost). A refactor of the engine must not
 raise the loop overhead.
 """

@@ -4,8 +4,8 @@ Top-level shortcuts of conf/eval.yaml: ``drafter=PATH`` replaces ``model.drafter
 (a folder or Hub id of :class:`~train.models.heads.MedusaHeads`) adds prediction heads, which the
 decoders that take heads (``decoding=medusa``) run while the others run the drafter;
 ``eagle3=PATH`` (an :class:`~train.models.eagle3_drafter.Eagle3Drafter`) adds an EAGLE-3 drafter for
-``decoding=eagle3``; ``decoding=<name>`` picks the decoder config that ``eval.decoders`` holds by default (labelled by that name);
-``gamma=N`` sets that config's draft length; ``gammas=[...]`` is ``eval.gammas``.
+``decoding=eagle3``; ``decoding=<name>`` picks the decoder config that ``eval.decoders`` holds by default
+(labelled by that name); ``gamma=N`` sets that config's draft length; ``gammas=[...]`` is ``eval.gammas``.
 """
 
 from __future__ import annotations
@@ -161,7 +161,8 @@ def validate(cfg: DictConfig) -> EvalRun:
 
 
 def main(cfg: DictConfig) -> dict[str, Any]:
-    """``scripts/evaluate.py``: validate the whole config, load the pair, evaluate, write the run directory."""
+    """``scripts/evaluate.py``: validate the whole config, load the pair, evaluate,
+    write the run directory."""
     run = validate(cfg)
     eval_cfg, model_cfg, logger_cfg = run.eval, run.model, run.logger
     run_dir = run.paths.run_dir

@@ -107,7 +107,13 @@ class PinnedShardSampler(_ResumableOrder, DistributedSampler):
         distributed = dist.is_available() and dist.is_initialized()
         world = num_replicas if num_replicas is not None else (dist.get_world_size() if distributed else 1)
         this = rank if rank is not None else (dist.get_rank() if distributed else 0)
-        super().__init__(range(num_rows), num_replicas=world, rank=this, shuffle=True, seed=seed)  # type: ignore[arg-type]
+        super().__init__(
+            range(num_rows),  # type: ignore[arg-type]
+            num_replicas=world,
+            rank=this,
+            shuffle=True,
+            seed=seed,
+        )
         if lengths is not None and len(lengths) != num_rows:
             raise ValueError(f"lengths has {len(lengths)} entries for {num_rows} rows")
         self.num_rows = num_rows

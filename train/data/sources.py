@@ -119,8 +119,8 @@ class DataSourceConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
             raise ValueError(
-                f"name must be 'stdlib', 'chat', one of {sorted(LOCAL_FORMATS)} or a Hugging Face dataset id; "
-                f"got {self.name!r}"
+                f"name must be 'stdlib', 'chat', one of {sorted(LOCAL_FORMATS)} "
+                f"or a Hugging Face dataset id; got {self.name!r}"
             )
         object.__setattr__(self, "data_files", _freeze_files(self.data_files))
         if self.name in LOCAL_FORMATS and self.data_files is None:

@@ -94,8 +94,9 @@ def auto_block(
 ) -> int:
     """``min_ahead="auto"``: how many drafts this verification takes
     (:func:`~train.decoding.async_policy.best_wait`), from this generation's acceptance, the drafter's
-    measured step and the verifier's cost line over its ``calls`` (prefill excluded). ``wait``: 1 or more, waiting for drafts not yet published; else at most ``ready``, 0 to
-    step alone. Before both models have taken a step: 1 (``wait``) or every ready draft."""
+    measured step and the verifier's cost line over its ``calls`` (prefill excluded).
+    ``wait``: 1 or more, waiting for drafts not yet published; else at most ``ready``, 0 to step alone.
+    Before both models have taken a step: 1 (``wait``) or every ready draft."""
     line = calls.line()
     steps = drafter_stats.drafter_calls - drafter_stats.drafter_prefill_calls
     if line is None or steps <= 0:
@@ -289,7 +290,10 @@ def run_asynchronous(
                 qs = shared.qs[:k]
             if on_block is not None:
                 on_block(k)
-            draft = Draft.chain(block, None if k == 0 or qs[0] is None else torch.stack(qs))  # type: ignore[arg-type]
+            draft = Draft.chain(
+                block,
+                None if k == 0 or qs[0] is None else torch.stack(qs),  # type: ignore[arg-type]
+            )
             context = seq[v_len:]
             out = verifier(context + block, v_cache, logits_to_keep=k + 1)
             end = time.perf_counter()

@@ -15,13 +15,14 @@ generation), so a block never overshoots ``max_new_tokens``; this changes no out
 An accepted EOS ends generation without a bonus token. With no proposer (``max_draft == 0``) the same loop
 is plain autoregressive decoding.
 
-A tree draft (:mod:`train.decoding.tree_attention`) goes through the same block: the verifier scores every node
-in one forward with a tree mask, :func:`~train.decoding.rules.tree_walk.verify_tree` walks it, and both caches
-keep the committed prefix plus the accepted path, compacted (``keep_positions``). ``max_draft`` is then
-the tree's depth (a chain's is its gamma). A proposer with ``hidden_layers`` (prediction heads, a steered
-drafter, EAGLE-3) gets those layers' hidden states at every position a verifier forward fed and
-committed (``observe``: the context tokens, then the accepted path's nodes, in order; at the prefill the
-whole prompt), at no extra forward; nothing is gathered when ``hidden_layers`` is unset.
+A tree draft (:mod:`train.decoding.tree_attention`) goes through the same block: the verifier scores
+every node in one forward with a tree mask, :func:`~train.decoding.rules.tree_walk.verify_tree` walks it,
+and both caches keep the committed prefix plus the accepted path, compacted (``keep_positions``).
+``max_draft`` is then the tree's depth (a chain's is its gamma). A proposer with ``hidden_layers``
+(prediction heads, a steered drafter, EAGLE-3) gets those layers' hidden states at every position
+a verifier forward fed and committed (``observe``: the context tokens, then the accepted path's nodes,
+in order; at the prefill the whole prompt), at no extra forward; nothing is gathered when
+``hidden_layers`` is unset.
 
 The asynchronous schedule (AMUSD) replaces this loop and reuses the proposers and rules unchanged.
 """

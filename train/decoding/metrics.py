@@ -160,7 +160,8 @@ def accepted_per_block(stats: DecodeStats) -> float:
 
 
 def per_position_acceptance(stats: DecodeStats) -> list[float]:
-    """[P(draft position i accepted | positions < i accepted) for each depth drafted] (NaN if never tested)."""
+    """[P(draft position i accepted | positions < i accepted) for each depth drafted]
+    (NaN if never tested)."""
     return [_div(a, t) for a, t in zip(stats.position_accepted, stats.position_tested, strict=False)]
 
 
@@ -303,9 +304,9 @@ def _mean_std(values: Sequence[float]) -> tuple[float, float]:
 def aggregate(summaries: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
     """Aggregate per-run summaries into {name: {"mean", "std", "n"}}.
 
-    std is the sample standard deviation (ddof=1; NaN, i.e. undefined, for a single run). NaN entries are skipped and
-    ``n`` counts the non-NaN values. List-valued metrics (per-position acceptance) are aggregated
-    element-wise, giving lists for mean / std / n.
+    std is the sample standard deviation (ddof=1; NaN, i.e. undefined, for a single run). NaN entries are
+    skipped and ``n`` counts the non-NaN values. List-valued metrics (per-position acceptance) are
+    aggregated element-wise, giving lists for mean / std / n.
     """
     rows = list(summaries)
     names: list[str] = []

@@ -15,8 +15,9 @@ sizes come from :mod:`train.models.introspect`.
 A first call (no cache yet) starts the decoders' own cache (:func:`~train.decoding.cache.decoding_cache`):
 the model's ``DynamicCache`` with layers that append in place and roll back by a length. Sliding-window
 models (Mistral, Qwen2/3 with ``use_sliding_window``, Gemma 2/3) thereby get layers that keep all their
-positions: the window is applied by the attention mask, the model's own for a causal forward and :func:`~train.decoding.tree_attention.sliding_window_mask`
-on a tree mask, so rollbacks and tree compaction work and every logit is the model's.
+positions: the window is applied by the attention mask, the model's own for a causal forward and
+:func:`~train.decoding.tree_attention.sliding_window_mask` on a tree mask, so rollbacks and tree
+compaction work and every logit is the model's.
 """
 
 from __future__ import annotations

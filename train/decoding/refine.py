@@ -1,9 +1,9 @@
 """Refining prediction heads' drafts (BPD: Kim et al., arXiv 2404.09221; docs/bpd.md).
 
 The heads give a *lattice*: slot i holds head i's top-k tokens with their log-probabilities. A refiner
-turns it into drafts for :class:`~train.decoding.proposers.heads_proposer.HeadsProposer`, which merges them into a trie of
-deterministic candidates verified in one verifier forward (greedy: the longest path equal to the
-verifier's argmax; T > 0: the lossless recursive rule, as for Medusa trees):
+turns it into drafts for :class:`~train.decoding.proposers.heads_proposer.HeadsProposer`, which merges
+them into a trie of deterministic candidates verified in one verifier forward (greedy: the longest path
+equal to the verifier's argmax; T > 0: the lossless recursive rule, as for Medusa trees):
 
 - :class:`PBestRefiner` (global p-best rescoring): every path scored by
   ``sum_i (1 - alpha) * head_logprob_i + alpha * lm_logprob(token_i | context, earlier tokens)`` with a

@@ -26,7 +26,8 @@ def drafter_kind(obj: Any) -> str:
 
 
 def accepted_kinds(obj: Any) -> tuple[str, ...]:
-    """The kinds of drafter a decoder class takes: its ``accepts`` (:class:`~train.decoding.decoders.base.Decoder`).
+    """The kinds of drafter a decoder class takes: its ``accepts``
+    (:class:`~train.decoding.decoders.base.Decoder`).
 
     A decoder written before 0.2 names them ``drafter_kinds`` (or one ``drafter_kind``): still read, with
     a deprecation line."""

@@ -267,14 +267,16 @@ class EvalConfig:
                 require(
                     label not in out,
                     "eval.decoders",
-                    f"configs with distinct labels (give inline entries a distinct 'name'); {label!r} repeats",
+                    "configs with distinct labels (give inline entries a distinct 'name'); "
+                    f"{label!r} repeats",
                     [d["name"] for d in self.decoders],
                 )
                 _check_decoder(label, variant)
                 out[label] = {"_target_": variant["_target_"], **decoder_settings(variant)}
         if self.gammas is not None and not swept:
             raise ConfigError(
-                f"eval.gammas: none of eval.decoders {[d['name'] for d in self.decoders]} has a gamma to sweep"
+                f"eval.gammas: none of eval.decoders {[d['name'] for d in self.decoders]} "
+                "has a gamma to sweep"
             )
         return out
 
@@ -316,7 +318,10 @@ def build_eval_config(node: Any = None) -> EvalConfig:
     for key in data:
         if key not in known:
             hint = (
-                " (decoder settings such as gamma, lenience and eps live in the decoder configs, conf/decoding/)"
+                (
+                    " (decoder settings such as gamma, lenience and eps live in the decoder configs, "
+                    "conf/decoding/)"
+                )
                 if key in ("gamma", "lenience", "eps")
                 else ""
             )

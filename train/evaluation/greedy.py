@@ -140,7 +140,8 @@ def check_greedy(
     ties: list[dict[str, Any]],
     mismatches: list[dict[str, Any]],
 ) -> None:
-    """Compare one entry's temperature-0 outputs with the baseline's; record ties, raise or record the rest."""
+    """Compare one entry's temperature-0 outputs with the baseline's;
+    record ties, raise or record the rest."""
     found = []
     for i, (ref, out) in enumerate(zip(reference, outputs, strict=True)):
         record = classify_difference(verifier, prompts[i], ref, out, cfg.tie_ulps)
@@ -149,7 +150,8 @@ def check_greedy(
     for rec in found:
         where = (
             f"{entry.label} with drafter {entry.drafter!r}, seed {seed}, prompt {rec['prompt']}, "
-            f"new token {rec['position']}: greedy token {rec['tokens'][0]} vs decoder token {rec['tokens'][1]}"
+            f"new token {rec['position']}: greedy token {rec['tokens'][0]} "
+            f"vs decoder token {rec['tokens'][1]}"
         )
         if rec["tie"]:
             ties.append(rec)
@@ -162,7 +164,10 @@ def check_greedy(
         margin = (
             ""
             if rec["margin_ulps"] is None
-            else f", float32 margin {format_value(rec['margin_ulps'], 1)} ulp > {format_value(cfg.tie_ulps, 1)}"
+            else (
+                f", float32 margin {format_value(rec['margin_ulps'], 1)} "
+                f"ulp > {format_value(cfg.tie_ulps, 1)}"
+            )
         )
         msg = (
             f"temperature-0 output differs from the verifier's greedy output ({where}{margin}); "

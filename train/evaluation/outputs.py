@@ -16,7 +16,8 @@ from train.evaluation.results import (
 def write_outputs(
     results: dict[str, Any], out_dir: str | os.PathLike[str], plots: bool = True
 ) -> dict[str, Any]:
-    """Write results.md, the plots and results.json into ``out_dir``; record the file names in ``results["files"]``."""
+    """Write results.md, the plots and results.json into ``out_dir``;
+    record the file names in ``results["files"]``."""
     os.makedirs(out_dir, exist_ok=True)
     files: dict[str, Any] = {"json": "results.json", "table": "results.md", "plots": []}
     with open(os.path.join(out_dir, "results.md"), "w") as f:

@@ -27,8 +27,8 @@ def plot_results(results: Mapping[str, Any], out_dir: str | os.PathLike[str]) ->
     ``block_efficiency_vs_gamma.png`` (runs at two or more gammas): tau against gamma with the
     gamma + 1 ceiling, one curve per drafter and decoder family (configs equal but for gamma, e.g. an
     ``eval.gammas`` sweep or ``sd`` and ``sd_g2``) and temperature; with a single gamma, bars instead
-    (``block_efficiency.png``, see :func:`_block_efficiency_bars`). ``per_position_acceptance.png``: one panel per
-    temperature, a line per drafter and decoder. Error bars are the std over seeds.
+    (``block_efficiency.png``, see :func:`_block_efficiency_bars`). ``per_position_acceptance.png``: one
+    panel per temperature, a line per drafter and decoder. Error bars are the std over seeds.
     """
     import matplotlib
 

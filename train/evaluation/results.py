@@ -151,7 +151,8 @@ def _decoder_for(results: Mapping[str, Any], drafter: str, decoder: str | None, 
         return decoder
     if len(labels) != 1:
         raise ValueError(
-            f"drafter {drafter!r} ran with {len(labels)} decoders {labels} (gamma={gamma}); pass decoder= one of them"
+            f"drafter {drafter!r} ran with {len(labels)} decoders {labels} (gamma={gamma}); "
+            "pass decoder= one of them"
         )
     return labels[0]
 
@@ -321,7 +322,8 @@ def results_table(results: Mapping[str, Any]) -> str:
     seeds = config.get("seeds", [])
     n_prompts = results.get("prompts", {}).get("n", "?")
     baseline = ", ".join(
-        f"T={temperature_key(b['temperature'])}: {format_metric(b['metrics'].get('tokens_per_second'), 0)} tok/s"
+        f"T={temperature_key(b['temperature'])}: "
+        f"{format_metric(b['metrics'].get('tokens_per_second'), 0)} tok/s"
         for b in results.get("baseline", [])
     )
     parts.append(

@@ -218,7 +218,8 @@ def _run_prompt(
     seed: int,
     progress: _Progress,
 ) -> list[tuple[DecodeStats, list[int]]]:
-    """Every entry on one prompt, back to back, starting with entry ``index mod n``; results in entry order."""
+    """Every entry on one prompt, back to back, starting with entry ``index mod n``;
+    results in entry order."""
     n = len(entries)
     out: list[tuple[DecodeStats, list[int]] | None] = [None] * n
     for k in range(n):
@@ -296,7 +297,10 @@ def _evaluate(
                     entry, key = entries[e], (e, t)
                     stats = [o[e][0] for o in outcome]
                     summary = summarize(pool(stats), c_param[str(entry.drafter)])
-                    summary["speedup"] = speedup(float(summary["tokens_per_second"]), ar_tps)  # type: ignore[arg-type]
+                    summary["speedup"] = speedup(
+                        float(summary["tokens_per_second"]),  # type: ignore[arg-type]
+                        ar_tps,
+                    )
                     pairs = [_prompt_speedup(s, a) for s, a in zip(stats, ar_stats, strict=True)]
                     per_prompt.setdefault(key, []).extend(
                         {

@@ -71,7 +71,8 @@ def continuation_nll(
 
 
 def lcs_length(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common subsequence of two sequences (O(len(a) * len(b)) time, O(len(b)) memory)."""
+    """Length of the longest common subsequence of two sequences
+    (O(len(a) * len(b)) time, O(len(b)) memory)."""
     if not a or not b:
         return 0
     prev = [0] * (len(b) + 1)

@@ -93,7 +93,8 @@ def verify_export(folder: Path, transformers_folder: bool = True) -> None:
             AutoConfig.from_pretrained(str(folder))
     except Exception as err:
         raise CorruptModelError(
-            f"{folder} does not load as a model ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
+            f"{folder} does not load as a model "
+            f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
             "re-export it from the run (its checkpoints/last.ckpt) before pushing"
         ) from err
 

@@ -119,7 +119,8 @@ def _assistant_usage(verifier_ref: str) -> list[str]:
         "print(tokenizer.decode(out[0]))",
         "```",
         "",
-        "Or measure it with draftsmith's evaluator (speedup against autoregressive decoding on your machine):",
+        "Or measure it with draftsmith's evaluator "
+        "(speedup against autoregressive decoding on your machine):",
         "",
         "```bash",
         f"python scripts/evaluate.py drafter={THIS_EXPORT} decoding=sd gamma=4",
@@ -214,9 +215,9 @@ def usage_section(kind: str, verifier_ref: str, folder: str, layout: Mapping[str
             [],
             verifier_ref,
             {"model": f"./{folder}", "method": "medusa", "num_speculative_tokens": heads},
-            "vLLM drafts a top-1 chain from the heads (one token per head). Heads over a draft vocabulary are "
-            "written with full-vocabulary rows (the others their mean, so vLLM's argmax stays in the draft "
-            "vocabulary); `draft_vocab` in `config.json` names the trained rows.",
+            "vLLM drafts a top-1 chain from the heads (one token per head). Heads over a draft "
+            "vocabulary are written with full-vocabulary rows (the others their mean, so vLLM's argmax "
+            "stays in the draft vocabulary); `draft_vocab` in `config.json` names the trained rows.",
         )
     return _assistant_usage(verifier_ref)
 

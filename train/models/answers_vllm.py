@@ -135,8 +135,8 @@ def answer_prompts(
     seed: int = 0,
     on_batch: Callable[[int], None] | None = None,
 ) -> list[Answer]:
-    """:func:`~train.models.answers.generate_answers` through the engine ``engine`` resolves to (``batch_size``:
-    transformers' batches; vLLM schedules its own)."""
+    """:func:`~train.models.answers.generate_answers` through the engine ``engine`` resolves to
+    (``batch_size``: transformers' batches; vLLM schedules its own)."""
     if resolve_answer_engine(engine, verifier) == "vllm":
         answers = answers_through_vllm(verifier, prompts, eos_ids, max_new_tokens, top_k, temperature, seed)
         if on_batch is not None:

@@ -326,7 +326,8 @@ class Eagle3Drafter(
         return [hidden_states[i] for i in self.aux_layers]
 
     def fuse(self, aux_states: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tensor:
-        """``fc`` of the concatenated auxiliary states: a list of 3 (B, T, h), or one (B, T, 3h) -> (B, T, h)."""
+        """``fc`` of the concatenated auxiliary states:
+        a list of 3 (B, T, h), or one (B, T, 3h) -> (B, T, h)."""
         x = aux_states if isinstance(aux_states, torch.Tensor) else torch.cat(list(aux_states), dim=-1)
         return self.fc(x.to(self.fc.weight.dtype))
 

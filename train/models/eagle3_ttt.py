@@ -263,8 +263,9 @@ def chain_counts(hits: list[torch.Tensor], eligible: list[torch.Tensor]) -> dict
 
     From every position eligible at step 0, the chain accepts steps 0, 1, ... while each is eligible and
     a hit (a target outside the draft vocabulary is a miss). Under greedy decoding of greedy answers this
-    is the chain the decoder would accept, cut at the answer's end. Returns ``run`` (sum of accepted lengths), ``starts`` (positions counted) and, per
-    step k, ``cond_hit_k`` / ``cond_n_k``: hits at step k among the chains that reached step k."""
+    is the chain the decoder would accept, cut at the answer's end. Returns ``run`` (sum of accepted
+    lengths), ``starts`` (positions counted) and, per step k, ``cond_hit_k`` / ``cond_n_k``: hits at step k
+    among the chains that reached step k."""
     alive = eligible[0].clone()
     starts = alive.sum()
     run = torch.zeros_like(alive, dtype=torch.long)
@@ -283,9 +284,10 @@ def chain_counts(hits: list[torch.Tensor], eligible: list[torch.Tensor]) -> dict
 class TTTResult:
     """``loss``: ``sum_k decay**k * losses[k]``; ``losses`` / ``accuracies``: per step (scalars; the
     losses carry gradients); ``counts``: kept positions per step (0-dim int64 tensors on the logits'
-    device: reading them is the caller's one host sync, not one per step); per step, (B, T) bool: ``eligible``,
-    the positions whose target row is inside the loss mask and the sequence, and ``hits``, the kept ones
-    (eligible, the verifier's argmax in the draft vocabulary) where the drafter's argmax is the verifier's."""
+    device: reading them is the caller's one host sync, not one per step); per step, (B, T) bool:
+    ``eligible``, the positions whose target row is inside the loss mask and the sequence, and ``hits``,
+    the kept ones (eligible, the verifier's argmax in the draft vocabulary) where the drafter's argmax is
+    the verifier's."""
 
     loss: torch.Tensor
     losses: list[torch.Tensor] = field(default_factory=list)

@@ -14,7 +14,8 @@ initialised from the verifier's rows for them) and :meth:`MedusaHeads.forward` s
 full-vocabulary logits, ``-inf`` elsewhere, so every decoder reads them unchanged. On a 49,152-token
 verifier a full projection per head is 28M parameters, as many bytes per step as a fifth of the
 verifier; 8,192 rows cut that six-fold. Decoding stays exact: the heads only propose candidates, the
-verifier decides (docs/medusa.md). vLLM reads such heads with full-vocabulary rows (train/export/medusa_layout.py).
+verifier decides (docs/medusa.md). vLLM reads such heads with full-vocabulary rows
+(train/export/medusa_layout.py).
 
 Parameter names are the ones vLLM's Medusa loader reads: ``blocks.{h}.layers.{l}.weight`` / ``.bias``
 and ``lm_heads.{h}.weight``. ``save_pretrained`` / ``from_pretrained`` / ``push_to_hub`` come from
@@ -106,7 +107,8 @@ class MedusaHeads(
             or self.draft_vocab[-1] >= vocab_size
         ):
             raise ValueError(
-                f"draft_vocab must be sorted unique ids in [0, {vocab_size}), got {len(draft_vocab or [])} ids"
+                f"draft_vocab must be sorted unique ids in [0, {vocab_size}), "
+                f"got {len(draft_vocab or [])} ids"
             )
         outputs = vocab_size if self.draft_vocab is None else len(self.draft_vocab)
         self.num_outputs = outputs

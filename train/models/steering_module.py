@@ -63,9 +63,9 @@ def guide_positions(prompt_length: int, commits: Iterable[int]) -> list[int]:
     A verification commits c >= 1 tokens (accepted drafts, then the correction or bonus token); the
     guide it hands the drafter is the verifier's state at the position that produced the last of them,
     one before it: with n tokens committed after a prompt of ``prompt_length``, position
-    prompt_length + n - 2. Decoding observes exactly these (:mod:`train.decoding.proposers.steered_proposer`); training
-    simulates verifications that each commit ``offset`` tokens (:func:`simulated_guides`). The first
-    block is drafted before any verification, so it has no guide."""
+    prompt_length + n - 2. Decoding observes exactly these (:mod:`train.decoding.proposers.steered_proposer`);
+    training simulates verifications that each commit ``offset`` tokens (:func:`simulated_guides`). The
+    first block is drafted before any verification, so it has no guide."""
     out, n = [], 0
     for c in commits:
         if c < 1:
@@ -158,7 +158,8 @@ class SteeringModule(
     library_name="draftsmith",
     tags=["speculative-decoding", "sd2", "steering", "draftsmith"],
 ):
-    """Verifier hidden states (..., S, d) at S = len(verifier_layers) layers -> drafter biases (..., L, d_ff)."""
+    """Verifier hidden states (..., S, d) at S = len(verifier_layers) layers
+    -> drafter biases (..., L, d_ff)."""
 
     def __init__(
         self,

@@ -153,7 +153,10 @@ def stale_reason(cfg: SmolPairConfig) -> str | None:
     if manifest is None:
         return f"no SmolLM2 pair under {cfg.out_dir}"
     if manifest.get("recipe_hash") != cfg.recipe_hash():
-        return f"the pair under {cfg.out_dir} was built from another recipe (model.smollm2.drafter or seed changed)"
+        return (
+            f"the pair under {cfg.out_dir} was built from another recipe "
+            "(model.smollm2.drafter or seed changed)"
+        )
     for role in ("verifier", "drafter"):
         if not (Path(cfg.out_dir) / role / "config.json").is_file():
             return f"the pair under {cfg.out_dir} lacks its {role}"

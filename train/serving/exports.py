@@ -34,7 +34,9 @@ VLLM_METHODS: dict[str, str] = {
 """The vLLM ``speculative_config.method`` of each export kind vLLM serves."""
 
 NOT_SERVED: dict[str, str] = {
-    "steering": "SD^2's steering module has no vLLM method (no proposer reads the verifier's states into a drafter)",
+    "steering": (
+        "SD^2's steering module has no vLLM method (no proposer reads the verifier's states into a drafter)"
+    ),
     "heads": "serve heads_vllm/, the same heads in vLLM's Medusa layout",
     "eagle3": "serve eagle3_speculators/, the same drafter in the speculators layout",
 }

@@ -51,7 +51,8 @@ def tokens_per_second(outputs: Sequence[Sequence[int]], seconds: Sequence[float]
 
 
 def vllm_figures(spec: Mapping[str, Any]) -> dict[str, Any]:
-    """Acceptance and block efficiency from vLLM's counter deltas (:func:`train.vllm.worker.spec_counters`)."""
+    """Acceptance and block efficiency from vLLM's counter deltas
+    (:func:`train.vllm.worker.spec_counters`)."""
     drafts = int(spec["num_drafts"])
     if drafts == 0:
         raise ValueError("vLLM made no drafts: speculative decoding did not run")
@@ -66,7 +67,8 @@ def vllm_figures(spec: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def ours_figures(metrics: Mapping[str, Any], k: int) -> dict[str, Any]:
-    """The same figures from one run's metric contract (``results.json``'s ``metrics``), the first k positions."""
+    """The same figures from one run's metric contract (``results.json``'s ``metrics``),
+    the first k positions."""
 
     def mean(value: Any) -> Any:
         return value.get("mean") if isinstance(value, Mapping) else value
@@ -89,18 +91,20 @@ def serving_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """Markdown: per export and engine, acceptance per position, block efficiency, tokens/s alone and with
     speculation (batch 1), and whether the greedy output with speculation equals the engine's own without."""
     lines = [
-        "| export | vLLM method | engine | drafts | acceptance per position (P(first i+1 accepted)) | conditional "
-        "| block efficiency | tokens/s alone | tokens/s speculative | speedup | greedy equal |",
+        "| export | vLLM method | engine | drafts | acceptance per position (P(first i+1 accepted)) "
+        "| conditional | block efficiency | tokens/s alone | tokens/s speculative | speedup | greedy equal |",
         "|---|---|---|---:|---|---|---:|---:|---:|---:|---|",
     ]
     for row in rows:
         for engine in ("vllm", "ours"):
             fig = row[engine]
             lines.append(
-                f"| {row['export']} | {row['method']} | {'vLLM ' + row['vllm_version'] if engine == 'vllm' else 'draftsmith'} "
+                f"| {row['export']} | {row['method']} "
+                f"| {'vLLM ' + row['vllm_version'] if engine == 'vllm' else 'draftsmith'} "
                 f"| {fig['drafts']} | {_positions(fig['acceptance'])} | {_positions(fig['conditional'])} "
                 f"| {fig['block_efficiency']:.2f} | {fig['tokens_per_second_alone']:.1f} "
-                f"| {fig['tokens_per_second']:.1f} | {fig['tokens_per_second'] / fig['tokens_per_second_alone']:.2f}x "
+                f"| {fig['tokens_per_second']:.1f} "
+                f"| {fig['tokens_per_second'] / fig['tokens_per_second_alone']:.2f}x "
                 f"| {fig['greedy_equal']} |"
             )
     return "\n".join(lines)

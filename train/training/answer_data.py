@@ -163,7 +163,11 @@ class AnswerDataModule(L.LightningDataModule):
 
     def _loader(self, split: str, shuffle: bool) -> DataLoader:
         if not shuffle:
-            return DataLoader(self.rows[split], batch_size=self.batch_size, collate_fn=self._collate)  # type: ignore[arg-type]
+            return DataLoader(
+                self.rows[split],  # type: ignore[arg-type]
+                batch_size=self.batch_size,
+                collate_fn=self._collate,
+            )
         lengths = [len(r["input_ids"]) for r in self.rows[split]] if self.group_by_length else None
         sampler = PinnedShardSampler(len(self.rows[split]), self.seed, lengths, self.batch_size)
         return StatefulDataLoader(

@@ -150,8 +150,8 @@ def generate_once(
     ``generate(share, rank)`` answers a list of prompts (``rank`` tells ranks' random streams apart);
     ``save(answers)`` writes the folder's cache so that ``cached()`` serves it. One process: under
     ``<folder>.lock``. Several ranks launched together: each answers ``prompts[rank::world]``, rank 0 merges
-    and saves; a rank waits ``timeout_s`` (default :data:`WAIT_SECONDS`) at most, then raises naming what it waited for. ``ranks``:
-    ``(rank, world)``, default :func:`launched_ranks`."""
+    and saves; a rank waits ``timeout_s`` (default :data:`WAIT_SECONDS`) at most, then raises naming what
+    it waited for. ``ranks``: ``(rank, world)``, default :func:`launched_ranks`."""
     root = Path(folder)
     root.parent.mkdir(parents=True, exist_ok=True)
     timeout_s = WAIT_SECONDS if timeout_s is None else timeout_s

@@ -31,10 +31,12 @@ class HeadsDecoder(DraftTreeDecoder):
     verified in one verifier forward per step. Same ``generate`` as the other decoders.
 
     tree: paths of ranks (Medusa's "choices"); None: the tree the heads carry (``heads.tree``, built from
-    their measured accuracies by :func:`~train.decoding.proposers.heads_proposer.tree_from_accuracies` when they were trained), else
-    :data:`~train.decoding.proposers.heads_proposer.DEFAULT_CHOICES` without its paths deeper than the heads (``heads.num_heads``);
-    :func:`~train.decoding.proposers.heads_proposer.chain_choices` gives blockwise decoding. tree_nodes: instead of a
-    tree, build one of that many nodes from the heads' measured ``rank_accuracy`` (a size sweep).
+    their measured accuracies by :func:`~train.decoding.proposers.heads_proposer.tree_from_accuracies`
+    when they were trained), else :data:`~train.decoding.proposers.heads_proposer.DEFAULT_CHOICES`
+    without its paths deeper than the heads (``heads.num_heads``);
+    :func:`~train.decoding.proposers.heads_proposer.chain_choices` gives blockwise decoding.
+    tree_nodes: instead of a tree, build one of that many nodes from the heads' measured
+    ``rank_accuracy`` (a size sweep).
     refiner: draft from the lattice of the heads' top-k instead of a fixed tree (BPD,
     :mod:`train.decoding.refine`): its drafts are merged into a trie and verified like a tree.
     acceptance: ``rejection`` (lossless) or ``typical`` (Medusa's lossy rule at T > 0, with

@@ -1,8 +1,8 @@
 """Chain speculative decoding (Leviathan et al. 2023; Chen et al. 2023), docs/decoding.md.
 
-A thin composition of the engine's parts: a :class:`~train.decoding.proposers.model_proposer.ModelProposer` drafts up
-to ``gamma`` tokens with the drafter, :func:`~train.decoding.loop.run_synchronous` verifies them in one
-verifier forward with the chain rule (:func:`~train.decoding.rules.chain.greedy_chain` at T = 0,
+A thin composition of the engine's parts: a :class:`~train.decoding.proposers.model_proposer.ModelProposer`
+drafts up to ``gamma`` tokens with the drafter, :func:`~train.decoding.loop.run_synchronous` verifies them
+in one verifier forward with the chain rule (:func:`~train.decoding.rules.chain.greedy_chain` at T = 0,
 :func:`~train.decoding.rules.chain.chain_rejection` otherwise) and keeps both caches in step. See
 ``loop.py`` for the block structure and the cache invariants.
 """
@@ -31,11 +31,11 @@ class SpeculativeDecoder(Decoder):
     the lossy DistillSpec acceptance test min(1, f(p, eps) / q); eps = 1 is lossless. Lenience only
     applies when sampling (temperature > 0); greedy decoding always reproduces the verifier's argmax.
 
-    ``steering`` (SD^2, e.g. :class:`train.models.steering_module.SteeringModule`): the drafter's MLPs get biases
-    from the verifier's states at the last committed position, refreshed after every verification
-    (:mod:`train.decoding.proposers.steered_proposer`); verification is unchanged, so it stays lossless. A ``steered``
-    drafter (one carrying its own module, :class:`train.models.steering_module.SteeredDrafter`) is unpacked
-    into the two, so the evaluator measures it under the same ``sd`` configs as plain drafters.
+    ``steering`` (SD^2, e.g. :class:`train.models.steering_module.SteeringModule`): the drafter's MLPs get
+    biases from the verifier's states at the last committed position, refreshed after every verification
+    (:mod:`train.decoding.proposers.steered_proposer`); verification is unchanged, so it stays lossless.
+    A ``steered`` drafter (one carrying its own module, :class:`train.models.steering_module.SteeredDrafter`)
+    is unpacked into the two, so the evaluator measures it under the same ``sd`` configs as plain drafters.
 
     ``confidence_threshold`` t in [0, 1): gamma becomes a cap, and a block's chain ends after the
     first draft the drafter gives a probability below t (0: always ``gamma`` drafts; lossless either

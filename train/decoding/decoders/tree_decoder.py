@@ -2,8 +2,8 @@
 
 A composition of the engine's parts, like :class:`~train.decoding.decoders.speculative.SpeculativeDecoder`: a
 :class:`~train.decoding.proposers.tree_proposers.TreeProposer` drafts a tree with the drafter (one forward per
-depth), :func:`~train.decoding.loop.run_synchronous` scores it in one verifier forward with tree
-attention and verifies it with :func:`~train.decoding.rules.tree_walk.verify_tree`. Lossless: at T = 0 the output
+depth), :func:`~train.decoding.loop.run_synchronous` scores it in one verifier forward with tree attention
+and verifies it with :func:`~train.decoding.rules.tree_walk.verify_tree`. Lossless: at T = 0 the output
 is the verifier's greedy output; at T > 0 every token is distributed exactly as the verifier's warped
 distribution (multi-round rejection with i.i.d. siblings for SpecInfer, without replacement for RSD).
 ``stats.verifier_tokens`` counts the tree tokens scored, so methods compare at a fixed verifier budget.

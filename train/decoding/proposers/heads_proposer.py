@@ -6,8 +6,8 @@ the token k + 1 places after the next one. A sparse tree given as paths of ranks
 format: ``[[0], [1], [0, 0], ...]``, rank r at depth d = head d's r-th most likely token) turns them into
 a :class:`~train.decoding.draft.Draft` of deterministic candidates (``q = None``). The candidates of a
 node do not depend on its path (the heads read one state), as in the authors' code. Verification is
-:func:`~train.decoding.rules.tree_walk.verify_tree`: greedy at T = 0, and at T > 0 the recursive rule with point-mass
-proposals, which samples from p without replacement over the candidates: lossless.
+:func:`~train.decoding.rules.tree_walk.verify_tree`: greedy at T = 0, and at T > 0 the recursive rule
+with point-mass proposals, which samples from p without replacement over the candidates: lossless.
 """
 
 from __future__ import annotations

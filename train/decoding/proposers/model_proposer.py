@@ -1,10 +1,11 @@
 """A chain drafted by a small causal LM (:class:`ModelProposer`).
 
-A proposer (:class:`~train.decoding.proposers.protocol.Proposer`) is given the committed sequence and a budget, returns a :class:`~train.decoding.draft.Draft`,
-and is told afterwards how much of the sequence is final (:meth:`Proposer.commit`), so it can drop
-whatever it cached past that point. It records its own calls and time into the
-:class:`~train.decoding.metrics.DecodeStats` it is handed. New drafter kinds (Medusa heads, steered
-drafters, trees) are new proposers; the schedule and the verification rules stay as they are.
+A proposer (:class:`~train.decoding.proposers.protocol.Proposer`) is given the committed sequence and a
+budget, returns a :class:`~train.decoding.draft.Draft`, and is told afterwards how much of the sequence
+is final (:meth:`Proposer.commit`), so it can drop whatever it cached past that point. It records its
+own calls and time into the :class:`~train.decoding.metrics.DecodeStats` it is handed. New drafter
+kinds (Medusa heads, steered drafters, trees) are new proposers; the schedule and the verification
+rules stay as they are.
 
 :class:`ModelProposer` drafts a chain with a small causal LM over the verifier's vocabulary:
 
@@ -81,7 +82,8 @@ class ModelProposer:
             support.tolist() if support is not None and int(support.max()) < vocab_size else None
         )
         #: Called as ``(first position, count)`` before every drafter forward, whose tokens sit at
-        #: positions first .. first + count - 1 (a steered drafter sets their guides, train/decoding/proposers/steered_proposer.py).
+        #: positions first .. first + count - 1 (a steered drafter sets their guides,
+        #: train/decoding/proposers/steered_proposer.py).
         self.before_forward: Callable[[int, int], None] | None = None
 
     def start(self) -> None:

@@ -1,7 +1,7 @@
 """Steered drafting (SD^2): a drafter whose MLPs receive biases computed from the verifier's states.
 
-:class:`SteeredProposer` wraps the ordinary :class:`~train.decoding.proposers.model_proposer.ModelProposer`. After
-every verifier forward the loop hands it the verifier's hidden states at the position g that produced
+:class:`SteeredProposer` wraps the ordinary :class:`~train.decoding.proposers.model_proposer.ModelProposer`.
+After every verifier forward the loop hands it the verifier's hidden states at the position g that produced
 the last committed token (the correction or bonus; ``observe``; the same forward, no extra pass); it
 projects them once. Which guide steers which drafter position is the rule training uses,
 :func:`train.models.steering_module.guide_for`: the latest guide position strictly before it. So the first

@@ -14,10 +14,10 @@ At temperature 0 every method keeps the drafter's top children (top-b; beam sear
 deterministically. Each node's ``q`` row is the distribution it was drawn from (its parent's, before
 any sibling was removed); ``rank`` is its draw order among its siblings.
 
-Cache: like :class:`~train.decoding.proposers.model_proposer.ModelProposer`, the drafter's cache holds a prefix of the
-committed tokens; a block first feeds what it has not seen, then one forward per depth feeds that
-depth's nodes with a tree mask. :meth:`TreeProposer.commit` keeps the committed prefix plus the cache
-entries of the accepted path (compacted) and drops the rest of the tree.
+Cache: like :class:`~train.decoding.proposers.model_proposer.ModelProposer`, the drafter's cache holds a
+prefix of the committed tokens; a block first feeds what it has not seen, then one forward per depth
+feeds that depth's nodes with a tree mask. :meth:`TreeProposer.commit` keeps the committed prefix plus
+the cache entries of the accepted path (compacted) and drops the rest of the tree.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Siblings drawn i.i.d. from the drafter (SpecInfer), without replacement (RSD), or chosen
 deterministically (Medusa/BPD top-k candidates: the rule then samples from p without replacement over
-the candidates). Pure: the caller passes the uniforms, as for the chain rules (:mod:`train.decoding.rules.chain`).
+the candidates). Pure: the caller passes the uniforms, as for the chain rules
+(:mod:`train.decoding.rules.chain`).
 """
 
 from __future__ import annotations

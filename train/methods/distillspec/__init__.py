@@ -1,1 +1,2 @@
-"""The distillspec method: its settings (config.py), its LightningModule (module.py), its finish step (finish.py)."""
+"""The distillspec method: its settings (config.py), its LightningModule (module.py),
+its finish step (finish.py)."""

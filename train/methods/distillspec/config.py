@@ -24,8 +24,9 @@ DATA_SOURCES: tuple[str, ...] = ("fixed", "teacher", "student", "mixed_fixed", "
 
 @dataclass
 class DistillSpecConfig(ResponseDistillSettings):
-    """Hyperparameters of DistillSpec (``method=distillspec``); validated before any model loads. The
-    divergence, sampling and prompt settings are :class:`~train.training.prompt_data.ResponseDistillSettings`."""
+    """Hyperparameters of DistillSpec (``method=distillspec``); validated before any model loads.
+    The divergence, sampling and prompt settings are
+    :class:`~train.training.prompt_data.ResponseDistillSettings`."""
 
     optimizer: Any
     scheduler: Any = None
@@ -111,7 +112,8 @@ class DistillSpecConfig(ResponseDistillSettings):
         )
         if answers is None:
             raise ConfigError(
-                "method.teacher_answers=pair: only the real pair (model=smollm2) keeps the verifier's answers; "
+                "method.teacher_answers=pair: "
+                "only the real pair (model=smollm2) keeps the verifier's answers; "
                 "give a folder of answers, or null to generate the teacher's continuations in the run"
             )
         return answers["train"]

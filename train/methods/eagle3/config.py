@@ -26,9 +26,9 @@ class Eagle3Config:
     optimizer: Any
     scheduler: Any = None
     answers: str | None = None
-    """A folder of the verifier's answers (one ``.pt`` file per split, validation and train, e.g. the real pair's
-    ``checkpoints/smollm2/answers``); ``pair``: the pair's own (generated when it has none); None: generate
-    them from the run's data (greedy)."""
+    """A folder of the verifier's answers (one ``.pt`` file per split, validation and train, e.g. the real
+    pair's ``checkpoints/smollm2/answers``); ``pair``: the pair's own (generated when it has none); None:
+    generate them from the run's data (greedy)."""
     num_prompts: int = 1024
     """Answers generated for training when ``answers`` is None (the cached ones are all used)."""
     num_val_prompts: int = 32
@@ -58,11 +58,13 @@ class Eagle3Config:
     epochs skip the verifier (:mod:`train.methods.eagle3.feature_cache`); 0: online every epoch."""
     feature_cache_dir: str | None = None
     """A folder for the kept features: saved after every epoch that added rows, read at the start of the next
-    run when the same verifier (configuration, weights, fused layers, precision, device kind) computed them, so runs
-    after the first train offline on the rows they share; null: memory only. Needs ``feature_cache_gb``."""
+    run when the same verifier (configuration, weights, fused layers, precision, device kind) computed them,
+    so runs after the first train offline on the rows they share; null: memory only.
+    Needs ``feature_cache_gb``."""
     prompt_loss: bool = False
     """Train on the verifier's rows over the prompt too, not only the answer's (validation: the answer's):
-    the same verifier forward gives 2-3x the targets; the authors train on answers only, with far more of them."""
+    the same verifier forward gives 2-3x the targets; the authors train on answers only,
+    with far more of them."""
     ttt_steps: int = 7
     """Training-time test: drafting steps unrolled per sequence (the authors' 7)."""
     decay: float = 0.8
@@ -71,8 +73,9 @@ class Eagle3Config:
     """Rows of the drafter's head: the most frequent tokens of the training answers (d2t / t2d);
     None or >= the verifier's vocabulary: the full vocabulary."""
     aux_layers: list[int] | None = None
-    """The verifier's ``hidden_states`` indices fused by ``fc``; None: EAGLE-3's [2, L//2, L-3]. vLLM's EAGLE-3
-    fuses exactly three: with another count the finish step exports ``eagle3/`` but no ``eagle3_speculators/``."""
+    """The verifier's ``hidden_states`` indices fused by ``fc``; None: EAGLE-3's [2, L//2, L-3].
+    vLLM's EAGLE-3 fuses exactly three: with another count the finish step exports ``eagle3/`` but no
+    ``eagle3_speculators/``."""
     init: str | None = None
     """Start from an exported drafter (an Eagle3Drafter folder or Hub id) instead of a fresh one."""
     speculative_tokens: int = 3

@@ -51,7 +51,8 @@ class Eagle3Finish:
         return verifier
 
     def drafters_to_evaluate(self) -> dict[str, torch.nn.Module]:
-        """``eagle3`` (the trained drafter) and, when kept, ``pair drafter`` (the pair's own, for chain SD)."""
+        """``eagle3`` (the trained drafter) and, when kept, ``pair drafter``
+        (the pair's own, for chain SD)."""
         drafters: dict[str, torch.nn.Module] = {"eagle3": self.trained_drafter()}
         if self.comparison is not None:
             drafters["pair drafter"] = self.comparison
@@ -69,7 +70,8 @@ class Eagle3Finish:
         ``Eagle3Drafter.from_pretrained``) and, beside it, ``eagle3_speculators/`` in the format vLLM loads
         natively, with a model card saying how vLLM serves it (license front matter included). vLLM's EAGLE-3
         fuses exactly three verifier layers: a drafter trained with another ``method.aux_layers`` count gets
-        ``eagle3/`` only, and a warning saying why (:func:`~train.export.speculators.check_vllm_aux_layers`)."""
+        ``eagle3/`` only, and a warning saying why
+        (:func:`~train.export.speculators.check_vllm_aux_layers`)."""
         out = Path(out_dir)
         drafter = self.trained_drafter()
         drafter.save_pretrained(out)
@@ -121,10 +123,10 @@ class Eagle3Finish:
                 [
                     "## EAGLE-3 drafter (last validation)",
                     table.rstrip(),
-                    "accuracy: the drafter's argmax at step k (teacher-forced on the verifier's answers, its own "
-                    "states fed back as in decoding) is the verifier's argmax, over positions whose verifier "
-                    "argmax lies in the draft vocabulary; conditional: the same among the chains whose steps "
-                    "0..k-1 all hit. Simulated block efficiency of the greedy chain over "
+                    "accuracy: the drafter's argmax at step k (teacher-forced on the verifier's answers, "
+                    "its own states fed back as in decoding) is the verifier's argmax, over positions whose "
+                    "verifier argmax lies in the draft vocabulary; conditional: the same among the chains "
+                    "whose steps 0..k-1 all hit. Simulated block efficiency of the greedy chain over "
                     f"{self.cfg.ttt_steps} steps: {format_value(tau, 2)}.",
                 ]
             )

@@ -201,7 +201,8 @@ class Eagle3Module(Eagle3Finish, L.LightningModule):
         self._head_checked = True
 
     def ttt(self, batch: dict[str, torch.Tensor], chain_stats: bool = True) -> TTTResult:
-        """The training-time test on ``batch``; ``chain_stats``: with the per-position hits validation reads."""
+        """The training-time test on ``batch``;
+        ``chain_stats``: with the per-position hits validation reads."""
         aux, targets = self.features_and_targets(batch)
         return ttt_loss(
             self.drafter,

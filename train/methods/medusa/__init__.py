@@ -1,1 +1,2 @@
-"""The medusa method: its settings (config.py), its LightningModule (module.py), its finish step (finish.py)."""
+"""The medusa method: its settings (config.py), its LightningModule (module.py),
+its finish step (finish.py)."""

@@ -41,7 +41,8 @@ class MedusaConfig:
     joint: bool = False
     """Medusa-2: train the verifier too, through LoRA."""
     lora: Any = None
-    """Medusa-2's adapters (train.models.lora.LoraSettings; the authors' r 32, alpha 16, all linear layers)."""
+    """Medusa-2's adapters (train.models.lora.LoraSettings;
+    the authors' r 32, alpha 16, all linear layers)."""
     heads_weight: float = 0.2
     """Medusa-2: the heads' loss coefficient next to the kept base loss."""
     heads_lr_multiplier: float = 4.0

@@ -65,7 +65,8 @@ class MedusaFinish:
 
     def export(self, out_dir: str) -> Path:
         """``heads/`` (mixin folder with the measured tree), ``heads_vllm/`` beside it (with its model card)
-        and, for Medusa-2, the merged ``verifier/`` (safetensors + tokenizer): the outputs follow that verifier."""
+        and, for Medusa-2, the merged ``verifier/`` (safetensors + tokenizer):
+        the outputs follow that verifier."""
         out = Path(out_dir)
         heads = self.trained_heads()
         heads.save_pretrained(out)

@@ -41,8 +41,9 @@ def heads_section(
     ]
     if tree:
         parts.append(
-            f"Tree saved with the heads ({len(tree)} nodes, depth {max(len(p) for p in tree)}; built from the "
-            f"per-rank accuracies, the largest expected accepted length of its size): `{[list(p) for p in tree]}`"
+            f"Tree saved with the heads ({len(tree)} nodes, depth {max(len(p) for p in tree)}; "
+            "built from the per-rank accuracies, the largest expected accepted length of its size): "
+            f"`{[list(p) for p in tree]}`"
         )
     if note:
         parts.append(note)

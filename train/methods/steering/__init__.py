@@ -1,1 +1,2 @@
-"""The steering method: its settings (config.py), its LightningModule (module.py), its finish step (finish.py)."""
+"""The steering method: its settings (config.py), its LightningModule (module.py),
+its finish step (finish.py)."""
