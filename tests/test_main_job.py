@@ -150,22 +150,7 @@ def _served_in_vllm(run_dir: Path, pair_dir: Path) -> None:
 
 
 @pytest.mark.slow
-def test_the_tiny_pair_jobs_meet_their_targets(tmp_path: Path, subtests: pytest.Subtests) -> None:
-    """Both tiny-pair jobs in one test: the first builds the tiny pair (about 14 minutes here) and the
-    second reuses it. As two tests, pytest-xdist's other worker took the second and sat idle on the
-    build's lock for those minutes (seen in a local run of the slow suite); in one, the other worker runs
-    the rest of the suite meanwhile. Each job is checked on its own (a subtest each)."""
-    for name, check in (
-        ("distillspec_tiny", main_job_meets_its_targets),
-        ("medusa_tiny", medusa_main_job_meets_its_block_efficiency_target),
-    ):
-        root = tmp_path / name
-        root.mkdir()
-        with subtests.test(f"experiment={name}"):
-            check(root)
-
-
-def main_job_meets_its_targets(tmp_path: Path) -> None:
+def test_main_job_meets_its_targets(tmp_path: Path) -> None:
     tiny_dir = REPO_ROOT / "checkpoints" / "tiny"
     env = os.environ | {"DRAFTSMITH_ROOT": str(tmp_path)}
     # the target's decoder only (gamma 4): the experiment's gammas 1 and 2 would triple the evaluation
@@ -218,7 +203,8 @@ def main_job_meets_its_targets(tmp_path: Path) -> None:
     assert torch.equal(plain, assisted)
 
 
-def medusa_main_job_meets_its_block_efficiency_target(tmp_path: Path) -> None:
+@pytest.mark.slow
+def test_medusa_main_job_meets_its_block_efficiency_target(tmp_path: Path) -> None:
     """`python train.py experiment=medusa_tiny` with the cached tiny pair: heads trained, exported in both
     layouts with their measured tree, HeadsDecoder evaluated; tau >= 2.0 at T = 0 (issue 10's target)."""
     tiny_dir = REPO_ROOT / "checkpoints" / "tiny"
