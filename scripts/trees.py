@@ -181,8 +181,7 @@ def sibling_duplicate_rate(
     drafter: Any, prompts: list[torch.Tensor], branching: tuple[int, ...] = (2, 2, 1)
 ) -> str:
     """How often SpecInfer's i.i.d. siblings repeat a token at T = 1 (what RSD's sampling without
-    replacement avoids): each prompt cut at up to 6 points (its last 24 tokens),
-    one SpecInfer tree per cut."""
+    replacement avoids): each prompt cut at up to 6 points (its last 24 tokens), a tree per cut."""
     drafting = TimedModel(with_draft_vocab(drafter))  # as the evaluator drafts: over config.draft_vocab
     proposer = TreeProposer(drafting, drafter.config.vocab_size, "specinfer", branching=branching)
     stats = DecodeStats()

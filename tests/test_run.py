@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import csv
 import re
 from pathlib import Path
@@ -66,8 +67,11 @@ def test_run_writes_config_checkpoints_csv_and_offline_wandb(
     assert any(r.get("train/loss") for r in rows) and any(r.get("val/loss") for r in rows)
     (offline,) = list((run_dir / "wandb").glob("offline-run-*"))
     (records,) = list(offline.glob("run-*.wandb"))  # the offline run's record log (protobuf, uncompressed)
-    logged = records.read_bytes()
-    for key in (b"train/loss", b"val/loss", b"val/perplexity"):
+    keys = (b"train/loss", b"val/loss", b"val/perplexity")
+    deadline = time.monotonic() + 60  # W&B's service process may still be writing under a loaded machine
+    while not all(key in (logged := records.read_bytes()) for key in keys) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for key in keys:
         assert key in logged, key
     # The frozen verifier never enters a training checkpoint.
     state = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)

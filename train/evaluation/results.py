@@ -150,10 +150,8 @@ def _decoder_for(results: Mapping[str, Any], drafter: str, decoder: str | None, 
             )
         return decoder
     if len(labels) != 1:
-        raise ValueError(
-            f"drafter {drafter!r} ran with {len(labels)} decoders {labels} (gamma={gamma}); "
-            "pass decoder= one of them"
-        )
+        message = f"drafter {drafter!r} ran with {len(labels)} decoders {labels} (gamma={gamma})"
+        raise ValueError(f"{message}; pass decoder= one of them")
     return labels[0]
 
 

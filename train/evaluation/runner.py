@@ -218,8 +218,7 @@ def _run_prompt(
     seed: int,
     progress: _Progress,
 ) -> list[tuple[DecodeStats, list[int]]]:
-    """Every entry on one prompt, back to back, starting with entry ``index mod n``;
-    results in entry order."""
+    """Every entry on one prompt, back to back, from entry ``index mod n``; results in entry order."""
     n = len(entries)
     out: list[tuple[DecodeStats, list[int]] | None] = [None] * n
     for k in range(n):
