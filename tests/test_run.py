@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import time
 import csv
 import re
+import time
 from pathlib import Path
 
 import pytest
