@@ -27,33 +27,25 @@ MICRO_PAIR = [
 """Overrides that make the embedded tiny pair a micro one (built in seconds) for end-to-end runs."""
 
 LONGEST_SLOW_TESTS = (
-    "test_main_job_meets_its_targets",  # builds the tiny pair on first use (25-36 min here), then its job
     "test_documented_commands_run_on_micro_recipes",  # ~12 min
     "test_real_pair_main_job_runs_end_to_end_on_a_micro_recipe",  # ~5 min, vLLM included
 )
 """The slow suite's longest tests, longest first (measured on 2 CPU cores, `--durations`)."""
 
-LAST_SLOW_TESTS = ("test_medusa_main_job_meets_its_block_efficiency_target",)
-"""Slow tests that reuse what the first long test builds (the tiny pair, under its lock): run last, so the
-build is done or nearly so when they start, instead of a worker waiting on the lock from the start."""
-
 
 @pytest.hookimpl(trylast=True)  # after `-m` deselected what this run leaves out
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The longest slow tests first, one at the head of each half of the run, and the tests that reuse
-    the first one's build last. pytest-xdist's ``--dist worksteal`` (CI's slow suite) gives each of the
-    two workers one contiguous half of the tests and lets a worker that runs dry take from the end of the
-    other's queue. Measured (2026-11-27, 2 cores): in collection order the two tiny-pair tests ran side by
-    side and one waited ~19 minutes on the other's build of the tiny pair (slow suite 50 min 50 s); as one
-    test they ran in series on one worker, the longest chain of the run (61 min)."""
+    """The longest slow tests first, one at the head of each half of the run. pytest-xdist's
+    ``--dist worksteal`` (CI's slow suite) gives each of the two workers one contiguous half of the tests
+    and lets a worker that runs dry take from the end of the other's queue: a long test at the end of a
+    half would run alone while the other core idles."""
     names = {item.name: item for item in items}
     long = [names[name] for name in LONGEST_SLOW_TESTS if name in names]
-    last = [names[name] for name in LAST_SLOW_TESTS if name in names]
-    if not long and not last:
+    if not long:
         return
-    rest = [item for item in items if item not in long and item not in last]
+    rest = [item for item in items if item not in long]
     half = max(len(items) // 2 - 1, 0)
-    items[:] = [*long[:1], *rest[:half], *long[1:], *rest[half:], *last]
+    items[:] = [*long[:1], *rest[:half], *long[1:], *rest[half:]]
 
 
 os.environ.setdefault("WANDB_MODE", "offline")

@@ -149,7 +149,7 @@ def _served_in_vllm(run_dir: Path, pair_dir: Path) -> None:
         assert torch.allclose(a.top_logprobs.float(), b.top_logprobs.float(), atol=0.02)
 
 
-@pytest.mark.slow
+@pytest.mark.target
 def test_main_job_meets_its_targets(tmp_path: Path) -> None:
     tiny_dir = REPO_ROOT / "checkpoints" / "tiny"
     env = os.environ | {"DRAFTSMITH_ROOT": str(tmp_path)}
@@ -203,7 +203,7 @@ def test_main_job_meets_its_targets(tmp_path: Path) -> None:
     assert torch.equal(plain, assisted)
 
 
-@pytest.mark.slow
+@pytest.mark.target
 def test_medusa_main_job_meets_its_block_efficiency_target(tmp_path: Path) -> None:
     """`python train.py experiment=medusa_tiny` with the cached tiny pair: heads trained, exported in both
     layouts with their measured tree, HeadsDecoder evaluated; tau >= 2.0 at T = 0 (issue 10's target)."""
