@@ -6,7 +6,7 @@ then one final table on test prompts.
 
 The verifier, its dtype, the prompts (data and length), the tie tolerance and the neural rescorer are the
 training run's, read from its ``config.yaml`` as ``scripts/medusa_eval.py`` reads them
-(``train.cli.pair_setup.heads_setup``; Medusa-2's merged ``verifier/``): on the real pair, SmolLM2 in
+(``research.pairs.heads_setup``; Medusa-2's merged ``verifier/``): on the real pair, SmolLM2 in
 bfloat16 on held-out chat prompts of at most 256 tokens. The n-gram models are estimated here over the
 verifier's token ids: the run's cached training answers (prompt + answer; the real pair's
 ``checkpoints/smollm2/answers/train.pt``), when it trained on them, plus the training split of its data
@@ -30,15 +30,19 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # research/ is beside train/, not installed
 
 import numpy as np
 import torch
 
+from research.pairs import DecodeSetup, heads_setup, newest_heads
 from train.cli.console import add_device_arguments
-from train.cli.pair_setup import DecodeSetup, heads_setup, newest_heads
 from train.data.lm import document_token_ids
 from train.data.sources import load_text_dataset
 from train.decoding import HeadsDecoder

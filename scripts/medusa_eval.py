@@ -17,9 +17,13 @@ decoding=medusa heads=PATH``.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # research/ is beside train/, not installed
+
+from research.pairs import heads_setup, newest_heads
 from train.cli.console import add_device_arguments
-from train.cli.pair_setup import heads_setup, newest_heads
 from train.evaluation import EvalConfig, evaluate_drafters, results_table
 from train.models.heads import MedusaHeads
 from train.models.loading import eos_token_ids, load_model, load_tokenizer

@@ -334,10 +334,6 @@ MICRO_ARGS: dict[str, list[str]] = {
     "scripts/trees.py": ["--prompts", "1", "--tokens", "8", "--seeds", "0"],
     "scripts/medusa_eval.py": ["--prompts", "1", "--tokens", "8"],
     "scripts/bpd.py": ["--prompts", "1", "--tokens", "8"],
-    "scripts/async_bench.py": (  # noqa: SIM905
-        "--pairs tiny --gammas 2 --prompts 1 --tokens 8 --repeats 1 --threads 1 --min-ahead 1"
-    ).split(),
-    "scripts/steering_overhead.py": ["--prompts", "1", "--tokens", "8"],
     "scripts/lenience.py": ["--prompts", "1", "--tokens", "8", "--seeds", "0"],
     "scripts/sweep_table.py": [],
     "scripts/gpu_smoke.py": [],
@@ -351,10 +347,13 @@ BENCH_MICRO = {
     "eagle3-step": "--batches 1 --warmup 0 --batch-size 2 --max-len 64 --draft-vocab 64 --aux-layers 0 1 1",
     "draft-temperature": "--prompts 2 --answer-tokens 6 --scales 0.8 1.0",
     "lookup": "--answers 2",
+    "async": "--pairs tiny --gammas 2 --prompts 1 --tokens 8 --repeats 1 --threads 1 --min-ahead 1",
+    "steering-overhead": "--prompts 1 --tokens 8",
 }
 OUTPUT_FLAGS = ("--out", "--json", "--plot")
-IN_SUBPROCESS = {"scripts/async_bench.py"}
-"""Pins threads to cores: runs in its own process so the test process keeps its affinity."""
+IN_SUBPROCESS = {("scripts/bench.py", "async")}
+"""(entry, subcommand) of the commands that pin threads to cores: each runs in its own process so the test
+process keeps its affinity."""
 
 
 class Workspace:
@@ -558,7 +557,7 @@ def test_documented_commands_run_on_micro_recipes(tmp_path: Path, monkeypatch: p
         argv = workspace.argv(command)
         started = time.perf_counter()
         try:
-            if command.entry in IN_SUBPROCESS:
+            if (command.entry, command.args[0] if command.args else None) in IN_SUBPROCESS:
                 env = {**os.environ, "OMP_NUM_THREADS": "1"}
                 proc = subprocess.run(
                     [sys.executable, command.entry, *argv], cwd=REPO_ROOT, env=env, capture_output=True,

@@ -144,22 +144,29 @@ def remove_if_unused(run_dir: str, created_by_us: bool = False) -> bool:
     return True
 
 
-def newest_artifact(checkpoints_dir: str, experiment: str, verifier: str, artifact: str) -> str | None:
-    """``<checkpoints_dir>/<experiment>/<run>/<artifact>`` of the newest finished run (its artifact has a
-    ``config.json``) whose ``config.yaml`` names ``verifier`` as ``model.verifier``; None if there is none.
-    Run directories are named by start time, so the newest sorts last."""
-    pattern = os.path.join(
-        glob.escape(checkpoints_dir), glob.escape(experiment), "*", artifact, "config.json"
-    )
-    for config_json in sorted(glob.glob(pattern), reverse=True):
-        run = os.path.dirname(os.path.dirname(config_json))
-        try:
-            run_verifier = OmegaConf.load(os.path.join(run, "config.yaml")).model.verifier
-        except Exception:  # an unreadable or foreign run is not a candidate
-            continue
-        if os.path.abspath(str(run_verifier)) == os.path.abspath(str(verifier)):
+def newest_artifact(checkpoints_dir: str, experiment: str, verifier: str | None, artifact: str) -> str | None:
+    """``<checkpoints_dir>/<experiment>/<run>/<artifact>`` of the newest finished run, or None. The one rule
+    every "newest run" lookup follows (the leaderboard, the methods that start from another run, the
+    research scripts):
+
+    - finished: the artifact holds a ``config.json`` (exports write it last);
+    - of this verifier, when ``verifier`` is given: the run's ``config.yaml`` names it as ``model.verifier``;
+    - newest: run directories are named by their start time, so the greatest name wins, whichever of the
+      experiments ``experiment`` matches when it is a glob (``medusa*``)."""
+    pattern = os.path.join(glob.escape(checkpoints_dir), experiment, "*", artifact, "config.json")
+    runs = [os.path.dirname(os.path.dirname(found)) for found in glob.glob(pattern)]
+    for run in sorted(runs, key=lambda run: (os.path.basename(run), run), reverse=True):
+        if verifier is None or _run_verifier(run) == os.path.abspath(str(verifier)):
             return os.path.join(run, artifact)
     return None
+
+
+def _run_verifier(run: str) -> str | None:
+    """The absolute ``model.verifier`` of the run's ``config.yaml``; None for an unreadable or foreign run."""
+    try:
+        return os.path.abspath(str(OmegaConf.load(os.path.join(run, "config.yaml")).model.verifier))
+    except Exception:  # an unreadable or foreign run is not a candidate
+        return None
 
 
 def newest_artifact_of(

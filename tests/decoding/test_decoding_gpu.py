@@ -175,7 +175,8 @@ def test_async_benchmark_on_two_gpus():
     synchronous SD and autoregressive decoding in one run (greedy outputs checked by the script)."""
     cmd = [
         sys.executable,
-        "scripts/async_bench.py",
+        "scripts/bench.py",
+        "async",
         "--pairs",
         "bench",
         "--devices",

@@ -12,9 +12,9 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM
 
+from research.pairs import heads_setup
 from tests.conftest import make_tokenizer
 from tests.test_docs_commands import load_script
-from train.cli.pair_setup import heads_setup
 from train.models.answers import Answer, save_answers
 from train.models.heads import MedusaHeads
 

@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 import torch
 
-import train.benchmarks.decoders_bench as bench_decoding
-import train.benchmarks.overhead_bench as bench_overhead
+import research.benchmarks.decoders as bench_decoding
+import research.benchmarks.overhead as bench_overhead
+import research.pairs as pairs
 from tests.test_docs_commands import load_script
 
 #: script: (arguments it needs to reach its models, whether it has a drafter model)
@@ -20,7 +21,7 @@ SCRIPTS: dict[str, tuple[list[str], bool]] = {
     "scripts/bpd.py": (["--heads", "HEADS"], True),
     "scripts/medusa_eval.py": (["--heads", "HEADS", "--verifier", "VERIFIER"], False),
     "scripts/lenience.py": ([], True),
-    "scripts/steering_overhead.py": ([], True),
+    "bench.py steering-overhead": ([], True),
     "bench.py decoding": ([], False),
     "bench.py overhead": (["--baseline", "OLD"], True),
 }
@@ -48,12 +49,12 @@ def test_device_is_cuda_when_available_else_the_cpu(script: str, monkeypatch: py
     assert parser.parse_args([*argv, "--device", "cpu"]).device == torch.device("cpu")
 
 
-@pytest.mark.parametrize("script", [*SCRIPTS, "scripts/async_bench.py"])
+@pytest.mark.parametrize("script", [*SCRIPTS, "bench.py async"])
 def test_cuda_without_cuda_is_one_line_naming_the_flag(
     script: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    flag = "--devices" if script.endswith("async_bench.py") else "--device"
+    flag = "--devices" if script == "bench.py async" else "--device"
     parser, argv = _parser_and_args(script, SCRIPTS.get(script, ([], False))[0])
     with pytest.raises(SystemExit) as exit_info:
         parser.parse_args([*argv, flag, "cuda"])
@@ -96,18 +97,21 @@ def test_the_resolved_devices_reach_the_models(
     def load_model(source: str, *args: Any, device: Any = None, **kwargs: Any) -> Any:
         return _stub(log, len(expected)).to(device)
 
+    monkeypatch.setattr(pairs, "load_model", load_model)  # the pair set-up's loads (research.pairs)
+    monkeypatch.setattr(pairs, "load_tokenizer", lambda *a, **k: None)
+    monkeypatch.setattr(pairs, "with_draft_vocab", lambda model: model)
     if script.startswith("bench.py"):
         expected = expected if has_drafter else expected * 2  # bench decoding: both models on --device
         pair = (_stub(log, len(expected)), _stub(log, len(expected)))
-        monkeypatch.setattr(bench_decoding, "build_pair", lambda *a, **k: pair)
-        monkeypatch.setattr(bench_overhead, "build_pair", lambda *a, **k: pair)
+        monkeypatch.setattr(bench_decoding, "random_pair", lambda *a, **k: pair)
+        monkeypatch.setattr(bench_overhead, "random_pair", lambda *a, **k: pair)
         monkeypatch.setattr(bench_overhead, "load_package", lambda path: None)
         module = load_script("scripts/bench.py")
         argv = [script.split()[1], *extra, *flags]
     else:
         module = load_script(script)
         argv = [*extra, *flags]
-        monkeypatch.setattr(module, "load_model", load_model)
+        monkeypatch.setattr(module, "load_model", load_model, raising=False)
         monkeypatch.setattr(module, "load_tokenizer", lambda *a, **k: None, raising=False)
         monkeypatch.setattr(module, "resolve_drafter", lambda *a: "DRAFTER", raising=False)
     with pytest.raises(_Stop):
@@ -116,14 +120,16 @@ def test_the_resolved_devices_reach_the_models(
 
 
 def test_async_bench_places_the_verifier_and_the_drafter(monkeypatch: pytest.MonkeyPatch) -> None:
-    module = load_script("scripts/async_bench.py")
+    import research.benchmarks.async_decoding as module
+
+    bench = load_script("scripts/bench.py")
     log: list[torch.device] = []
     monkeypatch.setattr(module, "_pairs", lambda *a: {"pair": (_stub(log, 2), _stub(log, 2), [], None)})
     with pytest.raises(_Stop):
-        module.main(["--devices", "meta", "cpu"])
+        bench.main(["async", "--devices", "meta", "cpu"])
     assert [d.type for d in log] == ["meta", "cpu"]
     log.clear()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(_Stop):
-        module.main([])  # default auto: CUDA when available, for both
+        bench.main(["async"])  # default auto: CUDA when available, for both
     assert [d.type for d in log] == ["cuda", "cuda"]

@@ -10,8 +10,8 @@ import pytest
 
 import train.decoding
 import train.decoding.rules.chain as current_chain
+from research.benchmarks.overhead import load_package
 from tests.conftest import REPO_ROOT
-from train.benchmarks.overhead_bench import load_package
 
 
 def test_a_copy_of_the_engine_runs_its_own_parts_and_leaves_the_current_one(tmp_path):

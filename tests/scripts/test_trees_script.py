@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from research.pairs import DecodeSetup
 from tests.test_docs_commands import load_script
-from train.cli.pair_setup import DecodeSetup
 from train.data.sources import DataSourceConfig
 
 

@@ -5,7 +5,7 @@
     python scripts/bench.py overhead --baseline /tmp/old/train/decoding --pair checkpoints/smollm2 --threads 2
 
 Both engines decode the same prompts on the decoding benchmark's random-weight pair
-(:func:`train.benchmarks.decoders_bench.build_pair`), or with ``--pair`` on a real pair's validation prompts
+(:func:`research.pairs.random_pair`), or with ``--pair`` on a real pair's held-out validation prompts
 in its dtype (the drafter wrapped over its draft vocabulary as the evaluator wraps it: bfloat16 logits
 and 49,152-id distributions are where the loop's own cost shows), greedy and T = 1, alternating and
 rotating per prompt, so machine load hits both alike. Reported per engine and decoder: tokens/s and
@@ -19,7 +19,6 @@ import argparse
 import importlib.util
 import os
 import sys
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -27,7 +26,7 @@ import torch
 
 import train
 import train.decoding as current
-from train.benchmarks.decoders_bench import build_pair
+from research.pairs import random_pair, random_prompts, real_pair
 from train.cli.console import add_device_arguments
 
 PACKAGE = "train.decoding"
@@ -43,26 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--pair",
         default=None,
-        help="a real pair's folder (verifier/, drafter/, answers/validation.pt), e.g. checkpoints/smollm2 "
+        help="a real pair's folder (verifier/, drafter/), e.g. checkpoints/smollm2 "
         "(default: the random-weight pair)",
     )
     add_device_arguments(parser)
-
-
-def real_pair(folder: str, n: int) -> tuple[torch.nn.Module, torch.nn.Module, list[torch.Tensor]]:
-    """The pair under ``folder`` in its dtype, the drafter over its draft vocabulary, and the first
-    ``n`` validation prompts."""
-    from transformers import AutoModelForCausalLM
-
-    from train.benchmarks.eagle3_step_bench import load_verifier
-    from train.models.answers import load_answers
-    from train.models.draft_vocab import with_draft_vocab
-
-    root = Path(folder)
-    verifier, _, dtype = load_verifier(root)
-    drafter = AutoModelForCausalLM.from_pretrained(str(root / "drafter"), dtype=dtype).eval()
-    answers = load_answers(str(root / "answers" / "validation.pt"))[:n]
-    return verifier, with_draft_vocab(drafter), [torch.tensor([a.prompt]) for a in answers]
 
 
 def load_package(path: str) -> ModuleType:
@@ -101,11 +84,11 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     baseline = load_package(os.path.abspath(args.baseline))
     if args.pair:
-        verifier, drafter, prompts = real_pair(args.pair, args.prompts)
+        pair, prompts = real_pair(args.pair, args.prompts)
+        verifier, drafter = pair.verifier, pair.drafter
     else:
-        verifier, drafter = build_pair()
-        gen = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(0, 8192, (1, 48), generator=gen) for _ in range(args.prompts)]
+        verifier, drafter = random_pair()
+        prompts = random_prompts(args.prompts)
     verifier.to(args.device)
     drafter.to(args.drafter_device or args.device)
     engines = {"baseline": baseline, "current": current}

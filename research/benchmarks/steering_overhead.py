@@ -1,6 +1,6 @@
 """The cost of SD^2 steering per block on this machine (docs/steering.md).
 
-    python scripts/steering_overhead.py [--prompts 8] [--tokens 64] [--device cuda]
+    python scripts/bench.py steering-overhead [--prompts 8] [--tokens 64] [--device cuda]
 
 Steered chain SD (gamma 4) on the embedded pair with a random nonzero steering module: the steering
 time per verification (projecting its guide, choosing each drafter forward's biases) against one
@@ -11,36 +11,28 @@ against the unsteered one on the same prompts (greedy, so both emit the same tok
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 
+from research.pairs import checkpoints, load_pair, pair_setup
 from train.cli.console import add_device_arguments
 from train.decoding import SpeculativeDecoder
-from train.evaluation import build_prompts
-from train.models.loading import load_model, load_tokenizer
 from train.models.steering_module import SteeringModule
-from train.paths import project_root
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=64)
     add_device_arguments(parser)
-    return parser
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+def main(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
-    tiny = os.path.join(project_root(), "checkpoints", "tiny")
+    setup = pair_setup(checkpoints("tiny"))
     drafter_device = args.drafter_device or args.device
-    verifier = load_model(os.path.join(tiny, "verifier"), device=args.device).eval()
-    drafter = load_model(os.path.join(tiny, "drafter"), device=drafter_device).eval()
-    prompts = build_prompts(
-        load_tokenizer(os.path.join(tiny, "verifier")), num_prompts=args.prompts, prompt_len=64
-    )
+    pair = load_pair(setup, device=args.device, drafter_device=drafter_device)
+    verifier, drafter = pair.verifier, pair.drafter
+    prompts = setup.prompts(pair.tokenizer, args.prompts)
     steering = SteeringModule.for_pair(verifier, drafter).to(drafter_device)
     with torch.no_grad():
         steering.project.weight.normal_(0, 0.02)
@@ -69,7 +61,3 @@ def main(argv: list[str] | None = None) -> None:
         f"tokens/s steered {tps['steered']:.0f} vs plain {tps['plain']:.0f} "
         f"({tps['steered'] / tps['plain']:.2f}x); {args.prompts} prompts x {args.tokens} tokens, greedy"
     )
-
-
-if __name__ == "__main__":
-    main()

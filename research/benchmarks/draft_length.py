@@ -23,8 +23,7 @@ from typing import Any
 
 import torch
 
-from train.benchmarks.decoders_bench import build_pair
-from train.benchmarks.overhead_bench import real_pair
+from research.pairs import random_pair, random_prompts, real_pair
 from train.cli.console import add_device_arguments
 from train.decoding import AutoregressiveDecoder, SamplingParams, SpeculativeDecoder
 from train.decoding.decoders.base import Decoder
@@ -53,22 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _pair(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.nn.Module, list[torch.Tensor]]:
     if not args.pair:
-        verifier, drafter = build_pair()
-        gen = torch.Generator().manual_seed(0)
-        return (
-            verifier,
-            drafter,
-            [torch.randint(0, 8192, (1, 48), generator=gen) for _ in range(args.prompts)],
-        )
-    verifier, drafter, prompts = real_pair(args.pair, args.prompts)
-    if args.drafter:
-        from transformers import AutoModelForCausalLM
-
-        from train.models.draft_vocab import with_draft_vocab
-
-        model = AutoModelForCausalLM.from_pretrained(args.drafter, dtype=verifier.dtype).eval()
-        drafter = with_draft_vocab(model)
-    return verifier, drafter, prompts
+        return (*random_pair(), random_prompts(args.prompts))
+    pair, prompts = real_pair(args.pair, args.prompts, drafter=args.drafter)
+    return pair.verifier, pair.drafter, prompts
 
 
 def main(args: argparse.Namespace) -> list[dict[str, Any]]:

@@ -19,20 +19,17 @@ Pick the s of the ``sampled`` column for ``draft_temperature``; no top-k / top-p
 from __future__ import annotations
 
 import argparse
-import glob
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from train.benchmarks.eagle3_step_bench import load_verifier
+from research.pairs import load_pair, newest_eagle3, pair_setup
 from train.decoding.sampling import expected_acceptance_per_position
 from train.models.answers import Answer, load_answers
 from train.models.eagle3_drafter import Eagle3Drafter
 from train.models.eagle3_ttt import ttt_unroll
-from train.paths import project_root
 from train.tables import markdown_table
 from train.training.answer_data import answer_eos_ids
 from train.training.answer_sources import sampled_answers
@@ -58,10 +55,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def newest_drafter() -> str:
-    runs = sorted(glob.glob(os.path.join(project_root(), "checkpoints", "eagle3", "*", "eagle3")))
-    if not runs:
-        raise SystemExit("no experiment=eagle3 run under checkpoints/eagle3/: pass --drafter")
-    return runs[-1]
+    found = newest_eagle3()
+    if found is None:
+        raise SystemExit("no finished experiment=eagle3 run under checkpoints/eagle3/: pass --drafter")
+    return found
 
 
 def first_step_logits(
@@ -118,7 +115,8 @@ def best_scale(rows: list[dict[str, Any]], kind: str) -> float:
 
 def main(args: argparse.Namespace) -> list[dict[str, Any]]:
     folder = Path(args.pair)
-    verifier, tokenizer, dtype = load_verifier(folder)
+    pair = load_pair(pair_setup(args.pair), with_drafter=False)
+    verifier, tokenizer, dtype = pair.verifier, pair.tokenizer, pair.dtype
     path = args.drafter or newest_drafter()
     drafter = Eagle3Drafter.from_pretrained(path).to(dtype).eval()
     greedy = load_answers(str(folder / "answers" / "validation.pt"))[: args.prompts]

@@ -29,12 +29,11 @@ from typing import Any
 
 import torch
 
-from train.hardware import best_dtype
+from research.pairs import load_pair, pair_setup
 from train.methods.eagle3.config import Eagle3Config
 from train.methods.eagle3.module import Eagle3Module
 from train.models.answers import load_answers
 from train.models.eagle3_ttt import ttt_loss
-from train.models.loading import load_tokenizer
 from train.tables import markdown_table
 from train.training.answer_data import answer_batches
 
@@ -62,14 +61,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="write the results as JSON here")
-
-
-def load_verifier(folder: Path) -> tuple[torch.nn.Module, Any, torch.dtype]:
-    from transformers import AutoModelForCausalLM
-
-    dtype = torch.bfloat16 if best_dtype() == "bfloat16" else torch.float32
-    verifier = AutoModelForCausalLM.from_pretrained(str(folder / "verifier"), dtype=dtype).eval()
-    return verifier, load_tokenizer(str(folder / "verifier")), dtype
 
 
 def time_variant(
@@ -136,7 +127,8 @@ def main(args: argparse.Namespace) -> list[dict[str, Any]]:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     folder = Path(args.pair)
-    verifier, tokenizer, dtype = load_verifier(folder)
+    pair = load_pair(pair_setup(args.pair), with_drafter=False)
+    verifier, tokenizer, dtype = pair.verifier, pair.tokenizer, pair.dtype
     answers = {s: load_answers(str(folder / "answers" / f"{s}.pt")) for s in ("train", "validation")}
     rows = [time_variant(args, verifier, tokenizer, answers, name) for name in args.variants]
     base = next((r["step_s"] for r in rows if r["variant"] == "online-random"), rows[0]["step_s"])

@@ -1,6 +1,7 @@
 """Decoding-loop benchmark: our decoders against Hugging Face generate on the same pair and prompts.
 
-Four greedy decoders on one random-weight Llama pair (verifier ~30M params, drafter ~2.5M):
+Four greedy decoders on the random-weight benchmark pair (:func:`research.pairs.random_pair`; verifier
+~30M params, drafter ~2.5M):
 
 - ``ours-ar``      :class:`~train.decoding.AutoregressiveDecoder`
 - ``hf-generate``  ``verifier.generate(do_sample=False)``
@@ -27,8 +28,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 
+from research.pairs import random_pair
 from train.cli.console import add_device_arguments
 from train.decoding import (
     AutoregressiveDecoder,
@@ -58,50 +59,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_device_arguments(parser, drafter=False)
 
 
-def build_pair(vocab: int = 8192, noise: float = 0.15, seed: int = 0) -> tuple[Any, Any]:
-    """Random-weight Llama verifier (hidden 512, 8 layers) and drafter (hidden 128, 2 layers)."""
-    common: dict[str, Any] = {
-        "vocab_size": vocab,
-        "max_position_embeddings": 1024,
-        "bos_token_id": None,
-        "eos_token_id": None,
-    }
-    vcfg = LlamaConfig(
-        hidden_size=512,
-        intermediate_size=1376,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        **common,
-    )
-    dcfg = LlamaConfig(
-        hidden_size=128,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        **common,
-    )
-    torch.manual_seed(seed)
-    verifier = AutoModelForCausalLM.from_config(vcfg).eval()
-    drafter = AutoModelForCausalLM.from_config(dcfg).eval()
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        emb = 4.0 * torch.randn(vocab, 128, generator=g)  # large: the layers only perturb the bigram
-        head = torch.randn(vocab, 128, generator=g)
-        proj = torch.linalg.qr(torch.randn(512, 128, generator=g)).Q.T  # (128, 512), orthonormal rows
-        drafter.get_input_embeddings().weight.copy_(emb)
-        drafter.get_output_embeddings().weight.copy_(head)
-        verifier.get_input_embeddings().weight.copy_(emb @ proj)
-        vhead = head @ proj + noise * torch.randn(vocab, 512, generator=g) / 512**0.5 * 128**0.5
-        verifier.get_output_embeddings().weight.copy_(vhead)
-    for m in (verifier, drafter):
-        m.generation_config.eos_token_id = None
-        m.generation_config.pad_token_id = 0
-        m.generation_config.bos_token_id = None
-    return verifier, drafter
-
-
 def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
     t0 = time.perf_counter()
     out = fn()
@@ -110,7 +67,7 @@ def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
-    verifier, drafter = build_pair(noise=args.noise, seed=args.seed)
+    verifier, drafter = random_pair(noise=args.noise, seed=args.seed)
     verifier.to(args.device)
     drafter.to(args.device)
     drafter.generation_config.num_assistant_tokens = args.gamma

@@ -1,9 +1,9 @@
 """Asynchronous (AMUSD) against synchronous speculative decoding on this machine (docs/async.md).
 
-    python scripts/async_bench.py                      # benchmark pair and embedded pair, greedy
-    python scripts/async_bench.py --pairs bench --tokens 128 --prompts 4 --repeats 3
-    python scripts/async_bench.py --pairs bench --devices cuda:0 cuda:1 --threads 1   # two GPUs
-    python scripts/async_bench.py --pairs smollm2 --dtypes bfloat16 float32   # the real pair, both dtypes
+    python scripts/bench.py async                      # benchmark pair and embedded pair, greedy
+    python scripts/bench.py async --pairs bench --tokens 128 --prompts 4 --repeats 3
+    python scripts/bench.py async --pairs bench --devices cuda:0 cuda:1 --threads 1   # two GPUs
+    python scripts/bench.py async --pairs smollm2 --dtypes bfloat16 float32   # the real pair, both dtypes
 
 In one run, on the same prompts, interleaved: autoregressive decoding and synchronous chain SD at
 each gamma with ``--threads`` intra-op threads (the two cores for one model at a time), and
@@ -17,65 +17,48 @@ both were busy at once (overlap).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import time
 from typing import Any
 
 import torch
 
-from train.benchmarks.decoders_bench import build_pair
+from research.pairs import checkpoints, load_pair, pair_setup, random_pair, random_prompts
 from train.cli.console import device_argument
-from train.cli.pair_setup import pair_setup
 from train.decoding import AsyncSpeculativeDecoder, AutoregressiveDecoder, DecodeStats, SpeculativeDecoder
-from train.evaluation import build_prompts
 from train.evaluation.greedy import classify_difference
-from train.models.loading import eos_token_ids, load_model, load_tokenizer
-from train.paths import project_root
+from train.models.loading import eos_token_ids
 from train.tables import format_value, markdown_table
 
 
 def _pairs(
     names: list[str], n: int, dtypes: list[str]
 ) -> dict[str, tuple[Any, Any, list[torch.Tensor], list[int] | None]]:
-    """{label: (verifier, drafter, prompts, eos ids or None)}: random prompts for the random benchmark pair,
-    prompts cut from the embedded corpus's test split for the embedded pair, held-out chat prompts
-    (whole, up to 256 tokens) for the real pair, once per dtype."""
-    out = {}
+    """{label: (verifier, drafter, prompts, eos ids or None)}: the random benchmark pair on random prompts,
+    the embedded and the real pair on their own held-out prompts (:func:`research.pairs.pair_setup`), the
+    real pair once per dtype."""
+    out: dict[str, tuple[Any, Any, list[torch.Tensor], list[int] | None]] = {}
     if "bench" in names:
-        verifier, drafter = build_pair()
-        g = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(1, verifier.config.vocab_size, (1, 48), generator=g) for _ in range(n)]
-        out["benchmark pair (30M / 2.5M, random, shared bigram structure)"] = (
-            verifier,
-            drafter,
-            prompts,
-            None,
-        )
+        verifier, drafter = random_pair()
+        label = "benchmark pair (30M / 2.5M, random, shared bigram structure)"
+        out[label] = (verifier, drafter, random_prompts(n), None)
     if "tiny" in names:
-        tiny = os.path.join(project_root(), "checkpoints", "tiny")
-        tokenizer = load_tokenizer(os.path.join(tiny, "verifier"))
-        out["embedded pair (tiny verifier / drafter)"] = (
-            load_model(os.path.join(tiny, "verifier")).eval(),
-            load_model(os.path.join(tiny, "drafter")).eval(),
-            build_prompts(tokenizer, num_prompts=n, prompt_len=48),
-            None,
-        )
+        setup = pair_setup(checkpoints("tiny"))
+        pair = load_pair(setup)
+        prompts = setup.prompts(pair.tokenizer, n)
+        out["embedded pair (tiny verifier / drafter)"] = (pair.verifier, pair.drafter, prompts, None)
     if "smollm2" in names:
-        smol = os.path.join(project_root(), "checkpoints", "smollm2")
-        if not os.path.isdir(os.path.join(smol, "drafter")):
+        setup = pair_setup(checkpoints("smollm2"))
+        if not setup.real_pair:
             raise SystemExit(
                 "error: the real pair is not built; run `python train.py experiment=distillspec` once"
             )
-        tokenizer = load_tokenizer(os.path.join(smol, "verifier"))
-        prompts = pair_setup(smol).prompts(tokenizer, n)  # as trees.py and the real-pair experiments
         for dtype in dtypes:
-            verifier = load_model(os.path.join(smol, "verifier"), dtype=dtype).eval()
-            out[f"real pair (SmolLM2-135M-Instruct / its drafter), {dtype}"] = (
-                verifier,
-                load_model(os.path.join(smol, "drafter"), dtype=dtype).eval(),
-                prompts,
-                eos_token_ids(tokenizer, verifier),
-            )
+            pair = load_pair(dataclasses.replace(setup, dtype=dtype))
+            label = f"real pair (SmolLM2-135M-Instruct / its drafter), {dtype}"
+            prompts = setup.prompts(pair.tokenizer, n)
+            out[label] = (pair.verifier, pair.drafter, prompts, eos_token_ids(pair.tokenizer, pair.verifier))
     return out
 
 
@@ -107,7 +90,7 @@ def run_pair(
                     pin_cores=(0, 1) if args.devices[0].type == "cpu" else None,
                 )
                 decoders[f"async max_block {block}, idle {idle}, min_ahead {min_ahead}"] = (decoder, 1)
-    reference = {}
+    reference: dict[int, list[int]] = {}
     stats: dict[str, list[DecodeStats]] = {name: [] for name in decoders}
     ties = dict.fromkeys(decoders, 0)  # outputs that differ from the first one at a low-precision tie
     for decoder, threads in decoders.values():  # warm-up
@@ -157,8 +140,7 @@ def _tps(runs: list[DecodeStats]) -> float:
     return sum(s.new_tokens for s in runs) / sum(s.wall_time for s in runs)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pairs", nargs="+", default=["bench", "tiny"], choices=["bench", "tiny", "smollm2"])
     parser.add_argument(
         "--dtypes", nargs="+", default=["bfloat16"], help="the real pair's dtypes (one table each)"
@@ -191,11 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=["auto"],
         help="verifier's device, then the drafter's (cuda:0 cuda:1); default auto: CUDA when available",
     )
-    return parser
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+def main(args: argparse.Namespace) -> None:
     args.devices = [device_argument("--devices")(d) if isinstance(d, str) else d for d in args.devices]
     start = time.perf_counter()
     with torch.inference_mode():
@@ -225,7 +205,3 @@ def main(argv: list[str] | None = None) -> None:
         f"prompt; tokens/s = all tokens / all wall seconds; {len(os.sched_getaffinity(0))} cores; "
         f"wall {time.perf_counter() - start:.0f} s"
     )
-
-
-if __name__ == "__main__":
-    main()

@@ -1,4 +1,4 @@
-"""train.cli.pair_setup: what the research scripts decode with, for a pair folder and for a heads run."""
+"""research.pairs: what the benchmarks and research scripts decode with, for a pair folder and a heads run."""
 
 from __future__ import annotations
 
@@ -6,10 +6,21 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
-import train.cli.pair_setup as pair_setup_module
-from train.cli.pair_setup import conf_data, heads_setup, newest_heads, pair_setup
+import research.pairs as pair_setup_module
+from research.pairs import (
+    conf_data,
+    heads_setup,
+    load_pair,
+    newest_eagle3,
+    newest_heads,
+    pair_setup,
+    random_pair,
+    random_prompts,
+)
+from tests.conftest import make_tokenizer, tiny_llama
 
 
 def test_a_pair_without_the_real_pairs_manifest_runs_like_the_tiny_pair(tmp_path: Path) -> None:
@@ -81,12 +92,49 @@ def test_heads_without_a_run_config_fall_back_to_the_tiny_pair(tmp_path: Path, m
     assert (setup.dtype, setup.prompt_len, setup.answers, setup.data.name) == ("float32", 64, None, "stdlib")
 
 
-def test_newest_heads_is_the_last_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _finished(folder: Path) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    return folder
+
+
+def test_the_newest_finished_run_wins_by_its_start_time_across_experiments(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One rule for every "newest run" (train.rundir.newest_artifact): finished (its artifact has a
+    config.json), and newest by the run directory's name (its start time), not by file times."""
     monkeypatch.setenv("DRAFTSMITH_ROOT", str(tmp_path))
-    assert newest_heads() is None
-    for i, experiment in enumerate(("medusa2", "medusa")):
-        folder = tmp_path / "checkpoints" / experiment / "run" / "heads"
-        folder.mkdir(parents=True)
-        os.utime(folder, (i, i))
-    assert newest_heads() == str(tmp_path / "checkpoints" / "medusa" / "run" / "heads")
-    assert newest_heads("medusa2") == str(tmp_path / "checkpoints" / "medusa2" / "run" / "heads")
+    checkpoints = tmp_path / "checkpoints"
+    assert newest_heads() is None and newest_eagle3() is None
+    older = _finished(checkpoints / "medusa2" / "2026-01-01_00-00-00" / "heads")
+    newer = _finished(checkpoints / "medusa" / "2026-01-02_00-00-00" / "heads")
+    (checkpoints / "medusa" / "2026-01-03_00-00-00" / "heads").mkdir(parents=True)  # unfinished
+    os.utime(older, (10**9 * 2, 10**9 * 2))  # touched last: file times do not decide
+    os.utime(newer, (0, 0))
+    assert newest_heads() == str(newer)
+    assert newest_heads("medusa2") == str(older)
+    drafter = _finished(checkpoints / "eagle3" / "2026-01-01_00-00-00" / "eagle3")
+    assert newest_eagle3() == str(drafter)
+
+
+def test_a_pair_folder_loads_in_its_setups_dtype_with_its_prompts(tmp_path: Path) -> None:
+    tokenizer = make_tokenizer()
+    for role, hidden in (("verifier", 64), ("drafter", 32)):
+        tiny_llama(hidden=hidden).save_pretrained(tmp_path / role)
+        tokenizer.save_pretrained(tmp_path / role)
+    setup = pair_setup(str(tmp_path))
+    pair = load_pair(setup)
+    assert pair.dtype == torch.float32 and pair.verifier.dtype == pair.drafter.dtype == torch.float32
+    assert not pair.verifier.training and pair.verifier.config.hidden_size == 64
+    assert load_pair(setup, with_drafter=False).drafter is None
+    mixed = load_pair(setup, drafter=str(tmp_path / "verifier"))
+    assert mixed.drafter.config.hidden_size == 64
+
+
+def test_the_random_benchmark_pair_and_prompts_are_seeded() -> None:
+    a, b = random_pair(vocab=64), random_pair(vocab=64)
+    assert torch.equal(a[0].lm_head.weight, b[0].lm_head.weight)
+    assert a[0].config.hidden_size == 512 and a[1].config.hidden_size == 128
+    prompts = random_prompts(3, length=5, vocab=64)
+    assert [p.shape for p in prompts] == [(1, 5)] * 3
+    assert all(torch.equal(x, y) for x, y in zip(prompts, random_prompts(3, length=5, vocab=64), strict=True))

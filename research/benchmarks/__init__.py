@@ -1,0 +1,1 @@
+"""One module per ``python scripts/bench.py`` subcommand: ``add_arguments(parser)`` and ``main(args)``."""

@@ -1,1 +1,0 @@
-"""Benchmarks run by ``python scripts/bench.py <name>``; one module per benchmark."""
