@@ -36,6 +36,13 @@ def require(condition: bool, key: str, allowed: str, value: Any) -> None:
         raise ConfigError(f"{key} must be {allowed}, got {value!r}")
 
 
+def require_decoder_shape(prefix: str, hidden_size: int, num_heads: int, num_layers: int) -> None:
+    """The checks every Llama recipe we build shares (``prefix``: its config key, ``model.tiny.*``):
+    heads divide the hidden size, at least one layer."""
+    require(hidden_size % num_heads == 0, f"{prefix}.num_heads", "a divisor of hidden_size", num_heads)
+    require(num_layers >= 1, f"{prefix}.num_layers", ">= 1", num_layers)
+
+
 def looks_local(path: str) -> bool:
     """True when ``path`` is meant as a filesystem path rather than a Hub id."""
     return path.startswith(("/", "./", "../", "~")) or path.count("/") > 1 or os.path.exists(path)

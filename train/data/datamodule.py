@@ -57,17 +57,32 @@ def _val_split(splits: Splits) -> Dataset | None:
 
 
 class _SplitDataModule(L.LightningDataModule):
-    """What both data modules share: one stateful, seeded-shuffle loader per split (resumable mid-epoch).
-    A subclass sets ``batch_size``, ``num_workers``, ``pin_memory``, ``seed``, ``shuffle`` and the datasets
-    in ``setup``."""
+    """What both data modules share: their splits and tokenizer, the loader settings, and one stateful,
+    seeded-shuffle loader per split (resumable mid-epoch). A subclass builds the datasets in ``setup``."""
 
-    batch_size: int
-    num_workers: int
-    pin_memory: bool
-    seed: int
-    shuffle: bool
-    train_dataset: Dataset | None
-    val_dataset: Dataset | None
+    def __init__(
+        self,
+        splits: SplitsArg,
+        tokenizer: Any,
+        batch_size: int,
+        num_workers: int,
+        *,
+        seed: int,
+        shuffle: bool,
+        text_column: str,
+        pin_memory: bool,
+    ) -> None:
+        super().__init__()
+        self._splits_arg = splits
+        self.tokenizer = _resolve_tokenizer(tokenizer)
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.pin_memory = pin_memory
+        self.seed = seed
+        self.shuffle = shuffle
+        self.text_column = text_column
+        self.train_dataset: Dataset | None = None
+        self.val_dataset: Dataset | None = None
 
     def setup(self, stage: str | None = None) -> None:
         """Build the datasets (once)."""
@@ -116,19 +131,12 @@ class LMDataModule(_SplitDataModule):
         text_column: str = "text",
         pin_memory: bool = False,
     ) -> None:
-        super().__init__()
-        self._splits_arg = splits
-        self.tokenizer = _resolve_tokenizer(tokenizer)
+        super().__init__(
+            splits, tokenizer, batch_size, num_workers,
+            seed=seed, shuffle=shuffle, text_column=text_column, pin_memory=pin_memory,
+        )  # fmt: skip
         self.seq_len = seq_len
-        self.batch_size = batch_size
-        self.num_workers = num_workers
-        self.pin_memory = pin_memory
-        self.shuffle = shuffle
-        self.seed = seed
         self.drop_last = drop_last
-        self.text_column = text_column
-        self.train_dataset: Dataset | None = None
-        self.val_dataset: Dataset | None = None
         self.test_dataset: Dataset | None = None
 
     def setup(self, stage: str | None = None) -> None:
@@ -190,23 +198,16 @@ class PromptDataModule(_SplitDataModule):
         text_column: str = "text",
         pin_memory: bool = False,
     ) -> None:
-        super().__init__()
-        self._splits_arg = splits
-        self.tokenizer = _resolve_tokenizer(tokenizer)
+        super().__init__(
+            splits, tokenizer, batch_size, num_workers,
+            seed=seed, shuffle=shuffle, text_column=text_column, pin_memory=pin_memory,
+        )  # fmt: skip
         self.prompt_len = prompt_len
-        self.batch_size = batch_size
-        self.num_workers = num_workers
-        self.pin_memory = pin_memory
         self.continuation_len = continuation_len
         self.max_prompts = max_prompts
         self.max_val_prompts = max_val_prompts
         self.mode = mode
         self.prompts_per_doc = prompts_per_doc
-        self.seed = seed
-        self.shuffle = shuffle
-        self.text_column = text_column
-        self.train_dataset: Dataset | None = None
-        self.val_dataset: Dataset | None = None
 
     @property
     def pad_id(self) -> int:

@@ -43,7 +43,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from train.config import require
+from train.config import require, require_decoder_shape
 from train.data.chat import chat_set_fingerprint
 from train.data.generic_text import generic_text, generic_text_fingerprint
 from train.data.lm import pack_sequences
@@ -78,13 +78,7 @@ class SmolDrafterSpec:
     seq_len: int = 256
 
     def __post_init__(self) -> None:
-        require(
-            self.hidden_size % self.num_heads == 0,
-            "model.smollm2.drafter.num_heads",
-            "a divisor of hidden_size",
-            self.num_heads,
-        )
-        require(self.num_layers >= 1, "model.smollm2.drafter.num_layers", ">= 1", self.num_layers)
+        require_decoder_shape("model.smollm2.drafter", self.hidden_size, self.num_heads, self.num_layers)
         require(
             self.draft_vocab_size >= 16,
             "model.smollm2.drafter.draft_vocab_size",

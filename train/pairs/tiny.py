@@ -26,7 +26,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel, get_cosine_schedule_with_warmup
 
-from train.config import TrainerConfig, require
+from train.config import TrainerConfig, require, require_decoder_shape
 from train.data.corpus import build_corpus
 from train.data.lm import pack_sequences
 from train.data.tokenizer import train_tokenizer
@@ -56,13 +56,7 @@ class TinyModelSpec:
 
     def __post_init__(self) -> None:
         require(self.hidden_size >= 8, "model.tiny.*.hidden_size", ">= 8", self.hidden_size)
-        require(
-            self.hidden_size % self.num_heads == 0,
-            "model.tiny.*.num_heads",
-            "a divisor of hidden_size",
-            self.num_heads,
-        )
-        require(self.num_layers >= 1, "model.tiny.*.num_layers", ">= 1", self.num_layers)
+        require_decoder_shape("model.tiny.*", self.hidden_size, self.num_heads, self.num_layers)
         require(self.max_steps >= 1, "model.tiny.*.max_steps", ">= 1", self.max_steps)
         require(self.lr > 0, "model.tiny.*.lr", "> 0", self.lr)
         require(0 < self.train_fraction <= 1, "model.tiny.*.train_fraction", "in (0, 1]", self.train_fraction)

@@ -4,7 +4,8 @@ A method config holds ``optimizer`` / ``scheduler`` as Hydra ``_partial_: true``
 ``functools.partial`` once instantiated); :func:`check_optimizer` validates them at start-up and
 :func:`configure_optimizers` turns them into what Lightning's ``configure_optimizers`` returns.
 :func:`float32_trainables` gives every trainable parameter (and so its optimizer state) float32
-master weights; :func:`clip_gradients` is the body of every method's ``configure_gradient_clipping``,
+master weights; :func:`clip_gradients` is the body of every method's ``configure_gradient_clipping``
+(:class:`WholeNormClipping` for the methods that clip by one norm over everything that trains),
 correct on one device, under DDP and under FSDP (docs/scale.md).
 This module sits at the bottom of the layering: it imports only :mod:`train.config` of ours.
 """
@@ -24,6 +25,7 @@ from torch.distributed.fsdp import ShardingStrategy
 from train.config import require
 
 __all__ = [
+    "WholeNormClipping",
     "check_optimizer",
     "clip_grad_norm",
     "clip_gradients",
@@ -161,3 +163,19 @@ def clip_gradients(
     process_group = getattr(root, "process_group", None) if sharded else None
     for params in groups:
         clip_grad_norm(params, float(clip_val), process_group, module.device)
+
+
+class WholeNormClipping:
+    """A LightningModule mixin (listed before ``L.LightningModule``): Lightning's gradient clipping, the norm
+    taken over everything that trains, also when FSDP shards it (:func:`clip_gradients`)."""
+
+    def configure_gradient_clipping(
+        self,
+        optimizer: torch.optim.Optimizer,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
+        module = self if isinstance(self, L.LightningModule) else None
+        if module is None:
+            raise TypeError(f"{type(self).__name__}: WholeNormClipping is a LightningModule mixin")
+        clip_gradients(module, optimizer, gradient_clip_val, gradient_clip_algorithm)

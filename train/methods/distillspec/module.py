@@ -61,7 +61,7 @@ from train.models.draft_vocab import (
 )
 from train.models.lora import apply_lora
 from train.training.optim import (
-    clip_gradients,
+    WholeNormClipping,
     configure_optimizers,
     float32_trainables,
     weights_dtype,
@@ -73,7 +73,7 @@ from train.training.seeding import mix_seed, seeded_generator
 log = logging.getLogger(__name__)
 
 
-class DistillSpecModule(DistillSpecFinish, L.LightningModule):
+class DistillSpecModule(DistillSpecFinish, WholeNormClipping, L.LightningModule):
     """The drafter learns the verifier's next-token distributions on continuation tokens.
 
     ``pretrained``: loads the drafter as it was before training (the finish step's ``before``);
@@ -157,15 +157,6 @@ class DistillSpecModule(DistillSpecFinish, L.LightningModule):
     def configure_optimizers(self) -> Any:
         params = [p for p in self.student.parameters() if p.requires_grad]
         return configure_optimizers(params, self.cfg.optimizer, self.cfg.scheduler)
-
-    def configure_gradient_clipping(
-        self,
-        optimizer: Any,
-        gradient_clip_val: float | None = None,
-        gradient_clip_algorithm: str | None = None,
-    ) -> None:
-        """Lightning's clipping, with the norm taken over the whole sharded drafter under FSDP."""
-        clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def _generator(self, *salt: int) -> torch.Generator:
         """Seeded by (run seed, salt): reproducible on resume, distinct per rank."""

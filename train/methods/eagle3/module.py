@@ -54,12 +54,12 @@ from train.models.eagle3_ttt import (
 )
 from train.training.across_ranks import summed_over_ranks
 from train.training.callbacks import describe_nonfinite, nonfinite_losses
-from train.training.optim import clip_gradients, configure_optimizers, weights_dtype
+from train.training.optim import WholeNormClipping, configure_optimizers, weights_dtype
 
 log = logging.getLogger(__name__)
 
 
-class Eagle3Module(Eagle3Finish, L.LightningModule):
+class Eagle3Module(Eagle3Finish, WholeNormClipping, L.LightningModule):
     """Trains ``drafter`` on ``verifier``'s features (see the module docstring)."""
 
     verifier: Any
@@ -136,15 +136,6 @@ class Eagle3Module(Eagle3Finish, L.LightningModule):
     def configure_optimizers(self) -> Any:
         params = [p for p in self.drafter.parameters() if p.requires_grad]
         return configure_optimizers(params, self.cfg.optimizer, self.cfg.scheduler)
-
-    def configure_gradient_clipping(
-        self,
-        optimizer: Any,
-        gradient_clip_val: float | None = None,
-        gradient_clip_algorithm: str | None = None,
-    ) -> None:
-        """Lightning's clipping, with the norm taken over everything sharded under FSDP."""
-        clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def verifier_pass(
         self, batch: dict[str, torch.Tensor]

@@ -51,7 +51,7 @@ from train.models.lora import apply_lora
 from train.training.across_ranks import summed_over_ranks
 from train.training.callbacks import describe_nonfinite, nonfinite_losses
 from train.training.optim import (
-    clip_gradients,
+    WholeNormClipping,
     configure_optimizers,
     float32_trainables,
     partial_kwarg,
@@ -122,7 +122,7 @@ def unpack(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor |
     return ids, batch.get("attention_mask"), targets
 
 
-class MedusaModule(MedusaFinish, L.LightningModule):
+class MedusaModule(MedusaFinish, WholeNormClipping, L.LightningModule):
     """Trains ``heads`` (and, for Medusa-2, LoRA adapters on ``verifier``); see the module docstring."""
 
     def __init__(
@@ -173,15 +173,6 @@ class MedusaModule(MedusaFinish, L.LightningModule):
             {"params": list(self.heads.parameters()), "lr": lr * self.cfg.heads_lr_multiplier},
         ]
         return configure_optimizers(groups, self.cfg.optimizer, self.cfg.scheduler)
-
-    def configure_gradient_clipping(
-        self,
-        optimizer: Any,
-        gradient_clip_val: float | None = None,
-        gradient_clip_algorithm: str | None = None,
-    ) -> None:
-        """Lightning's clipping, with the norm taken over everything sharded under FSDP."""
-        clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def _backbone_trains(self) -> bool:
         return self.cfg.joint and self.training and self.global_step >= self.cfg.backbone_frozen_steps
