@@ -284,13 +284,15 @@ def _settings_of(node: Any) -> list[str]:
         return [str(k) for k in node if not str(k).startswith("_")]
 
 
-#: ``_target_`` names that moved in the 0.2 layout, old -> new: configs written for the old layout still
-#: build, with one deprecation line each (train.log and the terminal's warnings).
+#: ``_target_`` names that moved (the 0.2 layout; the pair recipes' classes, 2026-11-28), old -> new:
+#: configs written before still build, with one deprecation line each (train.log and the terminal's warnings).
 RENAMED_TARGETS: dict[str, str] = {
     "train.models.tiny.TinyPairConfig": "train.pairs.tiny.TinyPairConfig",
-    "train.models.tiny.TinyModelSpec": "train.pairs.tiny.TinyModelSpec",
+    "train.models.tiny.TinyModelSpec": "train.pairs.tiny.TinyModelRecipe",
+    "train.pairs.tiny.TinyModelSpec": "train.pairs.tiny.TinyModelRecipe",
     "train.models.smol_pair.SmolPairConfig": "train.pairs.smollm2_pair.SmolPairConfig",
-    "train.models.smol_pair.SmolDrafterSpec": "train.pairs.smollm2_pair.SmolDrafterSpec",
+    "train.models.smol_pair.SmolDrafterSpec": "train.pairs.smollm2_pair.SmolDrafterRecipe",
+    "train.pairs.smollm2_pair.SmolDrafterSpec": "train.pairs.smollm2_pair.SmolDrafterRecipe",
     "train.methods.distillspec.DistillSpecConfig": "train.methods.distillspec.config.DistillSpecConfig",
     "train.methods.medusa.MedusaConfig": "train.methods.medusa.config.MedusaConfig",
     "train.methods.steering.SteeringConfig": "train.methods.steering.config.SteeringConfig",

@@ -18,7 +18,7 @@ from train.config import ConfigError
 from train.hardware import best_dtype
 from train.models.answers import answer_length, generate_answers, load_answers, save_answers
 from train.pairs.smollm2_pair import (
-    SmolDrafterSpec,
+    SmolDrafterRecipe,
     SmolPairConfig,
     coverage,
     new_drafter,
@@ -92,7 +92,7 @@ def test_projected_embeddings_keep_the_verifiers_geometry() -> None:
 
 def test_new_drafter_has_the_verifiers_vocabulary_and_its_draft_vocabulary() -> None:
     verifier = _llama(hidden=48)
-    spec = SmolDrafterSpec(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=32)
+    spec = SmolDrafterRecipe(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=32)
     drafter = new_drafter(verifier, spec, [2, 4, 9], seed=0)
     assert drafter.config.vocab_size == 260 and drafter.config.draft_vocab == [2, 4, 9]
     assert (
@@ -107,7 +107,7 @@ def test_the_cache_is_reused_only_for_the_same_recipe(tmp_path: Path, monkeypatc
     import train.pairs.smollm2_pair as smol
 
     monkeypatch.setattr(smol, "chat_set_fingerprint", lambda: "set-a")
-    cfg = SmolPairConfig(out_dir=str(tmp_path), drafter=SmolDrafterSpec())
+    cfg = SmolPairConfig(out_dir=str(tmp_path), drafter=SmolDrafterRecipe())
     assert "no SmolLM2 pair" in str(stale_reason(cfg))
     (tmp_path / "pair.json").write_text(json.dumps({"recipe_hash": cfg.recipe_hash(), "chat_set": "set-a"}))
     for role in ("verifier", "drafter"):
@@ -127,7 +127,7 @@ def test_pretraining_over_a_draft_vocabulary_counts_only_the_targets_inside_it()
 
     model = _llama()
     draft = torch.tensor([3, 5, 9, 11])
-    module = PretrainModule(model, pretrain_config(SmolDrafterSpec(max_steps=10)), draft_ids=draft)
+    module = PretrainModule(model, pretrain_config(SmolDrafterRecipe(max_steps=10)), draft_ids=draft)
     ids = torch.tensor([[1, 3, 5, 200, 9, 11, 3]])  # 200 is outside: the position before it is no target
     loss, hits, n = module._loss_and_correct({"input_ids": ids})
     logits = model(ids).logits[0, :-1][:, draft]
@@ -141,7 +141,7 @@ def test_pretraining_over_a_draft_vocabulary_counts_only_the_targets_inside_it()
 
 def test_a_bad_drafter_recipe_names_its_key() -> None:
     with pytest.raises(ConfigError, match="model.smollm2.drafter.num_heads"):
-        SmolDrafterSpec(hidden_size=250, num_heads=4)
+        SmolDrafterRecipe(hidden_size=250, num_heads=4)
 
 
 def test_best_dtype_is_one_the_machine_computes_natively() -> None:
@@ -157,7 +157,7 @@ def test_a_pair_built_on_another_chat_prompt_set_is_rebuilt(tmp_path: Path, monk
     import train.pairs.smollm2_pair as smol
 
     monkeypatch.setattr(smol, "chat_set_fingerprint", lambda: "set-a")
-    cfg = SmolPairConfig(out_dir=str(tmp_path), drafter=SmolDrafterSpec())
+    cfg = SmolPairConfig(out_dir=str(tmp_path), drafter=SmolDrafterRecipe())
     for role in ("verifier", "drafter"):
         (tmp_path / role).mkdir()
         (tmp_path / role / "config.json").write_text("{}")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import train.pairs.tiny as tiny
-from train.pairs.tiny import TinyModelSpec, TinyPairConfig, ensure_tiny_pair, stale_reason
+from train.pairs.tiny import TinyModelRecipe, TinyPairConfig, ensure_tiny_pair, stale_reason
 
 
 def micro_recipe(tmp_path: Path, **changes) -> TinyPairConfig:
@@ -16,8 +16,8 @@ def micro_recipe(tmp_path: Path, **changes) -> TinyPairConfig:
     fields = dict(
         out_dir=str(tmp_path / "tiny"),
         corpus_dir=str(tmp_path / "corpus"),
-        verifier=TinyModelSpec(**spec),
-        drafter=TinyModelSpec(**spec | {"hidden_size": 8, "train_fraction": 0.3}),
+        verifier=TinyModelRecipe(**spec),
+        drafter=TinyModelRecipe(**spec | {"hidden_size": 8, "train_fraction": 0.3}),
         vocab_size=300,
         seq_len=64,
         batch_size=2,

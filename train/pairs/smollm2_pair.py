@@ -62,7 +62,7 @@ MANIFEST = "pair.json"
 
 
 @dataclass
-class SmolDrafterSpec:
+class SmolDrafterRecipe:
     """The drafter's shape and its pretraining schedule (on generic text, :mod:`train.data.generic_text`)."""
 
     hidden_size: int = 256
@@ -96,7 +96,7 @@ class SmolPairConfig:
     only the answers, :func:`train.training.pair_answers.pair_answers`)."""
 
     out_dir: str
-    drafter: SmolDrafterSpec
+    drafter: SmolDrafterRecipe
     train_prompts: int = 1024
     val_prompts: int = 48
     answer_tokens: int = 128
@@ -111,7 +111,7 @@ class SmolPairConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.drafter, dict):
-            self.drafter = SmolDrafterSpec(**self.drafter)
+            self.drafter = SmolDrafterRecipe(**self.drafter)
         require(
             self.answer_engine in ANSWER_ENGINES,
             "model.smollm2.answer_engine",
@@ -125,7 +125,7 @@ class SmolPairConfig:
         require(self.sampled_answers >= 0, "model.smollm2.sampled_answers", ">= 0", self.sampled_answers)
 
     def recipe_hash(self) -> str:
-        """What the built drafter depends on: its spec and the seed (not the answers' recipe)."""
+        """What the built drafter depends on: its recipe and the seed (not the answers' recipe)."""
         recipe = {"drafter": asdict(self.drafter), "seed": self.seed, "pretraining": "generic_text/1"}
         return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -195,16 +195,16 @@ def coverage(counts: Counter[int], ids: list[int]) -> float:
     return sum(counts[i] for i in ids) / max(1, sum(counts.values()))
 
 
-def drafter_config(verifier_config: Any, spec: SmolDrafterSpec) -> LlamaConfig:
-    head_dim = spec.hidden_size // spec.num_heads
+def drafter_config(verifier_config: Any, recipe: SmolDrafterRecipe) -> LlamaConfig:
+    head_dim = recipe.hidden_size // recipe.num_heads
     return LlamaConfig(
         vocab_size=verifier_config.vocab_size,
-        hidden_size=spec.hidden_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads,
+        hidden_size=recipe.hidden_size,
+        num_hidden_layers=recipe.num_layers,
+        num_attention_heads=recipe.num_heads,
+        num_key_value_heads=recipe.num_kv_heads,
         head_dim=head_dim,
-        intermediate_size=spec.intermediate_size,
+        intermediate_size=recipe.intermediate_size,
         max_position_embeddings=verifier_config.max_position_embeddings,
         rope_parameters=getattr(verifier_config, "rope_parameters", None),
         rms_norm_eps=verifier_config.rms_norm_eps,
@@ -227,12 +227,14 @@ def projected_embeddings(verifier_embeddings: torch.Tensor, width: int) -> torch
     return projected * (width**-0.5 / projected.pow(2).mean().sqrt())
 
 
-def new_drafter(verifier: Any, spec: SmolDrafterSpec, draft_ids: list[int], seed: int) -> LlamaForCausalLM:
+def new_drafter(
+    verifier: Any, recipe: SmolDrafterRecipe, draft_ids: list[int], seed: int
+) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    drafter = LlamaForCausalLM(drafter_config(verifier.config, spec))
+    drafter = LlamaForCausalLM(drafter_config(verifier.config, recipe))
     embeddings: Any = drafter.get_input_embeddings()
     embeddings.weight.data.copy_(
-        projected_embeddings(verifier.get_input_embeddings().weight, spec.hidden_size)
+        projected_embeddings(verifier.get_input_embeddings().weight, recipe.hidden_size)
     )
     drafter.tie_weights()
     set_draft_vocab(drafter, draft_ids)
@@ -240,35 +242,35 @@ def new_drafter(verifier: Any, spec: SmolDrafterSpec, draft_ids: list[int], seed
     return drafter
 
 
-def pretrain_config(spec: SmolDrafterSpec) -> PretrainConfig:
-    """AdamW with a warm-up and a cosine decay over ``spec.max_steps``."""
+def pretrain_config(recipe: SmolDrafterRecipe) -> PretrainConfig:
+    """AdamW with a warm-up and a cosine decay over ``recipe.max_steps``."""
     from transformers import get_cosine_schedule_with_warmup
 
     return PretrainConfig(
-        optimizer=functools.partial(torch.optim.AdamW, lr=spec.lr, weight_decay=0.01, betas=(0.9, 0.95)),
+        optimizer=functools.partial(torch.optim.AdamW, lr=recipe.lr, weight_decay=0.01, betas=(0.9, 0.95)),
         scheduler=functools.partial(
             get_cosine_schedule_with_warmup,
-            num_warmup_steps=max(1, spec.max_steps // 20),
-            num_training_steps=spec.max_steps,
+            num_warmup_steps=max(1, recipe.max_steps // 20),
+            num_training_steps=recipe.max_steps,
         ),
-        seq_len=spec.seq_len,
-        batch_size=spec.batch_size,
+        seq_len=recipe.seq_len,
+        batch_size=recipe.batch_size,
     )
 
 
 def train_drafter(
-    drafter: LlamaForCausalLM, blocks: dict[str, Dataset], spec: SmolDrafterSpec, log_dir: str, seed: int
+    drafter: LlamaForCausalLM, blocks: dict[str, Dataset], recipe: SmolDrafterRecipe, log_dir: str, seed: int
 ) -> dict[str, float]:
     """Pretrain the drafter over its draft vocabulary on the packed text; the last validation figures."""
     ids = torch.tensor(drafter.config.draft_vocab, dtype=torch.long)
-    module = PretrainModule(drafter, pretrain_config(spec), draft_ids=ids)
+    module = PretrainModule(drafter, pretrain_config(recipe), draft_ids=ids)
     trainer = L.Trainer(
         accelerator="auto",  # a GPU when there is one: this rank's, as any rank may win the build's lock
         devices=one_local_device("auto"),
         # float32 weights and optimizer state; the matrix products in bf16 where the CPU has it (2x faster)
         precision="bf16-mixed" if best_dtype() == "bfloat16" else "32-true",
-        max_steps=spec.max_steps,
-        val_check_interval=max(1, spec.max_steps // 2),  # halfway and at the end: the figures reported
+        max_steps=recipe.max_steps,
+        val_check_interval=max(1, recipe.max_steps // 2),  # halfway and at the end: the figures reported
         check_val_every_n_epoch=None,
         logger=CSVLogger(save_dir=log_dir, name="drafter", version=""),
         callbacks=[StepProgressBar()],
@@ -284,14 +286,14 @@ def train_drafter(
         module,
         train_dataloaders=DataLoader(
             blocks["train"].with_format("torch"),  # type: ignore[arg-type]
-            batch_size=spec.batch_size,
+            batch_size=recipe.batch_size,
             shuffle=True,
             drop_last=True,
             generator=torch.Generator().manual_seed(seed),
         ),
         val_dataloaders=DataLoader(
             val.select(range(min(len(val), 128))),  # type: ignore[arg-type]
-            batch_size=spec.batch_size,
+            batch_size=recipe.batch_size,
         ),
     )
     return {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
@@ -305,18 +307,18 @@ def build_smol_pair(cfg: SmolPairConfig) -> dict[str, Any]:
     conversion = ensure_smollm2(verifier_dir(cfg))
     t_convert = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(verifier_dir(cfg))
-    spec = cfg.drafter
-    blocks, text_fingerprint = text_blocks(tokenizer, spec.seq_len)
+    recipe = cfg.drafter
+    blocks, text_fingerprint = text_blocks(tokenizer, recipe.seq_len)
     counts = token_counts(blocks["train"])
-    draft_ids = frequent_tokens(counts, spec.draft_vocab_size, eos_ids(tokenizer))
+    draft_ids = frequent_tokens(counts, recipe.draft_vocab_size, eos_ids(tokenizer))
     t_text = time.perf_counter()
 
     verifier = AutoModelForCausalLM.from_pretrained(verifier_dir(cfg), dtype=torch.float32)
-    drafter = new_drafter(verifier, spec, draft_ids, cfg.seed)  # the verifier's input table, projected
+    drafter = new_drafter(verifier, recipe, draft_ids, cfg.seed)  # the verifier's input table, projected
     del verifier
     tmp = out / "drafter.building"
     shutil.rmtree(tmp, ignore_errors=True)
-    metrics = train_drafter(drafter, blocks, spec, str(out / "logs"), cfg.seed)
+    metrics = train_drafter(drafter, blocks, recipe, str(out / "logs"), cfg.seed)
     drafter.eval()
     drafter.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
@@ -328,7 +330,7 @@ def build_smol_pair(cfg: SmolPairConfig) -> dict[str, Any]:
         "recipe_hash": cfg.recipe_hash(),
         "chat_set": chat_set_fingerprint(),
         "generic_text": text_fingerprint,
-        "recipe": {"drafter": asdict(spec), "seed": cfg.seed},
+        "recipe": {"drafter": asdict(recipe), "seed": cfg.seed},
         "verifier": conversion,
         "drafter_parameters": sum(p.numel() for p in drafter.parameters()),
         "draft_vocab_size": len(draft_ids),
@@ -336,7 +338,7 @@ def build_smol_pair(cfg: SmolPairConfig) -> dict[str, Any]:
             "train": coverage(counts, draft_ids),
             "validation": coverage(token_counts(blocks["validation"]), draft_ids),
         },
-        "pretraining_tokens": {split: len(b) * spec.seq_len for split, b in blocks.items()},
+        "pretraining_tokens": {split: len(b) * recipe.seq_len for split, b in blocks.items()},
         "metrics": metrics,
         "seconds": {
             "verifier": t_convert - t0,

@@ -42,7 +42,7 @@ MANIFEST = "manifest.json"
 
 
 @dataclass
-class TinyModelSpec:
+class TinyModelRecipe:
     """Architecture and schedule of one model of the pair."""
 
     hidden_size: int
@@ -83,8 +83,8 @@ class TinyPairConfig:
 
     out_dir: str
     corpus_dir: str
-    verifier: TinyModelSpec
-    drafter: TinyModelSpec
+    verifier: TinyModelRecipe
+    drafter: TinyModelRecipe
     vocab_size: int = 4096
     seq_len: int = 256
     batch_size: int = 16
@@ -141,13 +141,13 @@ def ensure_tiny_pair(cfg: TinyPairConfig, trainer_cfg: TrainerConfig | None = No
     return build_tiny_pair(cfg, trainer_cfg)
 
 
-def _pretrain_config(spec: TinyModelSpec, cfg: TinyPairConfig) -> PretrainConfig:
+def _pretrain_config(recipe: TinyModelRecipe, cfg: TinyPairConfig) -> PretrainConfig:
     return PretrainConfig(
-        optimizer=functools.partial(torch.optim.AdamW, lr=spec.lr, weight_decay=0.01, betas=(0.9, 0.95)),
+        optimizer=functools.partial(torch.optim.AdamW, lr=recipe.lr, weight_decay=0.01, betas=(0.9, 0.95)),
         scheduler=functools.partial(
             get_cosine_schedule_with_warmup,
-            num_warmup_steps=max(1, int(cfg.warmup_fraction * spec.max_steps)),
-            num_training_steps=spec.max_steps,
+            num_warmup_steps=max(1, int(cfg.warmup_fraction * recipe.max_steps)),
+            num_training_steps=recipe.max_steps,
         ),
         seq_len=cfg.seq_len,
         batch_size=cfg.batch_size,
@@ -156,14 +156,14 @@ def _pretrain_config(spec: TinyModelSpec, cfg: TinyPairConfig) -> PretrainConfig
 
 def _fit(
     model: PreTrainedModel,
-    spec: TinyModelSpec,
+    recipe: TinyModelRecipe,
     cfg: TinyPairConfig,
     blocks: Any,
     trainer_cfg: TrainerConfig,
     log_dir: str,
     role: str,
 ) -> None:
-    n = max(cfg.batch_size, int(len(blocks) * spec.train_fraction))
+    n = max(cfg.batch_size, int(len(blocks) * recipe.train_fraction))
     # A fraction < 1 trains on the last blocks of the packed stream only: a smaller slice of the corpus.
     subset = blocks.select(range(len(blocks) - n, len(blocks)))
     loader = DataLoader(
@@ -173,18 +173,18 @@ def _fit(
         drop_last=True,
         generator=torch.Generator().manual_seed(cfg.seed),
     )
-    module = PretrainModule(model, _pretrain_config(spec, cfg))
+    module = PretrainModule(model, _pretrain_config(recipe, cfg))
     trainer = L.Trainer(
         accelerator=trainer_cfg.accelerator,
         devices=one_local_device(trainer_cfg.accelerator),  # this rank's GPU: any rank may build the pair
-        max_steps=spec.max_steps,
+        max_steps=recipe.max_steps,
         limit_val_batches=0,
         logger=CSVLogger(save_dir=log_dir, name=role, version=""),
         callbacks=[StepProgressBar()],
         enable_checkpointing=False,
         enable_model_summary=False,
         gradient_clip_val=1.0,
-        log_every_n_steps=min(10, spec.max_steps),
+        log_every_n_steps=min(10, recipe.max_steps),
         default_root_dir=log_dir,
     )
     trainer.fit(module, train_dataloaders=loader)
@@ -253,12 +253,12 @@ def build_tiny_pair(
     ids = dict(bos=tokenizer.bos_token_id, eos=tokenizer.eos_token_id, pad=tokenizer.pad_token_id)
     models: dict[str, PreTrainedModel] = {}
     timings: dict[str, float] = {}
-    for role, spec in (("verifier", cfg.verifier), ("drafter", cfg.drafter)):
+    for role, recipe in (("verifier", cfg.verifier), ("drafter", cfg.drafter)):
         L.seed_everything(cfg.seed, verbose=False)
-        config = spec.llama_config(len(tokenizer), cfg.max_positions, **ids)
+        config = recipe.llama_config(len(tokenizer), cfg.max_positions, **ids)
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
         start = time.perf_counter()
-        _fit(model, spec, cfg, train_blocks, trainer_cfg, log_dir, role)
+        _fit(model, recipe, cfg, train_blocks, trainer_cfg, log_dir, role)
         timings[f"{role}_train_seconds"] = time.perf_counter() - start
         model.eval()
         model.save_pretrained(tmp / role)
