@@ -26,7 +26,7 @@ from train.evaluation.eval_config import (
     known_decoder_configs,
 )
 from train.evaluation.prompts import build_prompts
-from train.evaluation.results import results_table
+from train.evaluation.results_table import results_table
 from train.evaluation.runner import evaluate_drafters
 from train.models.eagle3_drafter import Eagle3Drafter
 from train.models.heads import MedusaHeads

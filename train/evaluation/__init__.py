@@ -1,10 +1,10 @@
 """Evaluation runs: drafters x decoders x temperatures x seeds over one prompt set (docs/evaluation.md).
 
-One concern per module: ``config`` (:class:`EvalConfig`, decoder configs, :func:`build_eval_config`),
+One concern per module: ``eval_config`` (:class:`EvalConfig`, decoder configs, :func:`build_eval_config`),
 ``prompts`` (:func:`build_prompts`), ``runner`` (:func:`evaluate_drafters`, the paired timing loop),
-``greedy`` (the temperature-0 check and low-precision ties), ``results`` (schema, aggregation,
-:func:`find_run`, :func:`by_temperature`, :func:`results_table`), ``plots``, ``tracking`` (loggers,
-W&B) and ``cli`` (``main(cfg)`` of ``scripts/evaluate.py``, imported from there, not here).
+``greedy`` (the temperature-0 check and low-precision ties), ``results`` (the results dictionary: schema,
+aggregation, :func:`find_run`, :func:`by_temperature`), ``results_table`` (its Markdown rendering),
+``intervals``, ``plots``, ``outputs``, ``tracking`` (loggers, W&B), ``leaderboard``, ``task_metrics``.
 """
 
 from train.evaluation.decoder_build import build_decoders
@@ -20,15 +20,13 @@ from train.evaluation.plots import plot_results
 from train.evaluation.prompts import build_prompts
 from train.evaluation.results import (
     CONTRACT_METRICS,
-    METRIC_LEGEND,
     RESULTS_SCHEMA,
     by_temperature,
     find_run,
-    results_table,
-    slower_than_baseline,
     temperature_key,
     to_jsonable,
 )
+from train.evaluation.results_table import METRIC_LEGEND, results_table, slower_than_baseline
 from train.evaluation.runner import Generation, evaluate_drafters
 from train.evaluation.tracking import log_results, scalar_metrics
 from train.tables import format_metric

@@ -7,10 +7,8 @@ import os
 from typing import Any
 
 from train.evaluation.plots import plot_results
-from train.evaluation.results import (
-    results_table,
-    to_jsonable,
-)
+from train.evaluation.results import to_jsonable
+from train.evaluation.results_table import results_table
 
 
 def write_outputs(

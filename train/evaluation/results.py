@@ -3,18 +3,23 @@
 Per seed the prompts' :class:`~train.decoding.DecodeStats` are pooled and summarised into the metric
 contract (docs/evaluation.md); a run's ``metrics`` are mean / std / n over seeds (std undefined, written
 null, with one seed), its ``prompt_spread`` the same over every (prompt, seed). The schema is in
-docs/evaluation.md. :func:`find_run` and :func:`by_temperature` read one run; :func:`results_table`
-renders everything through :mod:`train.tables`, the formatting shared with cards and reports.
+docs/evaluation.md. :func:`find_run` and :func:`by_temperature` read one run;
+:mod:`train.evaluation.results_table` renders a results dictionary.
 """
 
 from __future__ import annotations
 
 import math
+import platform
+import time
 from collections.abc import Mapping, Sequence
+from dataclasses import asdict
 from typing import Any
 
-from train.decoding import DecodeStats, aggregate
-from train.tables import format_metric, format_value, markdown_table
+import torch
+
+from train.decoding import DecodeStats, aggregate, param_count
+from train.hardware import load_average
 
 __all__ = [
     "CONTRACT_METRICS",
@@ -23,7 +28,7 @@ __all__ = [
     "by_temperature",
     "find_run",
     "pool",
-    "results_table",
+    "results_document",
     "run_entry",
     "temperature_key",
     "to_jsonable",
@@ -203,192 +208,6 @@ def by_temperature(
     return out
 
 
-# ----------------------------------------------------------------------------- rendering
-
-#: Columns of the main table: (metric, decimals).
-_COLUMNS: tuple[tuple[str, int], ...] = (
-    ("acceptance_rate", 3),
-    ("expected_acceptance", 3),
-    ("block_efficiency", 2),
-    ("simulated_block_efficiency", 2),
-    ("verifier_tokens_per_call", 2),
-    ("mbsu", 2),
-    ("cost_ratio", 3),
-    ("tokens_per_second", 0),
-    ("speedup", 2),
-)
-_SPREAD_COLUMNS: tuple[tuple[str, int], ...] = (
-    ("acceptance_rate", 3),
-    ("block_efficiency", 2),
-    ("tokens_per_second", 0),
-    ("speedup", 2),
-)
-
-
-def _greedy_cell(run: Mapping[str, Any]) -> str:
-    match = run.get("greedy_match")
-    if match is None:
-        return "n/a"
-    if not match:
-        return "**NO**"
-    ties = len(run.get("greedy_ties") or [])
-    return f"yes ({ties} tie{'' if ties == 1 else 's'})" if ties else "yes"
-
-
-def _decoder_cell(run: Mapping[str, Any]) -> str:
-    return str(run["decoder"]) if run.get("lossless", True) else f"{run['decoder']} (lossy)"
-
-
-def _gamma_cell(run: Mapping[str, Any]) -> str:
-    return "-" if run.get("gamma") is None else str(run["gamma"])
-
-
-#: What the table's figures mean (the metric contract, docs/evaluation.md), shown under every rendering
-#: of results: results.md, report.md and the exported model card.
-METRIC_LEGEND = (
-    "Metrics (draftsmith's metric contract): acceptance_rate = accepted / drafted draft tokens; "
-    "expected_acceptance = mean probability that a draft passes the test (1 - TVD(p, q) when lossless); "
-    "block_efficiency (tau) = generated tokens / verifier calls, the verifier's own token included, pooled "
-    "over every block of a seed's prompts (sums, then the ratio, as serving engines report it; the mean "
-    "± std is over seeds); per-position acceptance = P(draft i accepted | drafts before it accepted), "
-    "pooled the same way; "
-    "mbsu = tau / (c_param * drafter steps per verifier call + 1), c_param = drafter / verifier parameters; "
-    "cost_ratio = drafter step time / verifier step time, measured; verifier_tokens_per_call = tokens the "
-    "verifier scores per call; speedup = tokens/s against decoding with the verifier alone, same prompts, "
-    "machine and run (below 1 means slower than not using the drafter)."
-)
-
-
-def slower_than_baseline(results: Mapping[str, Any]) -> list[str]:
-    """One line per run whose mean speedup is below 1, explaining it from the run's own figures.
-
-    A block costs about one verifier step plus ``s`` drafter steps of relative cost ``c`` (the measured
-    ``cost_ratio``) and yields ``tau`` tokens, against one token per verifier step without a drafter;
-    so breaking even needs tau > 1 + c * s (a lower bound: scoring s + 1 tokens costs the verifier a
-    little more than one).
-    """
-    lines = []
-    for r in results["runs"]:
-        m = r["metrics"]
-
-        def mean(name: str, metrics: Mapping[str, Any] = m) -> float | None:
-            value = (metrics.get(name) or {}).get("mean")
-            return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
-
-        speed, tau = mean("speedup"), mean("block_efficiency")
-        cost, steps = mean("cost_ratio"), mean("drafter_calls_per_verifier_call")
-        if speed is None or speed >= 1.0:
-            continue
-        line = (
-            f"- {r['drafter']} / {r['decoder']} at T={temperature_key(r['temperature'])}: speedup "
-            f"{format_value(speed, 2)} < 1, slower than the verifier alone"
-        )
-        if tau is not None and cost is not None and steps is not None:
-            need = 1.0 + cost * steps
-            line += (
-                f": each block runs {format_value(steps, 1)} drafter steps at {format_value(cost, 2)} of a "
-                f"verifier step, so it must yield tau > {format_value(need, 2)} to break even; measured tau "
-                f"{format_value(tau, 2)}"
-            )
-        lines.append(line + ".")
-    return lines
-
-
-def results_table(results: Mapping[str, Any]) -> str:
-    """The Markdown rendering of a results dictionary (results.md).
-
-    One row per drafter x decoder x temperature with mean ± std over seeds; the baseline's tokens/s;
-    the spread over prompts (every prompt and seed, speedup as per-prompt pairs); per-position
-    acceptance; and any greedy ties or mismatches.
-    """
-    runs = list(results["runs"])
-    header = ["drafter", "decoder", "gamma", "T", *(k for k, _ in _COLUMNS), "greedy match"]
-    rows = [
-        [
-            r["drafter"],
-            _decoder_cell(r),
-            _gamma_cell(r),
-            temperature_key(r["temperature"]),
-            *(format_metric(r["metrics"].get(k), d) for k, d in _COLUMNS),
-            _greedy_cell(r),
-        ]
-        for r in runs
-    ]
-    parts = [markdown_table(header, rows, "llrr" + "r" * len(_COLUMNS) + "l")]
-
-    config = results.get("config", {})
-    seeds = config.get("seeds", [])
-    n_prompts = results.get("prompts", {}).get("n", "?")
-    baseline = ", ".join(
-        f"T={temperature_key(b['temperature'])}: "
-        f"{format_metric(b['metrics'].get('tokens_per_second'), 0)} tok/s"
-        for b in results.get("baseline", [])
-    )
-    parts.append(
-        f"Mean ± std over {len(seeds)} seed{'' if len(seeds) == 1 else 's'} "
-        f"({n_prompts} prompts, up to {config.get('max_new_tokens', '?')} new tokens each, one at a time). "
-        f"Timing is paired: per prompt the autoregressive baseline and every decoder run back to back, in "
-        f"an order rotated per prompt; speedup = decoder tokens/s / baseline tokens/s over the same prompts. "
-        f"Autoregressive baseline (verifier alone): {baseline}.\n"
-    )
-    slower = slower_than_baseline(results)
-    if slower:
-        parts.append("Slower than decoding without a drafter:\n\n" + "\n".join(slower) + "\n")
-    parts.append(METRIC_LEGEND + "\n")
-
-    spread_rows = [
-        [
-            r["drafter"],
-            _decoder_cell(r),
-            temperature_key(r["temperature"]),
-            *(format_metric((r.get("prompt_spread") or {}).get(k), d) for k, d in _SPREAD_COLUMNS),
-        ]
-        for r in runs
-    ]
-    parts.append(
-        "Spread over prompts (mean ± std over every prompt and seed; speedup per prompt against the "
-        "baseline on the same prompt):\n"
-    )
-    parts.append(
-        markdown_table(
-            ["drafter", "decoder", "T", *(k for k, _ in _SPREAD_COLUMNS)],
-            spread_rows,
-            "lll" + "r" * len(_SPREAD_COLUMNS),
-        )
-    )
-
-    pp = [r for r in runs if r["metrics"].get("per_position_acceptance")]
-    if pp:
-        lines = ["Per-position acceptance P(draft i accepted | earlier accepted), mean over seeds:", ""]
-        lines += [
-            f"- {r['drafter']} ({r['decoder']}, T={temperature_key(r['temperature'])}): "
-            f"{format_metric(r['metrics']['per_position_acceptance'])}"
-            for r in pp
-        ]
-        parts.append("\n".join(lines) + "\n")
-
-    notes = []
-    for r in runs:
-        for kind, records in (
-            ("tie", r.get("greedy_ties") or []),
-            ("MISMATCH", r.get("greedy_mismatches") or []),
-        ):
-            for rec in records:
-                a, b = rec["tokens"]
-                notes.append(
-                    f"- {kind}: {r['drafter']} ({r['decoder']}), seed {rec['seed']}, prompt {rec['prompt']}, "
-                    f"new token {rec['position']}: greedy {a} vs decoder {b}, float32 margin "
-                    f"{format_value(rec.get('margin_ulps'), 1)} ulp (tolerance "
-                    f"{format_value(results.get('config', {}).get('tie_ulps'), 1)})"
-                )
-    if notes:
-        parts.append(
-            "Temperature-0 differences from the verifier's greedy output (a tie: both tokens within the "
-            "verifier's precision of the top logit):\n\n" + "\n".join(notes) + "\n"
-        )
-    return "\n".join(parts)
-
-
 def to_jsonable(value: Any) -> Any:
     """A copy with NaN/inf as None (null), so results.json is strict JSON."""
     if isinstance(value, float):
@@ -398,3 +217,78 @@ def to_jsonable(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [to_jsonable(v) for v in value]
     return value
+
+
+def results_document(
+    verifier: torch.nn.Module,
+    drafters: Mapping[str, torch.nn.Module],
+    prompts: Sequence[torch.Tensor],
+    cfg: Any,
+    eos: list[int],
+    order: Sequence[str],
+    baseline: Mapping[float, list[dict[str, Any]]],
+    runs: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """The results dictionary of one evaluation (results.json; schema in docs/evaluation.md): the runs
+    (:func:`run_entry`), the baseline's figures per temperature and seed, and what they were measured on
+    (the config, the timing order, the machine, the models, the prompts)."""
+    v_params = param_count(verifier)
+    lengths = [p.shape[1] for p in prompts]
+    return {
+        "schema": RESULTS_SCHEMA,
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "config": asdict(cfg),
+        "decoders": cfg.decoder_configs,
+        "eos_token_ids": eos,
+        "timing": {
+            "paired": True,
+            "order": list(order),
+            "rotation": "prompt i runs the entries starting with entry i mod n",
+        },
+        "environment": {
+            # other work on the machine slows whichever decodes run beside it: the 1-minute load average
+            # when the decoding ended (os.getloadavg; a 2-core machine above 2 was shared)
+            "load_average_1min": load_average(),
+            "device": str(next(verifier.parameters()).device),
+            "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+        },
+        "models": {
+            "verifier": {"name": _model_name(verifier), "params": v_params},
+            "drafters": {
+                name: {"name": _model_name(d), "params": param_count(d), "c_param": param_count(d) / v_params}
+                for name, d in drafters.items()
+            },
+        },
+        "prompts": {
+            "n": len(prompts),
+            "min_len": min(lengths),
+            "max_len": max(lengths),
+            "mean_len": sum(lengths) / len(lengths),
+        },
+        "baseline": [
+            {
+                "decoder": "ar",
+                "temperature": t,
+                "n_prompts": len(prompts),
+                "seeds": list(cfg.seeds),
+                "metrics": _aggregate_rows(seeds),
+                "per_seed": seeds,
+            }
+            for t, seeds in baseline.items()
+        ],
+        "runs": runs,
+    }
+
+
+def _model_name(model: torch.nn.Module) -> str | None:
+    name = getattr(model, "name_or_path", None) or getattr(
+        getattr(model, "config", None), "_name_or_path", None
+    )
+    return str(name) if name else None
+
+
+def _aggregate_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    return aggregate({k: v for k, v in r.items() if k != "seed"} for r in rows)

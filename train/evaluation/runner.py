@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import logging
 import os
-import platform
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,13 +42,13 @@ from train.evaluation.greedy import check_greedy
 from train.evaluation.outputs import write_outputs
 from train.evaluation.results import (
     BASELINE_METRICS,
-    RESULTS_SCHEMA,
     pool,
+    results_document,
     run_entry,
     temperature_key,
 )
 from train.evaluation.tracking import log_results
-from train.hardware import idle_cores, load_average
+from train.hardware import idle_cores
 
 log = logging.getLogger(__name__)
 
@@ -106,13 +105,6 @@ def _check_context(models: Mapping[str, torch.nn.Module], longest: int, max_new_
                 f"eval.max_new_tokens: the longest prompt ({longest}) + max_new_tokens ({max_new_tokens}) "
                 f"exceeds the {role}'s max_position_embeddings ({limit})"
             )
-
-
-def _model_name(model: torch.nn.Module) -> str | None:
-    name = getattr(model, "name_or_path", None) or getattr(
-        getattr(model, "config", None), "_name_or_path", None
-    )
-    return str(name) if name else None
 
 
 class _Progress:
@@ -342,59 +334,9 @@ def _evaluate(
         )
         for (e, t), seeds in per_seed.items()
     ]
-    lengths = [p.shape[1] for p in prompts]
-    return {
-        "schema": RESULTS_SCHEMA,
-        "created_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "config": asdict(cfg),
-        "decoders": decoder_configs,
-        "eos_token_ids": eos,
-        "timing": {
-            "paired": True,
-            "order": [entry.name for entry in entries],
-            "rotation": "prompt i runs the entries starting with entry i mod n",
-        },
-        "environment": {
-            # other work on the machine slows whichever decodes run beside it: the 1-minute load average
-            # when the decoding ended (os.getloadavg; a 2-core machine above 2 was shared)
-            "load_average_1min": load_average(),
-            "device": str(next(verifier.parameters()).device),
-            "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-        },
-        "models": {
-            "verifier": {"name": _model_name(verifier), "params": v_params},
-            "drafters": {
-                name: {"name": _model_name(d), "params": param_count(d), "c_param": c_param[name]}
-                for name, d in drafters.items()
-            },
-        },
-        "prompts": {
-            "n": len(prompts),
-            "min_len": min(lengths),
-            "max_len": max(lengths),
-            "mean_len": sum(lengths) / len(lengths),
-        },
-        "baseline": [
-            {
-                "decoder": "ar",
-                "temperature": t,
-                "n_prompts": len(prompts),
-                "seeds": list(cfg.seeds),
-                "metrics": _aggregate_rows(seeds),
-                "per_seed": seeds,
-            }
-            for t, seeds in baseline.items()
-        ],
-        "runs": runs,
-    }
+    order = [entry.name for entry in entries]
+    return results_document(verifier, drafters, prompts, cfg, eos, order, baseline, runs)
 
 
 def _aggregate_one(values: list[float]) -> dict[str, Any]:
     return aggregate({"v": v} for v in values)["v"]
-
-
-def _aggregate_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    return aggregate({k: v for k, v in r.items() if k != "seed"} for r in rows)
