@@ -186,11 +186,11 @@ def load_pair(
     ``drafter_device`` when given); ``drafter`` (a folder) replaces the set-up's; ``with_drafter=False``
     loads the verifier alone."""
     dtype = getattr(torch, setup.dtype)
-    verifier = load_model(setup.verifier, dtype=setup.dtype, device=device).eval()
+    verifier = load_model(setup.verifier, dtype=setup.dtype, role="verifier", device=device).eval()
     folder = drafter or setup.drafter
     draft_model = None
     if with_drafter and folder is not None:
-        loaded = load_model(folder, dtype=setup.dtype, device=drafter_device or device).eval()
+        loaded = load_model(folder, dtype=setup.dtype, role="drafter", device=drafter_device or device).eval()
         draft_model = with_draft_vocab(loaded)
     return LoadedPair(verifier, draft_model, load_tokenizer(setup.verifier), dtype)
 
