@@ -30,7 +30,7 @@ from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from train.config import instantiate_group
-from train.evaluation import build_prompts
+from train.evaluation import EvalConfig, build_prompts
 from train.hardware import best_dtype
 from train.models.draft_vocab import with_draft_vocab
 from train.models.loading import load_model, load_tokenizer
@@ -82,6 +82,27 @@ class DecodeSetup:
     ) -> list[torch.Tensor]:
         """The evaluator's prompts (:func:`train.evaluation.build_prompts`) for this setup."""
         return build_prompts(tokenizer, self.data, num_prompts, self.prompt_len, seed=seed, split=split)
+
+    def eval_config(
+        self,
+        decoders: list[dict[str, Any]],
+        temperatures: list[float],
+        seeds: list[int],
+        max_new_tokens: int,
+        threads: int | None,
+    ) -> EvalConfig:
+        """The evaluator's settings for a research measurement on this setup: its tie tolerance, no
+        progress bar or plots, ``threads`` torch threads while decoding (None: leave them)."""
+        return EvalConfig(
+            temperatures=temperatures,
+            seeds=seeds,
+            decoders=decoders,
+            max_new_tokens=max_new_tokens,
+            progress=False,
+            plots=False,
+            num_threads=threads,
+            tie_ulps=self.tie_ulps,
+        )
 
 
 def conf_data(name: str, seed: int = 0) -> Any:

@@ -47,7 +47,7 @@ from train.data.lm import document_token_ids
 from train.data.sources import load_text_dataset
 from train.decoding import HeadsDecoder
 from train.decoding.refine import LocalNeuralRefiner, PBestRefiner
-from train.evaluation import EvalConfig, evaluate_drafters, results_table
+from train.evaluation import evaluate_drafters, results_table
 from train.models.answers import Answer
 from train.models.heads import MedusaHeads
 from train.models.loading import eos_token_ids, load_model, load_tokenizer
@@ -244,16 +244,7 @@ def final_table(
     args: Any,
 ) -> str:
     """The evaluator's table of ``decoders`` on the test ``prompts``, T = 0 and 1, seeds 0 and 1."""
-    cfg = EvalConfig(
-        temperatures=[0.0, 1.0],
-        seeds=[0, 1],
-        decoders=decoders,
-        max_new_tokens=args.tokens,
-        progress=False,
-        plots=False,
-        num_threads=args.threads or None,
-        tie_ulps=setup.tie_ulps,
-    )
+    cfg = setup.eval_config(decoders, [0.0, 1.0], [0, 1], args.tokens, args.threads or None)
     return results_table(evaluate_drafters(verifier, {"heads": heads}, prompts, cfg, eos_token_id=args.eos))
 
 

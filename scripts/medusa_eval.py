@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # research/ is bes
 
 from research.pairs import heads_setup, newest_heads
 from train.cli.console import add_device_arguments
-from train.evaluation import EvalConfig, evaluate_drafters, results_table
+from train.evaluation import evaluate_drafters, results_table
 from train.models.heads import MedusaHeads
 from train.models.loading import eos_token_ids, load_model, load_tokenizer
 
@@ -65,16 +65,7 @@ def main(argv: list[str] | None = None) -> None:
             "tree": [[0] * d for d in range(1, heads.num_heads + 1)],
         }
     )
-    cfg = EvalConfig(
-        temperatures=list(args.temperatures),
-        seeds=[0, 1],
-        decoders=decoders,
-        max_new_tokens=args.tokens,
-        progress=False,
-        plots=False,
-        num_threads=args.threads or None,
-        tie_ulps=setup.tie_ulps,
-    )
+    cfg = setup.eval_config(decoders, list(args.temperatures), [0, 1], args.tokens, args.threads or None)
     results = evaluate_drafters(
         verifier, {"heads": heads}, prompts, cfg, eos_token_id=eos_token_ids(tokenizer, verifier)
     )

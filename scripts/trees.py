@@ -30,12 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # research/ is bes
 
 import torch
 
-from research.pairs import LoadedPair, load_pair, pair_setup
+from research.pairs import DecodeSetup, LoadedPair, load_pair, pair_setup
 from research.tree_costs import bench_pair_overhead, sibling_duplicate_rate, verifier_cost
 from research.tree_page import command_line, kept_analysis, render
 from train.cli.console import add_device_arguments
 from train.decoding.decoders.tree_decoder import tree_size
-from train.evaluation import EvalConfig, evaluate_drafters
+from train.evaluation import evaluate_drafters
 from train.models.loading import eos_token_ids
 from train.paths import project_root
 from train.tables import format_metric, markdown_table
@@ -77,6 +77,7 @@ class TreeRun:
     """What every evaluation of one run of this script shares: the loaded pair, its prompts, and the
     evaluator's settings that do not change between the measurements."""
 
+    setup: DecodeSetup
     pair: LoadedPair
     prompts: list[torch.Tensor]
     label: str
@@ -85,20 +86,10 @@ class TreeRun:
     seeds: list[int]
     max_new_tokens: int
     threads: int | None
-    tie_ulps: float
 
     def evaluate(self, decoders: list[dict[str, Any]], temperatures: list[float]) -> dict[str, Any]:
         """The evaluator's results for ``decoders`` at ``temperatures`` on this run's prompts and seeds."""
-        cfg = EvalConfig(
-            temperatures=temperatures,
-            seeds=self.seeds,
-            decoders=decoders,
-            max_new_tokens=self.max_new_tokens,
-            progress=False,
-            plots=False,
-            num_threads=self.threads,
-            tie_ulps=self.tie_ulps,
-        )
+        cfg = self.setup.eval_config(decoders, temperatures, self.seeds, self.max_new_tokens, self.threads)
         drafters = {self.label: self.pair.drafter}
         return evaluate_drafters(self.pair.verifier, drafters, self.prompts, cfg, eos_token_id=self.eos)
 
@@ -189,6 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     drafter_device = args.drafter_device or args.device
     pair = load_pair(setup, device=args.device, drafter_device=drafter_device)
     run = TreeRun(
+        setup=setup,
         pair=pair,
         prompts=setup.prompts(pair.tokenizer, args.prompts),
         label=os.path.basename(os.path.normpath(args.pair)),
@@ -196,7 +188,6 @@ def main(argv: list[str] | None = None) -> None:
         seeds=list(args.seeds),
         max_new_tokens=args.tokens,
         threads=args.threads or None,
-        tie_ulps=setup.tie_ulps,
     )
     started = time.time()
     depth_table, depth_raw = fixed_depth(run, args.depths)
