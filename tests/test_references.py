@@ -1,7 +1,7 @@
 """Every file path and ``train.*`` name that the docs, configs and docstrings cite exists.
 
-Docs that point at missing files mislead a reader more than no docs: this walks README.md, docs/,
-conf/, scripts/ and train/ for repository paths (``train/decoding/loop.py``, ``docs/trees.md``) and
+Docs that point at missing files mislead a reader more than no docs: this walks README.md, docs/ (not
+the changelog, which names what was), conf/, scripts/, research/ and train/ for repository paths (``train/decoding/loop.py``, ``docs/trees.md``) and
 dotted names (``train.decoding.rules.chain.verify_chain``) and resolves each one.
 """
 
@@ -18,16 +18,17 @@ from train.config import RENAMED_TARGETS
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = [
     ROOT / "README.md",
-    *sorted((ROOT / "docs").glob("*.md")),
+    *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "changelog.md"),  # it names what was
     *sorted((ROOT / "conf").rglob("*.yaml")),
     *sorted((ROOT / "scripts").glob("*.py")),
+    *sorted((ROOT / "research").rglob("*.py")),
     *sorted((ROOT / "train").rglob("*.py")),
     ROOT / "pyproject.toml",
 ]
 #: A path into the repository: one of its top folders, then path characters, ending in a file name with an
 #: extension (metric keys such as ``train/loss`` are not paths; globs such as ``conf/decoding/bpd*.yaml`` stop
 #: at the ``*`` and are left out).
-PATH = re.compile(r"(?<![\w/.-])((?:train|docs|conf|scripts|tests|\.ci)/[\w./-]*\.[A-Za-z]+)(?![\w*])")
+PATH = re.compile(r"(?<![\w/.-])((?:train|research|docs|conf|scripts|tests|\.ci)/[\w./-]*\.[A-Za-z]+)(?![\w*])")
 #: A dotted name under the package (not a file name such as train.py / train.log).
 DOTTED = re.compile(r"(?<![\w./-])(train(?:\.[A-Za-z_]\w*)+)")
 NOT_NAMES = {"py", "log", "json", "yaml", "md", "csv", "txt", "jsonl"}
