@@ -1,8 +1,9 @@
 """Every file path and ``train.*`` name that the docs, configs and docstrings cite exists.
 
 Docs that point at missing files mislead a reader more than no docs: this walks README.md, docs/ (not
-the changelog, which names what was), conf/, scripts/, research/ and train/ for repository paths (``train/decoding/loop.py``, ``docs/trees.md``) and
-dotted names (``train.decoding.rules.chain.verify_chain``) and resolves each one.
+the changelog, which names what was), conf/, scripts/, research/ and train/ for repository paths
+(``train/decoding/loop.py``, ``docs/trees.md``) and dotted names (``train.decoding.rules.chain.verify_chain``)
+and resolves each one.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ SOURCES = [
 #: A path into the repository: one of its top folders, then path characters, ending in a file name with an
 #: extension (metric keys such as ``train/loss`` are not paths; globs such as ``conf/decoding/bpd*.yaml`` stop
 #: at the ``*`` and are left out).
-PATH = re.compile(r"(?<![\w/.-])((?:train|research|docs|conf|scripts|tests|\.ci)/[\w./-]*\.[A-Za-z]+)(?![\w*])")
+TOP_FOLDERS = "train|research|docs|conf|scripts|tests|\\.ci"
+PATH = re.compile(rf"(?<![\w/.-])((?:{TOP_FOLDERS})/[\w./-]*\.[A-Za-z]+)(?![\w*])")
 #: A dotted name under the package (not a file name such as train.py / train.log).
 DOTTED = re.compile(r"(?<![\w./-])(train(?:\.[A-Za-z_]\w*)+)")
 NOT_NAMES = {"py", "log", "json", "yaml", "md", "csv", "txt", "jsonl"}
