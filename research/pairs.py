@@ -149,8 +149,7 @@ def heads_setup(heads_dir: str, verifier: str | None = None) -> DecodeSetup:
     run_dir = os.path.dirname(os.path.abspath(heads_dir))
     config = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(config):
-        tiny = os.path.join(project_root(), "checkpoints", "tiny")
-        return _tiny_setup(verifier or os.path.join(tiny, "verifier"), os.path.join(tiny, "drafter"))
+        return _tiny_setup(verifier or checkpoints("tiny", "verifier"), checkpoints("tiny", "drafter"))
     register_resolvers()  # a config saved unresolved may still read ${best_dtype:}
     run = OmegaConf.load(config)
     merged = os.path.join(run_dir, "verifier")  # Medusa-2: the fine-tuned verifier the heads belong to

@@ -175,7 +175,6 @@ class WholeNormClipping:
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str | None = None,
     ) -> None:
-        module = self if isinstance(self, L.LightningModule) else None
-        if module is None:
+        if not isinstance(self, L.LightningModule):
             raise TypeError(f"{type(self).__name__}: WholeNormClipping is a LightningModule mixin")
-        clip_gradients(module, optimizer, gradient_clip_val, gradient_clip_algorithm)
+        clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
