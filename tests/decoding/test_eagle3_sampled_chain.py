@@ -120,6 +120,9 @@ def test_a_sampled_chain_stops_at_eos_and_within_the_budget(eagle3_verifiers, mo
         assert eos not in draft.tokens[:-1]  # drafting stops after an eos
 
 
+# 4,000 seeded decodes (~65 s): slow, as the other break-on-purpose law tests; the law test it breaks
+# runs by default (test_eagle3_decoding.py)
+@pytest.mark.slow
 def test_a_chain_with_the_wrong_q_is_caught(eagle3_law_verifier, monkeypatch):
     """Broken on purpose: each node after the first is handed the q of the node before it (off by one), so
     the rule weighs the token by a distribution it was not drawn from. (Dropping q altogether would not be

@@ -87,6 +87,9 @@ def test_a_sampled_tree_stops_at_eos_and_within_the_budget(eagle3_verifiers, mon
         assert all(draft.tokens[p] != eos for p in draft.parents if p >= 0)  # an eos is never expanded
 
 
+# 4,000 seeded decodes (~65 s): slow, as the other break-on-purpose law tests; the law test it breaks
+# runs by default (test_eagle3_decoding.py)
+@pytest.mark.slow
 def test_a_tree_checked_with_replacement_is_caught(eagle3_law_verifier, monkeypatch):
     """Broken on purpose: the siblings are drawn without replacement but labelled i.i.d., so after a
     rejection the rule checks the next sibling against q instead of q without the rejected token."""
