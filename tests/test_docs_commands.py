@@ -246,7 +246,8 @@ def test_the_readme_leads_with_the_two_fresh_machine_commands() -> None:
     assert readme[3].args == ("experiment=distillspec",) and readme[4].args == ("-n", "auto")
     ci = (REPO_ROOT / ".ci" / "run").read_text()
     # the README's command, quiet, with at most a list of the longest tests added
-    assert re.search(r"^python -m pytest -q -n auto( --durations=\d+)?$", ci, re.M), "CI runs the README's tests"
+    readme_tests = re.compile(r"^python -m pytest -q -n auto( --durations=\d+)?$", re.M)
+    assert readme_tests.search(ci), "CI runs the README's test command"
 
 
 def test_extraction_reads_blocks_continuations_chains_and_inline_spans(tmp_path: Path) -> None:
