@@ -23,6 +23,7 @@ from train.evaluation import (
     results_table,
 )
 from train.evaluation.decoder_build import build_decoders
+from train.evaluation.eval_progress import progress_line
 
 GAMMA = 4
 # 3 blocks of gamma + 1 tokens: with a perfect drafter every block is full, so tau is exactly gamma + 1.
@@ -226,3 +227,23 @@ def test_modules_a_decoder_config_loads_sit_with_the_drafter(verifier):
     assert decoder.loaded["steering"].weight.device.type == "meta"
     assert decoder.loaded["refiner"].lm.weight.device.type == "meta"
     assert decoder.loaded["refiner"].k == 3
+
+
+def test_a_log_file_gets_plain_progress_lines(verifier, prompts, capsys, monkeypatch):
+    """Off a terminal (CI, a log file) a live bar prints nothing until it ends: plain lines instead, at
+    most one per tenth, the last one at the total."""
+    for forcing in ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE"):  # rich's "treat it as a terminal"
+        monkeypatch.delenv(forcing, raising=False)
+    evaluate_drafters(verifier, {"copy": copy.deepcopy(verifier)}, prompts, _cfg(progress=True))
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("eval ")]
+    total = 2 * len(prompts) * 2  # two seeds x the prompts x (plain decoding, sd)
+    assert 1 < len(lines) <= 10
+    assert lines[0].startswith("eval T=0 seed=0: ")
+    assert lines[-1].startswith(f"eval T=0 seed=1: {total}/{total} generations, ")
+    assert "min left" in lines[-1]
+
+
+def test_the_progress_line_estimates_what_is_left_from_the_rate_so_far():
+    assert progress_line("T=1 seed=2", 30, 120, 600.0) == (
+        "eval T=1 seed=2: 30/120 generations, 10 min elapsed, about 30 min left"
+    )

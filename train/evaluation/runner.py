@@ -38,6 +38,7 @@ from train.decoding import (
 )
 from train.evaluation.decoder_build import TimedEntry, build_decoders, drafter_kind
 from train.evaluation.eval_config import EvalConfig, build_eval_config
+from train.evaluation.eval_progress import EvalProgress
 from train.evaluation.greedy import check_greedy
 from train.evaluation.outputs import write_outputs
 from train.evaluation.results import (
@@ -105,37 +106,6 @@ def _check_context(models: Mapping[str, torch.nn.Module], longest: int, max_new_
                 f"eval.max_new_tokens: the longest prompt ({longest}) + max_new_tokens ({max_new_tokens}) "
                 f"exceeds the {role}'s max_position_embeddings ({limit})"
             )
-
-
-class _Progress:
-    """One rich progress bar over every generation; silent when disabled."""
-
-    def __init__(self, total: int, enabled: bool) -> None:
-        self._bar: Any = None
-        if enabled:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-            self._bar = Progress(
-                TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()
-            )
-            self._task = self._bar.add_task("eval", total=total)
-
-    def __enter__(self) -> _Progress:
-        if self._bar is not None:
-            self._bar.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._bar is not None:
-            self._bar.stop()
-
-    def describe(self, text: str) -> None:
-        if self._bar is not None:
-            self._bar.update(self._task, description=text)
-
-    def advance(self) -> None:
-        if self._bar is not None:
-            self._bar.advance(self._task)
 
 
 def evaluate_drafters(
@@ -208,7 +178,7 @@ def _run_prompt(
     cfg: EvalConfig,
     eos: list[int],
     seed: int,
-    progress: _Progress,
+    progress: EvalProgress,
 ) -> list[tuple[DecodeStats, list[int]]]:
     """Every entry on one prompt, back to back, from entry ``index mod n``; results in entry order."""
     n = len(entries)
@@ -266,7 +236,7 @@ def _evaluate(
     ties: dict[tuple[int, float], list[dict[str, Any]]] = {}
     mismatches: dict[tuple[int, float], list[dict[str, Any]]] = {}
     total = len(cfg.temperatures) * len(cfg.seeds) * len(prompts) * len(entries)
-    with _Progress(total, cfg.progress) as progress:
+    with EvalProgress(total, cfg.progress) as progress:
         for t in cfg.temperatures:
             params = cfg.sampling_params(t)
             for seed in cfg.seeds:
