@@ -214,7 +214,7 @@ def final_decoders(
     chosen: dict[str, dict[str, Any]], heads: Any, folders: dict[int, str], setup: DecodeSetup, args: Any
 ) -> list[dict[str, Any]]:
     """The evaluator's decoder configs: the heads' own draft, then each method with its tuned settings."""
-    decoders = [
+    decoders: list[dict[str, Any]] = [
         {"name": "heads' own draft", "_target_": "train.decoding.HeadsDecoder", "tree": _chain(heads)}
     ]
     for method, settings in chosen.items():
@@ -279,9 +279,10 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = load_tokenizer(setup.verifier)
     verifier = load_model(setup.verifier, dtype=setup.dtype, role="verifier", device=args.device).eval()
     drafter_device = args.drafter_device or args.device
-    drafter = load_model(
-        args.drafter or setup.drafter, dtype=setup.dtype, role="drafter", device=drafter_device
-    )
+    drafter_source = args.drafter or setup.drafter
+    if drafter_source is None:
+        raise SystemExit(f"--drafter: the heads' run {heads_dir} names no drafter model; pass one")
+    drafter = load_model(drafter_source, dtype=setup.dtype, role="drafter", device=drafter_device)
     drafter.eval()
     args.eos = eos_token_ids(tokenizer, verifier)
     heads = MedusaHeads.from_pretrained(heads_dir).eval().to(device=args.device, dtype=verifier.dtype)

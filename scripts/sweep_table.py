@@ -155,7 +155,8 @@ def tables(runs: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
             lambda r: r["val_expected_acceptance"],
         )
     )
-    parts, payload = [], {"runs": runs, "tables": {}}
+    parts: list[str] = []
+    payload: dict[str, Any] = {"runs": runs, "tables": {}}
     for key, title, value in figures:
         rows, cols, cells = grid(runs, value)
         parts.append(markdown(title, rows, cols, cells))
