@@ -9,6 +9,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -512,14 +514,9 @@ def test_exported_drafter_works_as_hf_assistant_model(tmp_path):
 # ------------------------------------------------------------------------------------------ end to end
 
 
-@pytest.mark.slow
-def test_main_job_end_to_end_builds_a_micro_pair_on_first_use(tmp_path):
-    """``experiment=distillspec_tiny`` through the real entry point with a micro tiny-pair recipe (built on
-    first use into tmp_path) and fewer steps: the whole flow in well under a minute."""
-    import subprocess
-    import sys
-
-    run_dir = tmp_path / "run"
+def _micro_main_job(tmp_path: Path, run_dir: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    """``python train.py experiment=distillspec_tiny`` with a micro tiny-pair recipe (built on first use
+    into ``tmp_path``), 6 steps, validated before training and every 3 steps; the finished process."""
     micro = "hidden_size={h},num_layers=1,num_heads=2,intermediate_size=32,max_steps=2"
     cmd = [
         sys.executable,
@@ -544,8 +541,9 @@ def test_main_job_end_to_end_builds_a_micro_pair_on_first_use(tmp_path):
         "logger=csv",
         f"hydra.run.dir={run_dir}",
         "~callbacks.progress_bar",
+        *extra,
     ]
-    proc = subprocess.run(
+    return subprocess.run(
         cmd,
         cwd=REPO_ROOT,
         capture_output=True,
@@ -553,6 +551,14 @@ def test_main_job_end_to_end_builds_a_micro_pair_on_first_use(tmp_path):
         timeout=600,
         env={**os.environ, "DRAFTSMITH_ROOT": str(tmp_path)},
     )
+
+
+@pytest.mark.slow
+def test_main_job_end_to_end_builds_a_micro_pair_on_first_use(tmp_path):
+    """``experiment=distillspec_tiny`` through the real entry point with a micro tiny-pair recipe (built on
+    first use into tmp_path) and fewer steps: the whole flow in well under a minute."""
+    run_dir = tmp_path / "run"
+    proc = _micro_main_job(tmp_path, run_dir)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((run_dir / "report.json").read_text())
     assert report["reference"] == "before" and len(report["decoders"]) == 2
@@ -617,3 +623,26 @@ def test_interrupted_and_resumed_run_ends_with_the_same_weights(tmp_path, stop_a
     after = module2.student.state_dict()
     for name, value in straight.items():
         torch.testing.assert_close(after[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+class SigtermAtValidationEnd(L.Callback):
+    """Test helper: the process sends itself SIGTERM at the end of the step-0 validation (after its last
+    batch, where Lightning's evaluation loop no longer raises on the signal)."""
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, *args: object) -> None:
+        if trainer.global_step == 0 and not trainer.sanity_checking:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+@pytest.mark.slow
+def test_sigterm_during_the_validation_before_training_stops_the_run(tmp_path):
+    """A SIGTERM that arrives while the starting drafter is validated (``validate_before``) stops the run
+    there: no step is trained, nothing is saved or evaluated, exit 143 with the message that says so."""
+    run_dir = tmp_path / "run"
+    proc = _micro_main_job(
+        tmp_path, run_dir, "+callbacks.sigterm._target_=tests.methods.test_distillspec.SigtermAtValidationEnd"
+    )
+    assert proc.returncode == 143, (proc.stdout + proc.stderr)[-3000:]
+    assert "SIGTERM at global step 0: nothing trained yet, nothing saved" in proc.stdout
+    assert not (run_dir / "report.json").exists() and not (run_dir / "drafter").exists()
+    assert not list(run_dir.rglob("*.ckpt"))

@@ -226,6 +226,7 @@ def fit(spec: RunSpec) -> Any:
             if not ckpt and getattr(module, "validate_before_fit", False):
                 # the starting model's validation, logged at step 0 (a method's before/after comparison)
                 trainer.validate(module, datamodule=datamodule, verbose=False)
+                stop_if_signalled(trainer, stop)
             trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt)
             history = getattr(module, "validation_history", None)
             if getattr(module, "validate_before_fit", False) and ended_between_validations(
@@ -244,6 +245,17 @@ def fit(spec: RunSpec) -> Any:
         close_loggers(loggers)
         if stop.requeue and trainer.is_global_zero:
             requeue_slurm_job()  # after the checkpoint and the loggers: SLURM ends this start at once
+
+
+def stop_if_signalled(trainer: L.Trainer, stop: GracefulStop) -> None:
+    """After the validation before training: a SIGTERM that arrived during its last batch or its epoch end
+    (where Lightning's evaluation loop no longer raises) would be forgotten by ``fit``, which registers its
+    handlers afresh; stop here instead, before any step (a SIGTERM during an earlier batch raised already).
+    Every rank stops if any rank was signalled (under DDP the signal may reach one rank only)."""
+    if trainer.strategy.reduce_boolean_decision(bool(trainer.received_sigterm), all=False):
+        if stop.signum is None:
+            stop.signum = int(signal.SIGTERM)
+        raise SIGTERMException
 
 
 def ended_between_validations(
