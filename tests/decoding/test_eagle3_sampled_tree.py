@@ -79,11 +79,29 @@ def test_temperature_zero_keeps_the_deterministic_tree_and_the_greedy_output(eag
 
 
 def test_a_sampled_tree_stops_at_eos_and_within_the_budget(eagle3_verifiers, monkeypatch):
+    """A node drafting an eos gets no children. Checked only on the drafts made under that eos:
+    the helper's first decodes pass no ``eos_token_id``, and there its id is an ordinary token."""
     verifier = eagle3_verifiers["llama"]
-    spy = ChainSpy(monkeypatch)
+    drafted: list[tuple[frozenset[int], Draft]] = []  # every non-empty draft with its eos set
+    propose = Eagle3Proposer.propose
+
+    def propose_spy(self, sequence, budget, params, generator, eos, stats):
+        draft = propose(self, sequence, budget, params, generator, eos, stats)
+        if len(draft):
+            drafted.append((eos, draft))
+        return draft
+
+    monkeypatch.setattr(Eagle3Proposer, "propose", propose_spy)
     decoder = Eagle3Decoder(verifier, drafter_for(verifier), 5, 2, 8, sampled_tree=[2, 2, 2, 1, 1])
     eos = stops_at_the_limit_and_at_eos(decoder)
-    for _, draft, _ in spy.records:
+    under_eos = [draft for stop, draft in drafted if stop]
+    assert under_eos and all(stop == {eos} for stop, _ in drafted if stop)
+    assert any(  # not vacuous: some eos was drafted above the last level, where it could have been expanded
+        token == eos and depth < len(decoder.sampled_tree)
+        for draft in under_eos
+        for token, depth in zip(draft.tokens, draft.depths(), strict=True)
+    )
+    for draft in under_eos:
         assert all(draft.tokens[p] != eos for p in draft.parents if p >= 0)  # an eos is never expanded
 
 

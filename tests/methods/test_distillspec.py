@@ -137,7 +137,7 @@ def test_experiment_composes_and_sources_enumerate(tmp_path):
     assert ev.temperatures == [0.0, 1.0] and ev.gammas is None and len(ev.seeds) == 1
     # the adaptive chain (cap 6, threshold 0.3) behind prompt lookup, on every core other work leaves
     assert {label: c["gamma"] for label, c in ev.decoder_configs.items()} == {"sd_lookup": 6}
-    assert ev.decoder_configs["sd_lookup"]["confidence_threshold"] == 0.3
+    assert ev.decoder_configs["sd_lookup"]["draft_length"] == "cost"
     assert ev.decoder_configs["sd_lookup"]["lookup_tokens"] == 6
     assert (ev.num_prompts, ev.prompt_len, ev.max_new_tokens, ev.num_threads) == (8, 256, 48, "idle")
     # the main job starts from the pair's generic drafter and distils it with JSD on the on-policy mix

@@ -250,6 +250,7 @@ def results_document(
             # when the decoding ended (os.getloadavg; a 2-core machine above 2 was shared)
             "load_average_1min": load_average(),
             "device": str(next(verifier.parameters()).device),
+            "dtype": str(next(verifier.parameters()).dtype).removeprefix("torch."),
             "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__,
             "python": platform.python_version(),

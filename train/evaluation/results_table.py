@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from train.evaluation.results import temperature_key
+from train.evaluation.step_costs import break_even_tau, costs_line
 from train.tables import format_metric, format_value, markdown_table
 
 __all__ = ["METRIC_LEGEND", "results_table", "slower_than_baseline"]
@@ -24,6 +25,7 @@ _COLUMNS: tuple[tuple[str, int], ...] = (
     ("cost_ratio", 3),
     ("tokens_per_second", 0),
     ("speedup", 2),
+    ("speedup_bound", 2),
 )
 _SPREAD_COLUMNS: tuple[tuple[str, int], ...] = (
     ("acceptance_rate", 3),
@@ -70,10 +72,11 @@ METRIC_LEGEND = (
 def slower_than_baseline(results: Mapping[str, Any]) -> list[str]:
     """One line per run whose mean speedup is below 1, explaining it from the run's own figures.
 
-    A block costs about one verifier step plus ``s`` drafter steps of relative cost ``c`` (the measured
-    ``cost_ratio``) and yields ``tau`` tokens, against one token per verifier step without a drafter;
-    so breaking even needs tau > 1 + c * s (a lower bound: scoring s + 1 tokens costs the verifier a
-    little more than one).
+    A block costs one verifier forward over ``t`` tokens (the run's ``verifier_tokens_per_call``) plus
+    ``s`` drafter steps of relative cost ``c`` (the measured ``cost_ratio``) and yields ``tau`` tokens,
+    against one token per verifier step without a drafter; so breaking even needs
+    tau > V(t) / V(1) + c * s, with V the verifier's measured step costs (``results["step_costs"]``;
+    without them V(t) = V(1), a lower bound).
     """
     lines = []
     for r in results["runs"]:
@@ -85,6 +88,8 @@ def slower_than_baseline(results: Mapping[str, Any]) -> list[str]:
 
         speed, tau = mean("speedup"), mean("block_efficiency")
         cost, steps = mean("cost_ratio"), mean("drafter_calls_per_verifier_call")
+        checked, bound = mean("verifier_tokens_per_call"), mean("speedup_bound")
+        step_costs = (results.get("step_costs") or {}).get(r["drafter"])
         if speed is None or speed >= 1.0:
             continue
         line = (
@@ -92,12 +97,21 @@ def slower_than_baseline(results: Mapping[str, Any]) -> list[str]:
             f"{format_value(speed, 2)} < 1, slower than the verifier alone"
         )
         if tau is not None and cost is not None and steps is not None:
-            need = 1.0 + cost * steps
+            if step_costs and checked is not None:
+                need = break_even_tau(step_costs, checked, cost * steps)
+                check = (
+                    f"checks {format_value(checked, 1)} tokens at "
+                    f"{format_value(need - cost * steps, 2)} verifier steps and "
+                )
+            else:
+                need, check = 1.0 + cost * steps, ""
             line += (
-                f": each block runs {format_value(steps, 1)} drafter steps at {format_value(cost, 2)} of a "
-                f"verifier step, so it must yield tau > {format_value(need, 2)} to break even; measured tau "
-                f"{format_value(tau, 2)}"
+                f": each block {check}runs {format_value(steps, 1)} drafter steps at {format_value(cost, 2)} "
+                f"of a verifier step, so it must yield tau > {format_value(need, 2)} to break even; measured "
+                f"tau {format_value(tau, 2)}"
             )
+            if bound is not None:
+                line += f"; the best fixed draft length would have reached {format_value(bound, 2)}x"
         lines.append(line + ".")
     return lines
 
@@ -139,6 +153,9 @@ def results_table(results: Mapping[str, Any]) -> str:
         f"an order rotated per prompt; speedup = decoder tokens/s / baseline tokens/s over the same prompts. "
         f"Autoregressive baseline (verifier alone): {baseline}.\n"
     )
+    costs = costs_line(results)
+    if costs:
+        parts.append(costs)
     slower = slower_than_baseline(results)
     if slower:
         parts.append("Slower than decoding without a drafter:\n\n" + "\n".join(slower) + "\n")

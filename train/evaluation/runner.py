@@ -48,6 +48,7 @@ from train.evaluation.results import (
     run_entry,
     temperature_key,
 )
+from train.evaluation.step_costs import pair_costs, run_bound
 from train.evaluation.tracking import log_results
 from train.hardware import idle_cores
 
@@ -225,6 +226,8 @@ def _evaluate(
             f"eval.decoders: none of {list(decoder_configs)} takes the drafters given ({kinds}); "
             "`heads` (Medusa) need decoding=medusa, a drafter model needs sd or a tree decoder"
         )
+    # what a check and a drafter step cost here, before anything is timed (cached per machine)
+    costs = {name: pair_costs(verifier, drafter) for name, drafter in drafters.items()}
     if cfg.warmup:
         warm = prompts[0][:, : min(prompts[0].shape[1], 8)]
         for entry in entries:
@@ -257,7 +260,9 @@ def _evaluate(
                 for e in range(1, len(entries)):
                     entry, key = entries[e], (e, t)
                     stats = [o[e][0] for o in outcome]
-                    summary = summarize(pool(stats), c_param[str(entry.drafter)])
+                    pooled = pool(stats)
+                    summary = summarize(pooled, c_param[str(entry.drafter)])
+                    summary["speedup_bound"] = run_bound(pooled, costs[str(entry.drafter)])
                     summary["speedup"] = speedup(
                         float(summary["tokens_per_second"]),  # type: ignore[arg-type]
                         ar_tps,
@@ -305,7 +310,9 @@ def _evaluate(
         for (e, t), seeds in per_seed.items()
     ]
     order = [entry.name for entry in entries]
-    return results_document(verifier, drafters, prompts, cfg, eos, order, baseline, runs)
+    document = results_document(verifier, drafters, prompts, cfg, eos, order, baseline, runs)
+    document["step_costs"] = {name: c.to_dict() for name, c in costs.items()}
+    return document
 
 
 def _aggregate_one(values: list[float]) -> dict[str, Any]:

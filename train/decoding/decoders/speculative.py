@@ -14,7 +14,10 @@ from typing import Any, ClassVar
 
 import torch
 
+from train.decoding.cost_probe import step_costs
+from train.decoding.costs import StepCosts
 from train.decoding.decoders.base import Decoder
+from train.decoding.length_policy import CostAwareLength
 from train.decoding.loop import run_synchronous
 from train.decoding.metrics import DecodeResult
 from train.decoding.model_call import TimedModel
@@ -46,6 +49,13 @@ class SpeculativeDecoder(Decoder):
     the block drafts the (up to K) tokens that followed, at no model cost; elsewhere the drafter drafts
     its ``gamma``. Lossless: the copied draft is a function of the committed sequence.
 
+    ``draft_length="cost"``: ``gamma`` becomes a cap and each block drafts the length with the most
+    expected tokens per second under the pair's measured step costs (``costs``, else measured at the
+    first call and cached per machine, :mod:`train.decoding.cost_probe`), zero included: a plain
+    verifier step where no draft pays (:mod:`train.decoding.length_policy`). Copies are cut the same
+    way. Lossless like every length rule here. ``"fixed"`` (the default): ``gamma`` drafts, or the
+    confidence stop.
+
     Verifier and drafter must share a tokenizer. Their output sizes may differ (padded embeddings):
     the verifier's distribution is always kept whole, the drafter proposes only ids it has (zero mass
     elsewhere), so the output is exactly the verifier's either way.
@@ -65,6 +75,8 @@ class SpeculativeDecoder(Decoder):
         lookup_tokens: int = 0,
         lookup_max_ngram: int = 3,
         lookup_min_ngram: int = 2,
+        draft_length: str = "fixed",
+        costs: StepCosts | None = None,
     ) -> None:
         if getattr(drafter, "drafter_kind", "model") == "steered":
             if steering is not None:
@@ -81,10 +93,19 @@ class SpeculativeDecoder(Decoder):
         self.gamma = gamma
         self.lenience = lenience if eps != 1.0 else None
         self.eps = float(eps)
+        if draft_length not in ("fixed", "cost"):
+            raise ValueError(f"draft_length must be 'fixed' or 'cost', got {draft_length!r}")
         self._verifier = TimedModel(verifier)
-        self._proposer = ModelProposer(TimedModel(drafter), self._verifier.vocab_size, confidence_threshold)
+        #: The cost-aware draft length (``draft_length="cost"``), else None.
+        self.length = CostAwareLength(costs) if draft_length == "cost" else None
+        self.draft_length = draft_length
+        self._proposer = ModelProposer(
+            TimedModel(drafter), self._verifier.vocab_size, confidence_threshold, self.length
+        )
         self.confidence_threshold = self._proposer.confidence_threshold
         self._lookup = prompt_lookup(lookup_tokens, lookup_max_ngram, lookup_min_ngram)
+        if self._lookup is not None:
+            self._lookup.length = self.length
         self.vocab_size = self._verifier.vocab_size
         self.steering = steering
         if steering is not None and hasattr(steering, "check_pair"):
@@ -98,6 +119,18 @@ class SpeculativeDecoder(Decoder):
     def models(self) -> tuple[torch.nn.Module, ...]:
         return (self.verifier, self.drafter)
 
+    @property
+    def step_costs(self) -> StepCosts | None:
+        """The pair's measured step costs this decoder chooses its draft lengths by (None: not chosen by
+        cost, or not measured yet)."""
+        return self.length.costs if self.length is not None else None
+
+    def measure_costs(self) -> StepCosts:
+        """The pair's step costs for checks of 1 .. the most tokens a block can verify, measured once per
+        machine and setting (:func:`~train.decoding.cost_probe.step_costs`)."""
+        most = max(self.gamma, self._lookup.num_tokens if self._lookup is not None else 0) + 1
+        return step_costs(self._verifier, self._proposer.drafter, most)
+
     def decode(
         self,
         prompt: list[int],
@@ -106,6 +139,8 @@ class SpeculativeDecoder(Decoder):
         eos: frozenset[int],
         generator: torch.Generator | None,
     ) -> DecodeResult:
+        if self.length is not None and self.length.costs is None:
+            self.length.costs = self.measure_costs()
         # SD^2: hooks on the drafter for the duration of this call only (the drafter stays plain)
         attached = self.steering.attach(self.drafter) if self.steering is not None else nullcontext(None)
         with attached as handle:

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from train.decoding.draft import Draft
+from train.decoding.length_policy import CostAwareLength, regime
 from train.decoding.metrics import DecodeStats
 from train.decoding.proposers.fallback_proposer import FallbackProposer
 from train.decoding.proposers.protocol import Proposer
@@ -67,9 +68,14 @@ class PromptLookupProposer:
         self.num_tokens = num_tokens
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
+        #: A cost-aware draft length (set by the decoder): copies are cut to the prefix with the most
+        #: expected tokens per second, by the acceptance copies have had at each position.
+        self.length: CostAwareLength | None = None
+        self._pending: tuple[object, int, int] | None = None
 
     def start(self) -> None:
-        """Nothing to forget: the draft is a function of the sequence alone."""
+        """Nothing to forget but a verdict still awaited: the draft is a function of the sequence alone."""
+        self._pending = None
 
     def propose(
         self,
@@ -85,12 +91,20 @@ class PromptLookupProposer:
             if x in eos:  # nothing is drafted past an end of sequence
                 tokens = tokens[: i + 1]
                 break
+        if tokens and self.length is not None:
+            key = regime(params)
+            tokens = tokens[: self.length.choose_copied(key, len(tokens))]
+            self._pending = (key, len(sequence), len(tokens)) if tokens else None
         if tokens:
             stats.lookup_blocks += 1
         return Draft.chain(tokens)
 
     def commit(self, length: int, path: Sequence[int] | None = None) -> None:
-        """Nothing cached."""
+        """Nothing cached; with a cost-aware length, what was accepted of the copy is recorded."""
+        if self._pending is not None and self.length is not None:
+            key, first, copied = self._pending
+            self.length.record_copied(key, copied, min(copied, max(0, length - first)))
+            self._pending = None
 
     def observe(self, states: torch.Tensor) -> None:
         """Never called: ``hidden_layers`` is None."""

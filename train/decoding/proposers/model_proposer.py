@@ -27,7 +27,12 @@ rules stay as they are.
   under the drafter is below t (:func:`draft_confidence`; the draft itself is kept, as in Hugging Face's
   ``assistant_confidence_threshold``): gamma becomes a cap and the drafter's calls that would mostly
   be rejected are saved. The stop depends only on the drafter's own output for the committed prefix,
-  so the output law is unchanged (docs/decoding.md#adaptive-draft-length).
+  so the output law is unchanged (docs/decoding.md#adaptive-draft-length);
+- with a ``length`` policy (:class:`~train.decoding.length_policy.CostAwareLength`) the draft length is
+  chosen by expected tokens per second under the measured costs instead: whether to draft at all, then,
+  from each position's distribution (its largest probability, before a token is drawn from it), whether
+  that position gets a draft; what the verifier then accepted (learnt at :meth:`ModelProposer.commit`)
+  calibrates those confidences.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import torch
 
 from train.decoding.cache import crop_cache
 from train.decoding.draft import Draft
+from train.decoding.length_policy import CostAwareLength, regime
 from train.decoding.metrics import DecodeStats
 from train.decoding.model_call import CallResult, TimedModel
 from train.decoding.sampling import SamplingParams, draw_index, greedy_ids, uniforms, warp
@@ -61,11 +67,23 @@ class ModelProposer:
     #: A plain drafter reads none of the verifier's hidden states (see the Proposer protocol).
     hidden_layers: tuple[int, ...] | None = None
 
-    def __init__(self, drafter: TimedModel, vocab_size: int, confidence_threshold: float = 0.0) -> None:
+    def __init__(
+        self,
+        drafter: TimedModel,
+        vocab_size: int,
+        confidence_threshold: float = 0.0,
+        length: CostAwareLength | None = None,
+    ) -> None:
         if not 0.0 <= confidence_threshold < 1.0:
             raise ValueError(
                 f"confidence_threshold must be in [0, 1) (0 = off), got {confidence_threshold!r}"
             )
+        if length is not None and confidence_threshold:
+            raise ValueError("a cost-chosen draft length and a confidence_threshold exclude each other")
+        #: The cost-aware draft length (None: ``gamma`` drafts, or the confidence stop).
+        self.length = length
+        #: The last block's chain awaiting its verdict: (regime, confidences, first position, drafts).
+        self._pending: tuple[object, list[float], int, int] | None = None
         self.drafter = drafter
         self.vocab_size = vocab_size
         #: Stop the chain after a draft the drafter gives less than this probability (0: never).
@@ -88,6 +106,7 @@ class ModelProposer:
 
     def start(self) -> None:
         self._cache, self._length = None, 0
+        self._pending = None
 
     def _embeddable(self, tokens: list[int]) -> list[int]:
         limit = self.drafter.embed_size
@@ -142,8 +161,12 @@ class ModelProposer:
         tokens: list[int] = []
         qs: list[torch.Tensor] = []
         columns: list[int] = []
+        confidences: list[float] = []
         greedy = params.greedy
         ids = self._support_ids
+        length, key = self.length, regime(params)
+        if length is not None and not length.should_draft(key, budget):
+            return Draft()  # a plain verifier step: no drafted token can pay for its check
         u = [] if greedy else uniforms(budget, generator).tolist()
         feed = self._embeddable(sequence[self._length :])
         for step in range(budget):
@@ -156,6 +179,11 @@ class ModelProposer:
                 q = logits[: self._shared] if self._slice else logits
             else:
                 q = self._distribution(logits, params)
+            if length is not None:  # decided on q alone, before the draw (length_policy.py)
+                confidences.append(draft_confidence(q, int(greedy_ids(q)), greedy))
+                if not length.include(key, confidences, budget):
+                    confidences.pop()
+                    break
             if greedy:
                 i = int(greedy_ids(q))
             else:
@@ -169,6 +197,10 @@ class ModelProposer:
             if self.confidence_threshold and draft_confidence(q, i, greedy) < self.confidence_threshold:
                 break
             feed = self._embeddable([x])
+        if length is not None and tokens:
+            self._pending = (key, confidences, len(sequence), len(tokens))
+        if not tokens:
+            return Draft()
         if not qs:
             return Draft.chain(tokens)
         if ids is None:
@@ -180,6 +212,10 @@ class ModelProposer:
         """Never called: ``hidden_layers`` is None."""
 
     def commit(self, length: int, path: Sequence[int] | None = None) -> None:
+        if self._pending is not None and self.length is not None:
+            key, confidences, first, drafted = self._pending
+            self.length.record(key, confidences, drafted, min(drafted, max(0, length - first)))
+            self._pending = None
         if self._length > length:
             crop_cache(self._cache, length, self._length)
             self._length = length

@@ -1,0 +1,202 @@
+"""The cost model (train/decoding/costs.py), the draft length it chooses (train/decoding/length_policy.py)
+and chain SD under it (``SpeculativeDecoder(draft_length="cost")``).
+
+Pure functions against hand-computed values; the policy's three choices on costs where drafting pays and
+where it cannot; the decoder: Hugging Face's greedy output for three architectures, with prompt lookup,
+EOS and every short limit; plain steps only (no drafter call) where no draft can pay; the exact output law
+at T = 1 by chi-square against the verifier's enumerated law, while the policy's calibration moves
+from call to call.
+
+Broken on purpose (tried): choosing the verified prefix after the fact by the drawn tokens' own
+probabilities (the first design) fails the law test (chi-square 243 against a critical 106); a
+calibration that records every draft as accepted keeps drafting where nothing pays and fails
+``test_where_nothing_pays_every_block_is_a_plain_step``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from train.decoding import SamplingParams, SpeculativeDecoder
+from train.decoding.costs import StepCosts, best_length, expected_tokens, speedup_bound, survival
+from train.decoding.length_policy import AcceptanceCalibration, CostAwareLength, chain_outcomes
+
+from .decoding_helpers import hf_greedy
+from .spec_reference import chi2_critical, chi_square, peaked_table_lm, run_many, table_next, verifier_joint
+
+#: a float32 CPU as shipped: checking n tokens costs 1, 1.8, 1.85, ... one-token steps
+STEEP = StepCosts(verify=(1.0, 1.8, 1.85, 1.9, 2.0, 2.1, 2.2, 2.3, 2.4), draft=0.05)
+#: the streamed product: 2-4 tokens cost about one step
+FLAT = StepCosts(verify=(1.0, 1.03, 1.05, 1.07, 1.4, 1.5, 1.6, 1.7, 1.8), draft=0.05)
+
+
+def test_step_costs_extrapolate_and_validate():
+    costs = StepCosts(verify=(2.0, 3.0, 5.0), draft=0.5)
+    assert costs.check(3) == 5.0 and costs.check(5) == 9.0  # the last slope carries on
+    assert costs.relative() == [1.0, 1.5, 2.5] and costs.draft_ratio == 0.25
+    assert StepCosts.from_dict(costs.to_dict()) == costs
+    for bad in ({"verify": ()}, {"verify": (1.0, 0.0)}, {"verify": (1.0,), "draft": -1.0}):
+        with pytest.raises(ValueError):
+            StepCosts(**bad)
+    with pytest.raises(ValueError):
+        costs.check(0)
+
+
+def test_expected_tokens_best_length_and_the_bound_by_hand():
+    a = [0.8, 0.5, 0.5]
+    assert survival(a) == pytest.approx([0.8, 0.4, 0.2])
+    assert expected_tokens(a) == pytest.approx(2.4)
+    costs = StepCosts(verify=(1.0, 1.1, 1.2, 2.0), draft=0.1)
+    # after 3 drafter steps (0.3 s spent): m = 0: 1 / 1.3; 1: 1.8 / 1.4; 2: 2.2 / 1.5; 3: 2.4 / 2.3
+    assert best_length(a, costs, 3) == (2, pytest.approx(2.2 / 1.5))
+    # the bound: n = 1: 1.8 / 1.2 = 1.5; n = 2: 2.2 / 1.4 = 1.571; n = 3: 2.4 / 2.3
+    assert speedup_bound(a, costs) == (2, pytest.approx(2.2 / 1.4))
+    assert speedup_bound([0.1, 0.1], StepCosts(verify=(1.0, 1.8, 1.9), draft=0.1)) == (0, 1.0)
+    assert speedup_bound([0.9], costs, drafter_steps_per_draft=0.0) == (1, pytest.approx(1.9 / 1.1))
+
+
+def test_calibration_shrinks_towards_the_drafters_probability():
+    cal = AcceptanceCalibration(bins=10, prior=4.0)
+    assert cal.estimate(0.35) == pytest.approx(0.35)  # nothing seen: the drafter's own probability
+    for _ in range(36):
+        cal.record(0.35, False)
+    assert cal.estimate(0.35) == pytest.approx(4 * 0.35 / 40)
+    assert cal.estimate(0.95) == pytest.approx(0.95)  # another bin
+    assert chain_outcomes(3, 1) == [(0, True), (1, False)] and chain_outcomes(2, 2) == [(0, True), (1, True)]
+
+
+def test_the_policy_drafts_long_on_flat_costs_and_short_or_nothing_on_steep_ones():
+    flat, steep = CostAwareLength(FLAT), CostAwareLength(STEEP)
+    assert flat.include("greedy", [0.95, 0.9, 0.9], 6)
+    assert not flat.include("greedy", [0.95, 0.9, 0.9, 0.9], 4)  # a 5-token check costs 1.4 steps here
+    assert flat.include("greedy", [0.3], 6)  # a 30% draft pays when a check costs 3% more ...
+    assert not steep.include("greedy", [0.3], 6)  # ... and does not when it costs 80% more
+    assert steep.include("greedy", [0.95], 6) and not steep.include("greedy", [0.95, 0.02], 6)
+    # first drafts that are never accepted: plain steps, with a probe every probe_every blocks
+    policy = CostAwareLength(STEEP, probe_every=4)
+    for _ in range(20):
+        policy.record("greedy", [0.5], 1, 0)
+    drafted = [policy.should_draft("greedy", 6) for _ in range(8)]
+    assert drafted == [False, False, False, True] * 2
+    assert CostAwareLength(FLAT).should_draft("greedy", 6)
+    # copies: cut where the copies' acceptance so far makes the next one not pay
+    assert CostAwareLength(FLAT).choose_copied("greedy", 6) == 3  # prior 0.5: 4 checked tokens, not 5
+    copies = CostAwareLength(STEEP, probe_every=3)
+    for _ in range(30):
+        copies.record_copied("greedy", 3, 0)
+    assert [copies.choose_copied("greedy", 6) for _ in range(6)] == [0, 0, 6] * 2
+    with pytest.raises(RuntimeError, match="no step costs"):
+        CostAwareLength().include("greedy", [0.5], 1)
+
+
+def _repetitive_prompt(seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    motif = torch.randint(2, 128, (5,), generator=gen)
+    return torch.cat([motif, torch.randint(2, 128, (3,), generator=gen), motif[:3]]).reshape(1, -1)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt2"])
+@pytest.mark.parametrize("costs", [FLAT, STEEP], ids=["flat", "steep"])
+def test_cost_chosen_lengths_keep_the_greedy_output(tiny_pairs, arch, costs):
+    """Chains of every chosen length, plain steps, copies cut to a prefix: the verifier's greedy output."""
+    verifier, drafter = tiny_pairs[arch]
+    lengths = set()
+    for seed in range(3):
+        ids = _repetitive_prompt(seed)
+        ref = hf_greedy(verifier, ids, 40)
+        for lookup in (0, 6):
+            dec = SpeculativeDecoder(
+                verifier,
+                drafter,
+                gamma=6,
+                draft_length="cost",
+                costs=costs,
+                lookup_tokens=lookup,
+                lookup_min_ngram=1,
+            )
+            res = dec.generate(ids, 40)
+            assert res.tokens.tolist() == ref, (arch, seed, lookup)
+            lengths.update(range(len(res.stats.position_drafted)))
+            assert res.stats.verifier_calls >= res.stats.drafter_calls / 6
+    if costs is FLAT:  # on steep costs this random pair's drafts never pay: plain steps throughout
+        assert len(lengths) >= 2, lengths
+
+
+def test_cost_chosen_lengths_stop_at_eos_and_at_every_limit(llama_pair):
+    verifier, drafter = llama_pair
+    ids = _repetitive_prompt(3)
+    free = hf_greedy(verifier, ids, 30)
+    eos = free[7]
+    ref = hf_greedy(verifier, ids, 30, eos=eos)
+    assert ref[-1] == eos and len(ref) < 30
+    for n in (0, 1, 2, 5, 30):
+        dec = SpeculativeDecoder(verifier, drafter, gamma=4, draft_length="cost", costs=FLAT, lookup_tokens=4)
+        assert dec.generate(ids, n, eos_token_id=eos).tokens.tolist() == ref[:n], n
+
+
+def test_where_nothing_pays_every_block_is_a_plain_step(llama_pair):
+    """A drafter whose drafts the verifier never takes, on a machine where a check costs twice a step:
+    after a few blocks the decoder stops calling the drafter (bar its probes) and runs at one token per
+    verifier call, as plain decoding does."""
+    verifier, drafter = llama_pair
+    costs = StepCosts(verify=(1.0, 2.0, 2.1, 2.2, 2.3), draft=0.2)
+    dec = SpeculativeDecoder(verifier, drafter, gamma=4, draft_length="cost", costs=costs)
+    ids = _repetitive_prompt(5)
+    res = dec.generate(ids, 60)
+    assert res.tokens.tolist() == hf_greedy(verifier, ids, 60)
+    s = res.stats
+    assert s.drafter_calls < 25 and s.verifier_calls > 45, (s.drafter_calls, s.verifier_calls)
+
+
+def test_bad_settings_raise(llama_pair):
+    verifier, drafter = llama_pair
+    with pytest.raises(ValueError, match="draft_length"):
+        SpeculativeDecoder(verifier, drafter, draft_length="auto")
+    with pytest.raises(ValueError, match="exclude each other"):
+        SpeculativeDecoder(verifier, drafter, draft_length="cost", confidence_threshold=0.3)
+
+
+def test_costs_are_measured_once_when_not_given(llama_pair, tmp_path, monkeypatch):
+    monkeypatch.setenv("DRAFTSMITH_COST_CACHE", str(tmp_path / "costs.json"))
+    verifier, drafter = llama_pair
+    dec = SpeculativeDecoder(verifier, drafter, gamma=3, draft_length="cost")
+    assert dec.step_costs is None
+    dec.generate(_repetitive_prompt(0), 5)
+    costs = dec.step_costs
+    assert costs is not None and len(costs.verify) == 9 and costs.draft > 0
+    assert (tmp_path / "costs.json").is_file()
+    again = SpeculativeDecoder(verifier, drafter, gamma=3, draft_length="cost")
+    again.generate(_repetitive_prompt(0), 5)
+    assert again.step_costs == costs  # the process's memo (and the file) give the same figures
+
+
+V, EOS, PROMPT = 4, 3, (2, 0)
+
+
+@pytest.mark.parametrize("lookup", [0, 3])
+def test_the_output_law_is_the_verifiers_at_t1(lookup):
+    """4,000 sampled decodes of the peaked table pair (q != p, EOS in play), the policy deciding per
+    block from flat costs and its calibration, which changes from call to call; chi-square (alpha 1e-4)
+    against the verifier's enumerated law. Broken on purpose (tried): drafting from q but handing the
+    rule the next position's q row moved the statistic far past the critical value."""
+    verifier, drafter = peaked_table_lm(V, 1, 3.0, 0.0), peaked_table_lm(V, 2, 4.5, 1.5)
+    params = SamplingParams(temperature=1.0)
+    costs = StepCosts(verify=(1.0, 1.02, 1.3, 1.9, 2.5), draft=0.1)
+    dec = SpeculativeDecoder(
+        verifier,
+        drafter,
+        gamma=4,
+        draft_length="cost",
+        costs=costs,
+        lookup_tokens=lookup,
+        lookup_min_ngram=1,
+        lookup_max_ngram=2,
+    )
+    n = 4000
+    runs = run_many(dec, PROMPT, 5, params, n, seed=3, eos=EOS)
+    target = verifier_joint(table_next(verifier, params), PROMPT, 5, (EOS,))
+    stat, df = chi_square(runs.counts, target, n)
+    assert stat < chi2_critical(df), (stat, df, chi2_critical(df))
+    lengths = {len(s.position_drafted) for s in runs.stats}
+    assert len(lengths) >= 2, lengths

@@ -1,0 +1,112 @@
+"""The streamed product for linear layers over 2-16 rows on CPU float32 (train/models/streamed_linear.py).
+
+Its values are F.linear's up to the order of the sums; one row, many rows, gradients and other dtypes
+take F.linear itself, bit for bit; and a k-token check through it gives the argmax of k one-token steps
+(greedy equality's premise), with the decoders' greedy output equal to Hugging Face ``generate``.
+Broken on purpose (tried): a product of the weight with the rows untransposed fails the shape and value
+tests; a padded row left in the output fails the 3-row cases; F.linear's transposed, non-contiguous
+result returned as is fails ``test_rows_come_back_contiguous``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from train.decoding import SpeculativeDecoder, TimedModel, crop_cache
+from train.models import streamed_linear as sl
+
+from .decoding_helpers import build, hf_greedy, tiny_config
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 16, 17])
+@pytest.mark.parametrize("bias", [False, True])
+def test_values_are_f_linears(rows, bias):
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(48, 24, generator=gen)
+    b = torch.randn(48, generator=gen) if bias else None
+    x = torch.randn(1, rows, 24, generator=gen)
+    out = sl.streamed_linear(x, weight, b)
+    assert out.shape == (1, rows, 48)
+    torch.testing.assert_close(out, F.linear(x, weight, b), atol=1e-5, rtol=1e-5)
+
+
+def test_rows_come_back_contiguous():
+    """Attention takes its fused kernel only on contiguous projections: a transposed view here made a
+    2-token check cost 1.4x a one-token step instead of 1.03x (docs/decoding.md)."""
+    for rows in (2, 3, 4):
+        assert sl.streamed_linear(torch.randn(rows, 8), torch.randn(16, 8), None).is_contiguous()
+
+
+def _layer() -> torch.nn.Linear:
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(24, 40)
+    sl.stream_small_linears(layer)
+    return layer
+
+
+def test_one_row_many_rows_gradients_and_other_dtypes_run_f_linear_bit_for_bit():
+    layer = _layer()
+    with torch.inference_mode():
+        for rows in (1, 17, 64):
+            x = torch.randn(rows, 24)
+            assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+        x64 = torch.randn(4, 24, dtype=torch.float64)
+        layer64 = torch.nn.Linear(24, 40).double()
+        sl.stream_small_linears(layer64)
+        assert torch.equal(layer64(x64), F.linear(x64, layer64.weight, layer64.bias))
+    x = torch.randn(4, 24)  # grad mode with a trainable weight: the library's product (and its backward)
+    out = layer(x)
+    assert out.requires_grad and torch.equal(out, F.linear(x, layer.weight, layer.bias))
+
+
+def test_patching_is_idempotent_reversible_and_switchable(monkeypatch):
+    model = build(tiny_config("llama", 32), 0)
+    linears = sum(type(m) is torch.nn.Linear for m in model.modules())
+    assert sl.stream_small_linears(model) == linears
+    assert sl.stream_small_linears(model) == 0  # already patched
+    assert sl.unstream_linears(model) == linears
+    assert all("forward" not in vars(m) for m in model.modules())
+    monkeypatch.setenv("DRAFTSMITH_CPU_LINEAR", "library")
+    assert sl.stream_small_linears(model) == 0
+    monkeypatch.setenv("DRAFTSMITH_CPU_LINEAR", "fast")
+    with pytest.raises(ValueError, match="DRAFTSMITH_CPU_LINEAR"):
+        sl.stream_small_linears(model)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt2"])
+def test_a_k_token_check_gives_the_argmax_of_k_one_token_steps(arch):
+    """The decoders' models (TimedModel patches them) in float32: one forward over k tokens after a
+    cached prefix against k one-token forwards, for k = 2 .. 9; logits within a few 1e-6 (a bitwise match
+    is not to be had: neither F.linear's GEMM path nor the streamed product sums as the one-row kernel
+    does), the argmax the same."""
+    model = build(tiny_config(arch, 64, layers=3), 3)
+    timed = TimedModel(model)
+    assert any(getattr(m, "_draftsmith_streamed", False) for m in model.modules())
+    gen = torch.Generator().manual_seed(7)
+    with torch.inference_mode():
+        for k in range(2, 10):
+            ids = torch.randint(2, 128, (40 + k,), generator=gen).tolist()
+            cache = timed(ids[:40], None).cache
+            block = timed(ids[40:], cache, logits_to_keep=k).logits
+            crop_cache(cache, 40)
+            steps = []
+            for t in ids[40:]:
+                out = timed([t], cache)
+                cache = out.cache
+                steps.append(out.logits[-1])
+            stepped = torch.stack(steps)
+            torch.testing.assert_close(block, stepped, atol=2e-5, rtol=1e-4)
+            assert torch.equal(block.argmax(-1), stepped.argmax(-1)), (arch, k)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_chain_sd_through_the_streamed_product_is_hf_greedy(tiny_pairs, arch):
+    verifier, drafter = tiny_pairs[arch]
+    gen = torch.Generator().manual_seed(11)
+    for gamma in (1, 3, 7):
+        dec = SpeculativeDecoder(verifier, drafter, gamma=gamma)
+        for _ in range(3):
+            ids = torch.randint(2, 128, (1, 12), generator=gen)
+            assert dec.generate(ids, 30).tokens.tolist() == hf_greedy(verifier, ids, 30), (arch, gamma)

@@ -1,0 +1,206 @@
+"""The engine's own costs, measured on the machine at hand (:func:`step_costs`).
+
+One verifier forward over 1 .. K new tokens after a cached prefix, and one drafter step, timed as the
+decoders time them (:class:`~train.decoding.model_call.TimedModel`): a warm-up pass, then ``repeats``
+passes with the token counts interleaved (so machine load hits them alike), the median of each. About
+``repeats * (K + 1) + K`` verifier forwards: 1-3 seconds for a 135M verifier on 2 CPU cores.
+
+The result is cached twice: in the process (one measurement per pair and setting), and on disk in
+``$DRAFTSMITH_COST_CACHE`` (default ``~/.cache/draftsmith/step_costs.json``), keyed by what a cost
+depends on: the processor, torch's version and CPU capability, the device, the dtype, torch's thread
+count, the CPU linear kernel (train/models/streamed_linear.py) and the pair (each model's name, size and
+shape). A run on the same machine and settings reuses it, so its draft lengths, and its sampled output
+for a seed, are the same run after run. ``DRAFTSMITH_COST_CACHE=off`` measures every process afresh.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from train.decoding.cache import crop_cache
+from train.decoding.costs import StepCosts
+from train.decoding.model_call import TimedModel
+from train.models.draft_vocab import draft_support
+from train.models.streamed_linear import enabled as streamed_enabled
+
+__all__ = ["MEASURED_TOKENS", "cache_path", "cost_key", "measure_step_costs", "step_costs"]
+
+log = logging.getLogger(__name__)
+
+#: Tokens in the cached prefix the forwards run after (a short chat prompt).
+PREFIX_TOKENS = 128
+#: Checks of at least 1 .. this many tokens are measured (chains of up to 8 drafts), so decoders of
+#: different caps and the evaluator share one measurement.
+MEASURED_TOKENS = 9
+_MEMO: dict[str, StepCosts] = {}
+
+
+def _processor() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _model_identity(model: torch.nn.Module | None) -> dict[str, Any]:
+    if model is None:
+        return {}
+    config = getattr(model, "config", None)
+    shape = {
+        k: getattr(config, k, None)
+        for k in (
+            "hidden_size",
+            "num_hidden_layers",
+            "intermediate_size",
+            "vocab_size",
+            "num_attention_heads",
+        )
+    }
+    return {
+        "name": str(getattr(config, "_name_or_path", "") or type(model).__name__),
+        "params": sum(p.numel() for p in model.parameters()),
+        "shape": shape,
+        "dtype": str(next(model.parameters(), torch.empty(0)).dtype),
+        "device": str(next(model.parameters(), torch.empty(0)).device),
+        "support": _support_size(model),
+    }
+
+
+def _support_size(model: torch.nn.Module) -> int | None:
+    ids = draft_support(model)
+    return int(ids.numel()) if ids is not None else None
+
+
+def cost_key(verifier: torch.nn.Module, drafter: torch.nn.Module | None, max_tokens: int) -> str:
+    """What a measurement depends on, hashed (module docstring)."""
+    device = next(verifier.parameters()).device
+    what = {
+        "processor": _processor() if device.type == "cpu" else torch.cuda.get_device_name(device),
+        "torch": torch.__version__,
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "threads": torch.get_num_threads(),
+        "kernel": "stream" if streamed_enabled() else "library",
+        "verifier": _model_identity(verifier),
+        "drafter": _model_identity(drafter),
+        "max_tokens": max_tokens,
+        "prefix": PREFIX_TOKENS,
+    }
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def cache_path() -> Path | None:
+    """The disk cache's file (None: ``DRAFTSMITH_COST_CACHE=off``)."""
+    value = os.environ.get("DRAFTSMITH_COST_CACHE", "")
+    if value.strip().lower() == "off":
+        return None
+    if value:
+        return Path(value)
+    return Path.home() / ".cache" / "draftsmith" / "step_costs.json"
+
+
+def _read_disk() -> dict[str, Any]:
+    path = cache_path()
+    if path is None or not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_disk(key: str, costs: StepCosts) -> None:
+    path = cache_path()
+    if path is None:
+        return
+    data = _read_disk()
+    data[key] = costs.to_dict()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        tmp.replace(path)
+    except OSError as err:  # a read-only home costs a re-measurement, not the run
+        log.warning("Could not cache the measured step costs in %s: %s", path, err)
+
+
+def _prefix(model: TimedModel, length: int) -> list[int]:
+    generator = torch.Generator().manual_seed(0)
+    return torch.randint(0, max(1, model.embed_size), (length,), generator=generator).tolist()
+
+
+def _time_forwards(
+    model: TimedModel, counts: list[int], repeats: int, support_only: bool = False, draw: bool = False
+) -> list[float]:
+    """Median seconds of a forward over each of ``counts`` new tokens after a cached prefix; ``draw``:
+    with what a drafter step adds to its forward (its distribution, its top token and its confidence)."""
+    prefix = _prefix(model, PREFIX_TOKENS)
+    cache = model(prefix, None, support_only=support_only).cache
+    tokens = _prefix(model, max(counts) + 1)[1:]
+    times: dict[int, list[float]] = {n: [] for n in counts}
+    for rep in range(repeats + 1):  # the first pass warms up
+        for n in counts:
+            start = time.perf_counter()
+            out = model(tokens[:n], cache, logits_to_keep=n, support_only=support_only)
+            if draw:
+                q = torch.softmax(out.logits[-1].float(), dim=-1)
+                float(q.max())
+            seconds = time.perf_counter() - start if draw else out.seconds
+            cache = out.cache
+            crop_cache(cache, PREFIX_TOKENS)
+            if rep:
+                times[n].append(seconds)
+    return [statistics.median(times[n]) for n in counts]
+
+
+def measure_step_costs(
+    verifier: TimedModel, drafter: TimedModel | None, max_tokens: int, repeats: int = 5
+) -> StepCosts:
+    """Measure (no cache): the verifier's forward over 1 .. ``max_tokens`` tokens and a drafter step."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    with torch.inference_mode():
+        medians = _time_forwards(verifier, list(range(1, max_tokens + 1)), repeats)
+        # more tokens never cost less: a dip is the machine's noise (a cheaper 4 than 1 would make
+        # every block draft 3 tokens "for free"), so each count costs at least what fewer did
+        verify = [max(medians[: n + 1]) for n in range(len(medians))]
+        draft = 0.0
+        if drafter is not None:
+            support = drafter.support is not None
+            draft = _time_forwards(drafter, [1], repeats, support_only=support, draw=True)[0]
+    return StepCosts(verify=tuple(verify), draft=draft)
+
+
+def step_costs(verifier: TimedModel, drafter: TimedModel | None, max_tokens: int) -> StepCosts:
+    """The pair's step costs for checks of 1 .. ``max_tokens`` tokens (at least :data:`MEASURED_TOKENS`):
+    from the process's memo, else the disk cache, else measured now and cached (module docstring)."""
+    max_tokens = max(max_tokens, MEASURED_TOKENS)
+    key = cost_key(verifier.model, drafter.model if drafter is not None else None, max_tokens)
+    if key in _MEMO:
+        return _MEMO[key]
+    stored = _read_disk().get(key)
+    costs = None
+    if isinstance(stored, dict):
+        try:
+            costs = StepCosts.from_dict(stored)
+        except (KeyError, TypeError, ValueError):
+            costs = None
+    if costs is None:
+        costs = measure_step_costs(verifier, drafter, max_tokens)
+        _write_disk(key, costs)
+        log.info("Measured step costs (cached under %s): %s", cache_path(), costs)
+    _MEMO[key] = costs
+    return costs

@@ -1,0 +1,204 @@
+"""A draft length chosen by expected tokens per second (:class:`CostAwareLength`), zero included.
+
+A chain's drafts are worth verifying while the tokens they are expected to add pay for what checking
+them costs. With the measured step costs (:class:`~train.decoding.costs.StepCosts`: the verifier's
+forward over n tokens, a drafter step) and an estimate of each draft's acceptance, the policy answers
+three questions per block:
+
+1. **Draft at all?** (:meth:`CostAwareLength.should_draft`) Before the drafter runs, with the running
+   acceptance of first drafts as the guess for every draft: if no length beats a plain verifier step,
+   the block is a plain step (no drafter call). Every ``probe_every``-th such block drafts anyway, so the
+   estimate can recover when the text changes.
+2. **Verify this draft?** (:meth:`CostAwareLength.include`) Each time the drafter gives its distribution
+   for the next position: with the calibrated acceptance of the drafts kept so far and of this one (the
+   last also the guess for those to come), keep it (and draft on) while some chain through it promises
+   more tokens per second than stopping before it. The first draft refused makes the block a plain step.
+3. **Copy how many?** (:meth:`CostAwareLength.choose_copied`) Copied drafts (prompt lookup) are cut to
+   the prefix with the most expected tokens per second (:func:`~train.decoding.costs.best_length`), by
+   the acceptance copies have had at each position, at no drafter cost.
+
+The acceptance of a draft is calibrated online from what the verifier accepted
+(:class:`AcceptanceCalibration`): the drafter's confidence at that position (the largest probability of
+its distribution), binned, each bin's acceptance rate shrunk towards the confidence itself (which is
+what a calibrated greedy drafter would give). Calibration
+is kept per sampling regime (greedy, or a temperature and cut-offs) for the life of the decoder.
+
+**Why the output stays the verifier's.** Whether position j gets a draft depends on the committed
+sequence, the drafts before it, the drafter's *distribution* at j and what earlier blocks accepted;
+never on the token drawn at j, nor on this block's verification. So a draft that is kept is still a
+draw from the q the rule is handed, and the chain rule's argument (docs/decoding.md) holds position
+by position, for a shorter chain and an empty one (a plain step drawn from p) alike. (Choosing the
+prefix after the fact, by the drawn tokens' own probabilities, would not be: keeping x only when q(x) is
+high draws kept drafts from another law than q. At T > 0 that biased the output, chi-square 243 against
+a critical value of 106; tests/decoding/test_cost_length.py.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from train.decoding.costs import StepCosts, best_length, block_rate
+from train.decoding.sampling import SamplingParams
+
+__all__ = ["AcceptanceCalibration", "CostAwareLength", "PositionAcceptance", "chain_outcomes", "regime"]
+
+
+def regime(params: SamplingParams) -> object:
+    """The key calibration is kept under: every greedy regime is one, a sampled one is its settings."""
+    return "greedy" if params.greedy else (params.temperature, params.top_k, params.top_p)
+
+
+@dataclass
+class AcceptanceCalibration:
+    """P(a draft is accepted | the drafter gave it probability c), from tested drafts: ``bins`` equal
+    bins of c, each bin's rate shrunk towards c with ``prior`` pseudo-observations."""
+
+    bins: int = 10
+    prior: float = 4.0
+    accepted: list[float] = field(default_factory=list)
+    tested: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.accepted = self.accepted or [0.0] * self.bins
+        self.tested = self.tested or [0.0] * self.bins
+
+    def _bin(self, c: float) -> int:
+        return min(self.bins - 1, max(0, int(c * self.bins)))
+
+    def estimate(self, c: float) -> float:
+        b = self._bin(c)
+        return (self.accepted[b] + self.prior * c) / (self.tested[b] + self.prior)
+
+    def record(self, c: float, accepted: bool) -> None:
+        b = self._bin(c)
+        self.tested[b] += 1.0
+        self.accepted[b] += float(accepted)
+
+
+@dataclass
+class PositionAcceptance:
+    """P(draft i accepted | the drafts before it were), per position i, from tested drafts, with a
+    ``prior`` of pseudo-observations at ``prior_mean``; positions past the last seen take its value."""
+
+    prior_mean: float = 0.5
+    prior: float = 2.0
+    accepted: list[float] = field(default_factory=list)
+    tested: list[float] = field(default_factory=list)
+
+    def estimate(self, i: int) -> float:
+        if i < len(self.tested):
+            return (self.accepted[i] + self.prior * self.prior_mean) / (self.tested[i] + self.prior)
+        if self.tested:
+            return self.estimate(len(self.tested) - 1)
+        return self.prior_mean
+
+    def record(self, i: int, accepted: bool) -> None:
+        while len(self.tested) <= i:
+            self.tested.append(0.0)
+            self.accepted.append(0.0)
+        self.tested[i] += 1.0
+        self.accepted[i] += float(accepted)
+
+
+def chain_outcomes(tested_count: int, accepted_count: int) -> list[tuple[int, bool]]:
+    """The (position, accepted) outcomes of a chain of which ``tested_count`` drafts were verified and
+    the first ``accepted_count`` accepted: the accepted ones, then the first rejected one (the drafts
+    after it were never tested)."""
+    outcomes = [(i, True) for i in range(accepted_count)]
+    if accepted_count < tested_count:
+        outcomes.append((accepted_count, False))
+    return outcomes
+
+
+class CostAwareLength:
+    """The draft length that maximizes expected tokens per second (module docstring).
+
+    ``costs`` may be set after construction (a decoder measures them at its first call);
+    ``probe_every``: after this many blocks in a row that skipped the drafter, draft once anyway.
+    """
+
+    def __init__(self, costs: StepCosts | None = None, probe_every: int = 8) -> None:
+        if probe_every < 1:
+            raise ValueError(f"probe_every must be >= 1, got {probe_every!r}")
+        self.costs = costs
+        self.probe_every = probe_every
+        self._calibration: dict[object, AcceptanceCalibration] = {}
+        self._first: dict[object, PositionAcceptance] = {}
+        self._copies: dict[object, PositionAcceptance] = {}
+        self._skipped = 0
+        self._copies_refused = 0
+
+    def _costs(self) -> StepCosts:
+        if self.costs is None:
+            raise RuntimeError(
+                "CostAwareLength: no step costs yet (the decoder measures them at its first call)"
+            )
+        return self.costs
+
+    def calibration(self, regime: object) -> AcceptanceCalibration:
+        return self._calibration.setdefault(regime, AcceptanceCalibration())
+
+    def acceptances(self, regime: object, confidences: Sequence[float]) -> list[float]:
+        """Each draft's calibrated acceptance, from the drafter's probability of it."""
+        cal = self.calibration(regime)
+        return [cal.estimate(c) for c in confidences]
+
+    def should_draft(self, regime: object, budget: int) -> bool:
+        """Whether a chain of up to ``budget`` drafts, each accepted like first drafts so far, can beat a
+        plain step (with a probe every ``probe_every`` skipped blocks)."""
+        costs = self._costs()
+        guess = self._first.setdefault(regime, PositionAcceptance()).estimate(0)
+        plain = 1.0 / costs.check(1)
+        if any(block_rate([guess] * n, costs, n) > plain for n in range(1, budget + 1)):
+            self._skipped = 0
+            return True
+        self._skipped += 1
+        if self._skipped >= self.probe_every:
+            self._skipped = 0
+            return True
+        return False
+
+    def include(self, regime: object, confidences: Sequence[float], budget: int) -> bool:
+        """Whether to verify the next draft: ``confidences`` are the drafter's confidence at each
+        position drafted so far, the last one the candidate's (the largest probability of its distribution,
+        never the probability of the token drawn from it), ``budget`` the most drafts the block may
+        verify. The drafter's steps spent so far are one per confidence; stopping now verifies the
+        drafts before the candidate, going on verifies it and, were later drafts as likely accepted,
+        perhaps more."""
+        n = len(confidences)
+        costs = self._costs()
+        a = self.acceptances(regime, confidences)
+        now = block_rate(a[:-1], costs, n)
+        guess = a[-1]
+        longer = (block_rate(a + [guess] * extra, costs, n + extra) for extra in range(0, budget - n + 1))
+        return any(rate > now for rate in longer)
+
+    def choose_copied(self, regime: object, count: int) -> int:
+        """How many of ``count`` copied tokens (prompt lookup, no drafter cost) to verify; after
+        ``probe_every`` refusals in a row, all of them once (so the copies' acceptance is learnt again)."""
+        copies = self._copies.setdefault(regime, PositionAcceptance())
+        keep = best_length([copies.estimate(i) for i in range(count)], self._costs(), 0)[0]
+        if keep:
+            self._copies_refused = 0
+            return keep
+        self._copies_refused += 1
+        if self._copies_refused >= self.probe_every:
+            self._copies_refused = 0
+            return count
+        return 0
+
+    def record(self, regime: object, confidences: Sequence[float], tested: int, accepted: int) -> None:
+        """What the verifier did with a drafted chain: ``tested`` of its drafts were verified (the
+        prefix chosen), the first ``accepted`` accepted."""
+        cal = self.calibration(regime)
+        first = self._first.setdefault(regime, PositionAcceptance())
+        for i, ok in chain_outcomes(tested, accepted):
+            cal.record(confidences[i], ok)
+            if i == 0:
+                first.record(0, ok)
+
+    def record_copied(self, regime: object, tested: int, accepted: int) -> None:
+        copies = self._copies.setdefault(regime, PositionAcceptance())
+        for i, ok in chain_outcomes(tested, accepted):
+            copies.record(i, ok)
