@@ -9,8 +9,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from tests.conftest import make_tokenizer, tiny_llama
+from tests.decoding.decoding_helpers import build, hf_greedy, tiny_config
 from train.evaluation.eval_config import build_eval_config
 from train.export.medusa_layout import export_vllm_medusa
 from train.export.speculators import export_speculators
@@ -25,6 +27,7 @@ from train.serving.figures import (
     unconditional_from_conditional,
     vllm_figures,
 )
+from train.serving.serve import equality_cell, greedy_equality
 from train.vllm import VllmNotInstalledError, find_vllm_python
 from train.vllm.worker import counter_delta, spec_counters
 
@@ -207,3 +210,23 @@ def test_a_failed_vllm_job_quotes_its_output(tmp_path: Path) -> None:
     with pytest.raises(VllmRunError, match="exited with code") as err:
         run_vllm_job({"mode": "decode"}, python=sys.executable, log_file=tmp_path / "vllm.log")
     assert "vllm" in str(err.value).lower() and (tmp_path / "vllm.log").is_file()
+
+
+def test_greedy_differences_are_classified_as_the_evaluator_classifies_them() -> None:
+    """A serving table says which greedy differences are ties of the verifier's precision and which are not,
+    instead of a bare "5/8" that reads as "not lossless"."""
+    verifier = build(tiny_config("llama", 32), 4)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, 128, (1, 10), generator=gen) for _ in range(3)]
+    greedy = [hf_greedy(verifier, p, 6) for p in prompts]
+    other = [list(g) for g in greedy]
+    logits = verifier(prompts[1]).logits[0, -1]
+    other[1][0] = int(torch.topk(logits, 2).indices[1])  # the runner-up, far from a tie in float32
+    eq = greedy_equality(verifier, prompts, greedy, other, tie_ulps=4.0)
+    assert eq["equal"] == 2 and eq["ties"] == 0 and eq["differences"][0]["prompt"] == 1
+    assert equality_cell(eq).startswith("2/3, 1 NOT A TIE (")
+    assert equality_cell(greedy_equality(verifier, prompts, greedy, greedy, 4.0)) == "yes"
+    # a huge tolerance makes the same difference a tie
+    assert (
+        equality_cell(greedy_equality(verifier, prompts, greedy, other, 1e9)) == "2/3, 1 tie (<= 1e+09 ulp)"
+    )

@@ -89,7 +89,9 @@ def _positions(values: Sequence[float]) -> str:
 
 def serving_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """Markdown: per export and engine, acceptance per position, block efficiency, tokens/s alone and with
-    speculation (batch 1), and whether the greedy output with speculation equals the engine's own without."""
+    speculation (batch 1), and whether the greedy output with speculation equals the engine's own without
+    (differences classified as the evaluator does: ties within the run's ``tie_ulps`` of the top logit, or
+    not; :func:`train.serving.serve.equality_cell`)."""
     lines = [
         "| export | vLLM method | engine | drafts | acceptance per position (P(first i+1 accepted)) "
         "| conditional | block efficiency | tokens/s alone | tokens/s speculative | speedup | greedy equal |",

@@ -28,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from train.config import instantiate_group
 from train.evaluation import build_prompts, evaluate_drafters, find_run
+from train.evaluation.greedy import classify_difference
 from train.evaluation.runner import Generation
 from train.export.hub import LOADERS
 from train.models.loading import eos_token_ids, load_model, load_tokenizer
@@ -59,6 +60,8 @@ class RunPrompts:
         length = prompt_len or int(eval_cfg.get("prompt_len", 256))
         data = instantiate_group(cfg, "data")
         self.prompts = build_prompts(self.tokenizer, data, count, length, seed=int(cfg.get("seed", 0)))
+        #: Greedy differences within this many ulps of the top logit are ties (the run's eval.tie_ulps).
+        self.tie_ulps = float(eval_cfg.get("tie_ulps", 4.0))
 
 
 def run_prompts(
@@ -108,7 +111,7 @@ def _ours(
         "decoders": [entry],
         "num_prompts": len(run.prompts),
         "max_new_tokens": max_new_tokens,
-        "tie_ulps": 16.0,
+        "tie_ulps": run.tie_ulps,
         "num_threads": None,
         "progress": False,
         "plots": False,
@@ -125,9 +128,45 @@ def _ours(
     return figures, [outputs[(entry["name"], i)] for i in range(n)], [outputs[("ar", i)] for i in range(n)]
 
 
-def _equal(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> str:
-    same = sum(list(x) == list(y) for x, y in zip(a, b, strict=True))
-    return "yes" if same == len(a) else f"{same}/{len(a)}"
+def greedy_equality(
+    verifier: torch.nn.Module,
+    prompts: Sequence[torch.Tensor],
+    reference: Sequence[Sequence[int]],
+    outputs: Sequence[Sequence[int]],
+    tie_ulps: float,
+) -> dict[str, Any]:
+    """How many ``outputs`` equal their ``reference`` greedy output, and each difference classified as the
+    evaluator classifies them (:func:`~train.evaluation.greedy.classify_difference`: the verifier's float32
+    logits at the first differing position; a tie when both tokens lie within ``tie_ulps`` ulps of the top
+    logit in the verifier's dtype)."""
+    records = [
+        classify_difference(verifier, p, list(r), list(o), tie_ulps)
+        for p, r, o in zip(prompts, reference, outputs, strict=True)
+    ]
+    differences = [{"prompt": i, **r} for i, r in enumerate(records) if r is not None]
+    return {
+        "n": len(records),
+        "equal": sum(r is None for r in records),
+        "ties": sum(bool(d["tie"]) for d in differences),
+        "tie_ulps": tie_ulps,
+        "differences": differences,
+    }
+
+
+def equality_cell(equality: dict[str, Any]) -> str:
+    """``yes``; else ``6/8, 2 ties (<= 16 ulp)``, a difference no tie adding ``1 NOT A TIE (40 ulp)``."""
+    n, equal, ties = equality["n"], equality["equal"], equality["ties"]
+    if equal == n:
+        return "yes"
+    cell = f"{equal}/{n}"
+    if ties:
+        cell += f", {ties} tie{'' if ties == 1 else 's'} (<= {equality['tie_ulps']:g} ulp)"
+    real = [d for d in equality["differences"] if not d["tie"]]
+    if real:
+        worst = max((d["margin_ulps"] for d in real if d["margin_ulps"] is not None), default=None)
+        margin = f" ({worst:.0f} ulp)" if worst is not None else " (one output ended early)"
+        cell += f", {len(real)} NOT A TIE{margin}"
+    return cell
 
 
 def serve_run(
@@ -172,9 +211,13 @@ def serve_run(
         vllm["tokens_per_second_alone"] = plain_tps
         vllm["batch_tokens_per_second"] = spec["batch_tokens"] / spec["batch_seconds"]
         vllm["batch_tokens_per_second_alone"] = plain["batch_tokens"] / plain["batch_seconds"]
-        vllm["greedy_equal"] = _equal(spec["outputs"], plain["outputs"])
+        vllm["equality"] = greedy_equality(
+            verifier, run.prompts, plain["outputs"], spec["outputs"], run.tie_ulps
+        )
+        vllm["greedy_equal"] = equality_cell(vllm["equality"])
         ours, our_outputs, our_plain = _ours(verifier, run, served, eos, max_new_tokens)
-        ours["greedy_equal"] = _equal(our_outputs, our_plain)
+        ours["equality"] = greedy_equality(verifier, run.prompts, our_plain, our_outputs, run.tie_ulps)
+        ours["greedy_equal"] = equality_cell(ours["equality"])
         rows.append(
             {
                 "export": served.folder.name,
@@ -186,7 +229,9 @@ def serve_run(
                 "vllm": vllm,
                 "ours": ours,
                 # vLLM's plain greedy tokens against this project's verifier's (float32 kernels differ)
-                "vllm_plain_equals_ours": _equal(plain["outputs"], our_plain),
+                "vllm_plain_equals_ours": equality_cell(
+                    greedy_equality(verifier, run.prompts, our_plain, plain["outputs"], run.tie_ulps)
+                ),
                 "vllm_outputs": spec["outputs"],
             }
         )
