@@ -275,6 +275,46 @@ def test_teacher_rollouts_are_cached_per_prompt():
     assert torch.equal(a.sequences[a.continuation_mask], b.sequences[b.continuation_mask])
 
 
+def _teacher_forward_widths(module: DistillSpecModule, batch: dict[str, torch.Tensor], source: str) -> list[int]:
+    """The token widths of the teacher's forwards during one training step on ``source``."""
+    widths: list[int] = []
+    module.pick_source = lambda step: source  # type: ignore[method-assign]
+    hook = module.teacher.register_forward_pre_hook(
+        lambda m, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+    try:
+        module.training_step(batch, 0)
+    finally:
+        hook.remove()
+    return widths
+
+
+@pytest.mark.parametrize("budget_mb, reused", [(64.0, True), (0.0, False)])
+def test_the_teacher_never_recomputes_what_it_computed_before(budget_mb, reused):
+    """Within teacher_cache_mb: a teacher batch seen before runs no teacher forward (its continuations'
+    logits are kept), and an on-policy batch on seen prompts runs the teacher over its continuation only
+    (the prompts' caches are kept). With 0 MiB every batch is one full forward over prompt and continuation
+    (the losses are the same either way, tested in tests/training/test_teacher_scores.py)."""
+    module, data = _module(_cfg(data_source="mixed_teacher", teacher_cache_mb=budget_mb))
+    batch = _fixed_batch(module, data)
+    width = batch["input_ids"].shape[1]
+    first = _teacher_forward_widths(module, batch, "teacher")
+    assert first[0] == width  # the generation's prefill
+    again = _teacher_forward_widths(module, batch, "teacher")
+    on_policy = _teacher_forward_widths(module, batch, "student")
+    if reused:
+        assert again == []
+        assert len(on_policy) == 1 and on_policy[0] < module.cfg.max_new_tokens
+    else:
+        assert len(again) == 1 and again[0] > width
+        assert len(on_policy) == 1 and on_policy[0] > width
+
+
+def test_teacher_cache_mb_is_validated_at_start_up():
+    with pytest.raises(ConfigError, match="method.teacher_cache_mb"):
+        _cfg(teacher_cache_mb=-1)
+
+
 def test_teacher_answers_given_in_advance_are_used_instead_of_generating(monkeypatch):
     """The fixed-data arm: continuations given offline (cut to max_new_tokens) are what teacher batches
     train on, and the teacher generates nothing for those prompts; other prompts are still answered."""
@@ -293,7 +333,7 @@ def test_teacher_answers_given_in_advance_are_used_instead_of_generating(monkeyp
     monkeypatch.setattr(
         module.teacher_sampler.__class__,
         "sample",
-        lambda self, model, i, a, g: generated.append(i.shape[0]) or real(model, i, a, g),
+        lambda self, model, i, a, g, **kw: generated.append(i.shape[0]) or real(model, i, a, g, **kw),
     )
     ro = module.make_batch(batch, "teacher", module._generator(0, 0))
     assert generated == [1]  # only the prompt without an answer

@@ -5,6 +5,11 @@ teacher data, SD^2's verifier data).
 generated together, in one batched rollout (the caller's ``generate``, e.g. :func:`train.training.rollout.
 rollout` with the engine's sampling), and kept. Later epochs, and a run resumed from a checkpoint that
 carries :meth:`ResponseCache.state`, reuse them: a prompt's response is drawn once per run.
+Given a :class:`~train.training.byte_budget.ByteBudget`, it also keeps each response's scores once the
+caller has computed them (:meth:`ResponseCache.keep_scores`: the frozen model's logits over it), so that
+a loss that needs them reads them (``Rollout.scores``) instead of recomputing them every epoch. A
+checkpoint carries the responses but not their scores (hundreds of MB for a real vocabulary): a resumed
+run computes them again, the same way, on first use.
 :func:`with_continuation` lays a batch out as a :class:`~train.training.rollout.Rollout` (left-padded
 prompt, then the continuation), whatever the continuation's source.
 """
@@ -17,9 +22,10 @@ from typing import Any
 import torch
 
 from train.training.across_ranks import merged_over_ranks
+from train.training.byte_budget import ByteBudget
 from train.training.rollout import Rollout, position_ids_from_mask
 
-__all__ = ["ResponseCache", "continuation_logits", "with_continuation"]
+__all__ = ["ResponseCache", "continuation_logits", "prompt_keys", "with_continuation"]
 
 Generate = Callable[[torch.Tensor, torch.Tensor, torch.Generator], Rollout]
 
@@ -53,16 +59,23 @@ def continuation_logits(model: torch.nn.Module, rollouts: Rollout, **kwargs: Any
     return out.logits[:, :-1]
 
 
+def prompt_keys(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[bytes]:
+    """One key per row of a left-padded prompt batch: its real tokens' bytes."""
+    return [input_ids[i][attention_mask[i].bool()].cpu().numpy().tobytes() for i in range(input_ids.shape[0])]
+
+
 class ResponseCache:
     """``cache(input_ids, attention_mask, generator)`` -> the batch with each prompt's cached response.
 
-    generate: samples responses for a sub-batch of left-padded prompts; pad_token_id: fills the
-    continuations of rows shorter than the batch's longest response."""
+    generate: samples responses for a sub-batch of left-padded prompts; pad_token_id: fills the continuations of rows shorter than the batch's longest
+    response; budget: keep the responses' scores within it (None: responses only)."""
 
-    def __init__(self, generate: Generate, pad_token_id: int) -> None:
+    def __init__(self, generate: Generate, pad_token_id: int, budget: ByteBudget | None = None) -> None:
         self.generate = generate
         self.pad_token_id = int(pad_token_id)
+        self.budget = budget
         self.responses: dict[bytes, torch.Tensor] = {}
+        self.scores: dict[bytes, torch.Tensor] = {}
 
     def __len__(self) -> int:
         return len(self.responses)
@@ -70,9 +83,7 @@ class ResponseCache:
     def __call__(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, gen: torch.Generator
     ) -> Rollout:
-        keys = [
-            input_ids[i][attention_mask[i].bool()].cpu().numpy().tobytes() for i in range(input_ids.shape[0])
-        ]
+        keys = prompt_keys(input_ids, attention_mask)
         missing = [keys.index(k) for k in dict.fromkeys(keys) if k not in self.responses]  # once per prompt
         if missing:
             sub = self.generate(input_ids[missing], attention_mask[missing], gen)
@@ -88,7 +99,23 @@ class ResponseCache:
         for i, c in enumerate(conts):
             cont[i, : len(c)] = c.to(input_ids.device)
             cmask[i, : len(c)] = 1
-        return with_continuation(input_ids, attention_mask, cont, cmask)
+        batch = with_continuation(input_ids, attention_mask, cont, cmask)
+        if all(k in self.scores for k in keys):
+            batch.scores = _stacked([self.scores[k] for k in keys], n, input_ids.device)
+        return batch
+
+    def keep_scores(self, batch: Rollout, scores: torch.Tensor) -> None:
+        """Keep ``scores`` ((B, N, V), the frozen model's logits over ``batch``'s continuations, a batch this
+        cache returned) for the responses that have none yet, while the budget lasts."""
+        width = batch.prompt_width
+        keys = prompt_keys(batch.sequences[:, :width], batch.attention_mask[:, :width])
+        for i, key in enumerate(keys):
+            if key in self.responses and key not in self.scores:
+                self._keep(key, scores[i, : len(self.responses[key])])
+
+    def _keep(self, key: bytes, scores: torch.Tensor) -> None:
+        if self.budget is not None and self.budget.take([scores]):
+            self.scores[key] = scores.detach().clone()
 
     def add(self, prompt: Sequence[int], continuation: Sequence[int]) -> None:
         """Give ``prompt`` (its real tokens, no padding) the response ``continuation`` in advance."""
@@ -105,3 +132,12 @@ class ResponseCache:
     def load(self, saved: dict[str, Any] | None) -> None:
         if saved:
             self.responses = dict(zip(saved["prompts"], saved["continuations"], strict=True))
+            self.scores = {}  # scores travel in no checkpoint: recomputed (and kept) on first use
+
+
+def _stacked(rows: list[torch.Tensor], n: int, device: torch.device) -> torch.Tensor:
+    """(B, n, V) from per-row (L_i, V) scores, zeros after each row's end (masked positions)."""
+    out = rows[0].new_zeros((len(rows), n, rows[0].shape[-1]), device=device)
+    for i, row in enumerate(rows):
+        out[i, : row.shape[0]] = row
+    return out

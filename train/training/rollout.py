@@ -37,12 +37,17 @@ class Rollout:
     continuation_mask: (B, P + N') bool; True exactly on the generated tokens that count (up to and
         including the first EOS), False on the prompt and on padding.
     prompt_width: P, the padded prompt width.
+    scores: (B, N', V) or None; where kept (``rollout(keep_scores=True)``, a
+        :class:`~train.training.responses.ResponseCache` that stores them), the generating model's logits
+        (or log-probabilities) predicting each continuation position, the scores a scoring forward over the
+        sequence would give up to rounding. Meaningless where ``continuation_mask`` is False.
     """
 
     sequences: torch.Tensor
     attention_mask: torch.Tensor
     continuation_mask: torch.Tensor
     prompt_width: int
+    scores: torch.Tensor | None = None
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -61,6 +66,7 @@ def rollout(
     pad_token_id: int = 0,
     generator: torch.Generator | None = None,
     vocab_size: int | None = None,
+    keep_scores: bool = False,
 ) -> Rollout:
     """Sample up to ``max_new_tokens`` tokens after each left-padded prompt, in one batch.
 
@@ -75,6 +81,9 @@ def rollout(
             :func:`sample` with ``generator``.
         vocab_size: sample only among the first ``vocab_size`` ids (the vocabulary shared with the
             other model when embeddings are padded); default the model's output size.
+        keep_scores: also return every step's logits (the model's whole output row) as ``Rollout.scores``:
+            the generating model's scores of its own continuation, which a distillation loss would
+            otherwise recompute with a second forward.
 
     Returns:
         :class:`Rollout`. Padded prompt positions get position id 0 and are masked, so row ``i``'s
@@ -95,6 +104,7 @@ def rollout(
     model.eval()  # no dropout in rollouts
     try:
         new_tokens: list[torch.Tensor] = []
+        step_scores: list[torch.Tensor] = []
         alive = torch.ones(batch, dtype=torch.bool, device=device)
         positions = position_ids_from_mask(mask)
         next_pos = positions[:, -1:] + 1
@@ -109,6 +119,8 @@ def rollout(
                 **keep,
             )
             cache = returned_cache(out)
+            if keep_scores:
+                step_scores.append(out.logits[:, -1])
             logits = out.logits[:, -1, :vocab]
             if params.temperature == 0.0:
                 x = logits.argmax(dim=-1)
@@ -129,7 +141,8 @@ def rollout(
     sequences = torch.cat([input_ids, cont], dim=1)
     cont_mask = mask.bool().clone()
     cont_mask[:, :width] = False
-    return Rollout(sequences=sequences, attention_mask=mask, continuation_mask=cont_mask, prompt_width=width)
+    scores = torch.stack(step_scores, dim=1) if keep_scores and step_scores else None
+    return Rollout(sequences, mask, cont_mask, width, scores)
 
 
 @dataclass(frozen=True)
@@ -165,6 +178,7 @@ class ResponseSampler:
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
         generator: torch.Generator | None,
+        keep_scores: bool = False,
     ) -> Rollout:
         """:func:`rollout` of ``model`` with these settings."""
         return rollout(
@@ -177,4 +191,5 @@ class ResponseSampler:
             pad_token_id=self.pad_token_id,
             generator=generator,
             vocab_size=self.vocab_size,
+            keep_scores=keep_scores,
         )

@@ -50,6 +50,11 @@ class DistillSpecConfig(ResponseDistillSettings):
     folder of answers, each cut to ``max_new_tokens``; a training prompt without one is answered in the
     run as usual. The fixed-data arm of the paper's ablation (``experiment=distillspec_ablation``); None:
     every teacher continuation is generated in the run."""
+    teacher_cache_mb: float = 2048.0
+    """Memory (MiB, on the verifier's device) the teacher's reused outputs may take: each training prompt's
+    key/value cache (on-policy batches then run the teacher over the continuation only) and the logits of
+    its cached continuations (teacher batches and validation then run no teacher forward at all). 0: the
+    teacher scores every batch with one full forward, as before."""
     validate_before: bool = False
     """Also validate the starting drafter before the first step (not on resume): the report then
     compares the same held-out measurements before and after training. The teacher's validation
@@ -69,6 +74,13 @@ class DistillSpecConfig(ResponseDistillSettings):
             self.data_source in DATA_SOURCES, "method.data_source", f"one of {DATA_SOURCES}", self.data_source
         )
         require(self.ce_weight >= 0, "method.ce_weight", ">= 0", self.ce_weight)
+        mb = self.teacher_cache_mb
+        require(
+            isinstance(mb, int | float) and not isinstance(mb, bool) and math.isfinite(mb) and mb >= 0,
+            "method.teacher_cache_mb",
+            "a finite number of MiB >= 0 (0: keep nothing)",
+            mb,
+        )
         t = self.teacher_temperature
         require(
             t is None

@@ -18,8 +18,11 @@ the mean per-token divergence D(p || q_theta) over the continuation tokens only:
 ``teacher`` are lmbda = 0). Rollouts use :func:`train.training.rollout.rollout` -- the evaluator's
 ``warp``/``sample`` with a KV cache, batched with left padding -- under ``torch.no_grad``.
 Teacher continuations depend only on the prompt, so they are generated once per prompt and run and
-cached in memory (``cache_teacher``): later epochs reuse them, which makes teacher batches cost one
-teacher + one student forward instead of a full generation.
+cached in memory (``cache_teacher``): later epochs reuse them instead of generating. What the teacher
+computes and will be asked again is kept within ``teacher_cache_mb`` (:mod:`train.training.teacher_scores`):
+each training prompt's key/value cache, so that an on-policy batch runs the teacher over its continuation
+only, and the logits over each cached continuation, so that a teacher batch seen before runs no teacher
+forward at all.
 
 A student whose config names a draft vocabulary (``config.draft_vocab``, FR-Spec; docs/draft_vocab.md)
 drafts and trains over it only: on-policy rollouts sample from it
@@ -66,9 +69,11 @@ from train.training.optim import (
     float32_trainables,
     weights_dtype,
 )
+from train.training.byte_budget import ByteBudget
 from train.training.responses import ResponseCache, continuation_logits, with_continuation
 from train.training.rollout import ResponseSampler, Rollout
 from train.training.seeding import mix_seed, seeded_generator
+from train.training.teacher_scores import PrefixScorer
 
 log = logging.getLogger(__name__)
 
@@ -113,9 +118,16 @@ class DistillSpecModule(DistillSpecFinish, WholeNormClipping, L.LightningModule)
         self.teacher_sampler = dataclasses.replace(
             self.sampler, params=SamplingParams(temperature=cfg.teacher_rollout_temperature)
         )
+        #: What the teacher computed and will be asked again, kept within ``teacher_cache_mb``: the
+        #: prompts' key/value caches (``teacher_scorer``) and the logits over its cached continuations. Those
+        #: logits come from the scorer, not from the generation: a resumed run, whose checkpoint carries the
+        #: continuations only, recomputes them the same way and ends with the same weights.
+        self.teacher_budget = ByteBudget(cfg.teacher_cache_mb)
+        self.teacher_scorer = PrefixScorer(teacher, self.teacher_budget)
         self._teacher_cache = ResponseCache(
             lambda ids, attn, gen: self.teacher_sampler.sample(self.teacher, ids, attn, gen),
             self.sampler.pad_token_id,
+            self.teacher_budget,
         )
         #: Greedy (T = 0) teacher continuations for ``val/greedy_agreement``.
         self.greedy_sampler = dataclasses.replace(self.sampler, params=SamplingParams(temperature=0.0))
@@ -177,12 +189,13 @@ class DistillSpecModule(DistillSpecFinish, WholeNormClipping, L.LightningModule)
 
     def _teacher_rollout(self, batch: dict[str, torch.Tensor], gen: torch.Generator) -> Rollout:
         ids, attn = batch["input_ids"], batch["attention_mask"]
-        if not self.cfg.cache_teacher:
-            return self.teacher_sampler.sample(self.teacher, ids, attn, gen)
+        if not self.cfg.cache_teacher:  # the generation's own logits score this batch
+            return self.teacher_sampler.sample(self.teacher, ids, attn, gen, keep_scores=True)
         return self._teacher_cache(ids, attn, gen)
 
     def make_batch(self, batch: dict[str, torch.Tensor], source: str, gen: torch.Generator) -> Rollout:
-        """The training sequences for ``source`` in {fixed, teacher, student}."""
+        """The training sequences for ``source`` in {fixed, teacher, student}; ``scores`` are the teacher's
+        logits over them where already known (teacher batches), never the student's."""
         if source == "fixed":
             return self._fixed(batch)
         if source == "teacher":
@@ -214,10 +227,12 @@ class DistillSpecModule(DistillSpecFinish, WholeNormClipping, L.LightningModule)
     def distill_loss(
         self, rollouts: Rollout
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(loss, student logits, teacher logits, mask) on the continuation tokens of ``rollouts``."""
+        """(loss, student logits, teacher logits, mask) on the continuation tokens of ``rollouts``; the
+        teacher's logits are ``rollouts.scores`` where the batch carries them (the teacher generated it),
+        else computed over the continuation on the prompt's kept cache (:class:`PrefixScorer`)."""
         mask = rollouts.continuation_mask[:, rollouts.prompt_width :]
         with torch.no_grad():
-            teacher_logits = self.logits(self.teacher, rollouts)
+            teacher_logits = rollouts.scores if rollouts.scores is not None else self.teacher_scorer(rollouts)
         cfg = self.cfg
         if self.draft_ids is None:
             student_logits = self.logits(self.student, rollouts)
@@ -260,6 +275,8 @@ class DistillSpecModule(DistillSpecFinish, WholeNormClipping, L.LightningModule)
             batch, source, self._generator(step, self.global_rank)
         )  # each rank its own
         loss, s_logits, t_logits, mask = self.distill_loss(rollouts)
+        if source == "teacher" and rollouts.scores is None and self.cfg.cache_teacher:
+            self._teacher_cache.keep_scores(rollouts, t_logits)  # answers given in advance, or a resume
         self.last_num_tokens = int(mask.sum())
         total = loss
         if self.cfg.ce_weight > 0:
@@ -303,12 +320,16 @@ class DistillSpecModule(DistillSpecFinish, WholeNormClipping, L.LightningModule)
         """The teacher's continuations of validation batch ``index`` under ``sampler``: generated once per
         run (seeded), reused by every validation."""
         if index not in cache:
-            cache[index] = sampler.sample(
+            held_out = sampler.sample(
                 self.teacher,
                 batch["input_ids"],
                 batch["attention_mask"],
                 self._generator(-1, index, self.global_rank),
+                keep_scores=True,
             )
+            if held_out.scores is not None and not self.teacher_budget.take([held_out.scores]):
+                held_out.scores = None  # over the budget: scored again by each validation
+            cache[index] = held_out
         return cache[index]
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
