@@ -230,3 +230,46 @@ def test_greedy_differences_are_classified_as_the_evaluator_classifies_them() ->
     assert (
         equality_cell(greedy_equality(verifier, prompts, greedy, other, 1e9)) == "2/3, 1 tie (<= 1e+09 ulp)"
     )
+
+
+def test_sampled_vllm_jobs_drop_the_per_request_seed_only_without_cuda() -> None:
+    """vLLM's CPU sampler refuses a per-request seed ("CPU Generator does not use offset", which ended
+    `experiment=eagle3` nine minutes in): without CUDA a sampled job runs on the engine's seed alone."""
+    from train.vllm.worker import request_seed
+
+    assert request_seed({"temperature": 1.0, "seed": 7}, cuda=False) is None
+    assert request_seed({"temperature": 1.0, "seed": 7}, cuda=True) == 7
+    assert request_seed({"temperature": 0.0, "seed": 7}, cuda=False) == 7
+    assert request_seed({"seed": 3}, cuda=False) == 3
+
+
+class _Placed(torch.nn.Module):
+    """A verifier stand-in that records where it is sent."""
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.name_or_path = str(folder)
+        self.moves: list[str] = []
+
+    def to(self, *args, **kwargs):  # type: ignore[override]
+        self.moves.append(str(args[0]))
+        return self
+
+
+def test_one_copy_of_the_verifier_on_the_device_while_answers_are_generated(tmp_path: Path, monkeypatch) -> None:
+    """Through vLLM, vLLM loads its own copy on the answer device and the verifier's stays off it; through
+    transformers the verifier goes there for the generation and comes back."""
+    import train.models.answers_vllm as answers_vllm
+
+    seen: dict[str, object] = {}
+    monkeypatch.setattr(
+        answers_vllm, "answers_through_vllm", lambda *a, device=None, **k: seen.update(vllm=device) or []
+    )
+    monkeypatch.setattr(answers_vllm, "generate_answers", lambda model, *a, **k: seen.update(hf=model.moves[:]) or [])
+    verifier = _Placed(tmp_path)
+    gpu = torch.device("cuda", 1)
+    answers_vllm.answer_prompts("vllm", verifier, [[1, 2]], [0], 4, device=gpu)
+    assert seen["vllm"] == gpu and verifier.moves == []
+    answers_vllm.answer_prompts("transformers", verifier, [[1, 2]], [0], 4, device=gpu)
+    assert seen["hf"] == ["cuda:1"] and verifier.moves == ["cuda:1", "cpu"]

@@ -11,6 +11,7 @@ import torch
 
 from tests.conftest import tiny_llama
 from train.models.answers import Answer
+from train.models.loading import on_device
 from train.training import answer_share
 from train.training import answer_sources as answer_data
 from train.training.answer_share import (
@@ -18,7 +19,6 @@ from train.training.answer_share import (
     generate_once,
     launched_ranks,
     merge_shares,
-    on_device,
     recipe_cache,
 )
 from train.training.answer_sources import greedy_answers, sampled_answers

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -335,3 +336,17 @@ def eos_token_ids(tokenizer: PreTrainedTokenizerBase | None, *models: torch.nn.M
     for model in models:
         add(getattr(getattr(model, "generation_config", None), "eos_token_id", None))
     return ids
+
+
+@contextmanager
+def on_device(model: torch.nn.Module, device: torch.device) -> Iterator[torch.nn.Module]:
+    """``model`` moved to ``device`` for the block, then back where it was."""
+    before = next(model.parameters()).device
+    if before == device:
+        yield model
+        return
+    model.to(device)
+    try:
+        yield model
+    finally:
+        model.to(before)

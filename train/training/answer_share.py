@@ -5,7 +5,8 @@ process group. Without care every rank would generate all of them on the CPU whi
 rendezvous. Here:
 
 - **where**: :func:`answer_device` is this rank's accelerator (``cuda:<LOCAL_RANK>`` when the trainer
-  runs on GPUs), and :func:`on_device` moves the verifier there for the generation only;
+  runs on GPUs), where :func:`~train.models.answers_vllm.answer_prompts` generates them (the verifier
+  moved there for the generation only, or kept off it while vLLM's own copy generates);
 - **who**: :func:`generate_once`, under a launcher that starts every rank at once (torchrun, srun; read
   through Lightning's own environment classes), gives each rank every ``world``-th prompt; each writes
   its share to a part file, rank 0 merges them in prompt order and writes the cache once, and the others
@@ -24,8 +25,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -43,7 +43,6 @@ __all__ = [
     "generate_once",
     "launched_ranks",
     "merge_shares",
-    "on_device",
     "prompts_digest",
     "recipe_cache",
     "recipe_digest",
@@ -72,20 +71,6 @@ def answer_device(accelerator: str) -> torch.device:
     (:func:`~train.models.loading.one_local_device`), else the CPU."""
     devices = one_local_device(accelerator)
     return torch.device("cuda", devices[0]) if isinstance(devices, list) else torch.device("cpu")
-
-
-@contextmanager
-def on_device(model: torch.nn.Module, device: torch.device) -> Iterator[torch.nn.Module]:
-    """``model`` moved to ``device`` for the block, then back where it was."""
-    before = next(model.parameters()).device
-    if before == device:
-        yield model
-        return
-    model.to(device)
-    try:
-        yield model
-    finally:
-        model.to(before)
 
 
 def merge_shares(shares: Sequence[Sequence[Answer]]) -> list[Answer]:

@@ -23,7 +23,6 @@ from train.training.answer_data import answer_eos_ids, cached_answers
 from train.training.answer_share import (
     answer_device,
     generate_once,
-    on_device,
     prompts_digest,
     recipe_cache,
     recipe_digest,
@@ -54,12 +53,19 @@ def answered_on(
     answer_tokens: int,
     **settings: Any,
 ) -> list[Answer]:
-    """:func:`~train.models.answers_vllm.answer_prompts` with the verifier on ``device`` (default: where
-    it is) for the generation only, and a transient progress bar named ``label``."""
-    with on_device(verifier, device or next(verifier.parameters()).device), Progress(transient=True) as bar:
+    """:func:`~train.models.answers_vllm.answer_prompts` on ``device`` (default: where the verifier is),
+    with a transient progress bar named ``label``."""
+    with Progress(transient=True) as bar:
         task = bar.add_task(label, total=len(prompts))
         return answer_prompts(
-            engine, verifier, prompts, eos, answer_tokens, on_batch=lambda n: bar.advance(task, n), **settings
+            engine,
+            verifier,
+            prompts,
+            eos,
+            answer_tokens,
+            on_batch=lambda n: bar.advance(task, n),
+            device=device,
+            **settings,
         )
 
 

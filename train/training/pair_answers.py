@@ -22,7 +22,6 @@ from train.data.sources import DataSourceConfig, load_text_dataset
 from train.models.answers import Answer, load_answers, save_answers
 from train.models.answers_vllm import answer_prompts
 from train.models.loading import eos_token_ids
-from train.training.answer_share import on_device
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +71,9 @@ def pair_answers(
             path = folder / f"{split}.pt"
             cached = [] if fresh or not path.is_file() else load_answers(str(path))
             prompts = chat_prompt_ids(tokenizer, split, count, build.prompt_len, build.seed)
-            with on_device(verifier, device or next(verifier.parameters()).device):
-                out[split] = answers_for(
-                    prompts, cached, verifier, eos, build, f"the verifier's answers ({split})"
-                )
+            out[split] = answers_for(
+                prompts, cached, verifier, eos, build, f"the verifier's answers ({split})", device
+            )
             if len(out[split]) > len(cached) or fresh:
                 meta_path.unlink(missing_ok=True)  # no recipe vouches for the files while they are rewritten
                 known = {tuple(a.prompt) for a in out[split]}
@@ -92,8 +90,10 @@ def answers_for(
     eos: list[int],
     build: Any,
     label: str,
+    device: torch.device | None = None,
 ) -> list[Answer]:
-    """The answer to each prompt, in order: from ``cached`` when it holds one, else generated now."""
+    """The answer to each prompt, in order: from ``cached`` when it holds one, else generated now on
+    ``device`` (default: where the verifier is)."""
     by_prompt = {tuple(a.prompt): a for a in cached}
     missing = [p for p in prompts if tuple(p) not in by_prompt]
     if missing:
@@ -109,6 +109,7 @@ def answers_for(
                 batch_size=build.answer_batch,
                 top_k=build.top_k,
                 on_batch=lambda n: bar.advance(task, n),
+                device=device,
             )
         by_prompt.update((tuple(a.prompt), a) for a in generated)
         log.info("%s: %d answers generated in %.0f s", label, len(missing), time.perf_counter() - start)

@@ -18,7 +18,7 @@ verifier alone), ``prompts`` (token id lists), ``max_new_tokens``, ``temperature
 
 The result (JSON): ``vllm_version``, ``startup_seconds``, and per mode ``outputs`` / ``seconds`` /
 ``batch_seconds`` / ``spec`` (counter deltas), or ``answers`` (``[[{"tokens", "top_ids",
-"top_logprobs"}] per sample] per prompt``).
+"top_logprobs"}] per sample] per prompt``) and the ``request_seed`` the sampling used (:func:`request_seed`).
 """
 
 from __future__ import annotations
@@ -71,6 +71,20 @@ def _eager(job: dict[str, Any]) -> bool:
     return not torch.cuda.is_available()
 
 
+def request_seed(job: dict[str, Any], cuda: bool | None = None) -> int | None:
+    """The per-request seed of the job's sampling: the job's ``seed``; None (the engine's seed alone) for
+    sampled generation without CUDA, where vLLM's CPU sampler refuses a per-request seed ("CPU Generator
+    does not use offset"). ``cuda``: whether CUDA is available (default: ask torch)."""
+    if job.get("temperature", 0.0) > 0:
+        if cuda is None:
+            import torch
+
+            cuda = torch.cuda.is_available()
+        if not cuda:
+            return None
+    return int(job.get("seed", 0))
+
+
 def _engine(job: dict[str, Any]) -> Any:
     from vllm import LLM
 
@@ -97,7 +111,7 @@ def _decode(llm: Any, job: dict[str, Any]) -> dict[str, Any]:
         temperature=job.get("temperature", 0.0),
         max_tokens=job["max_new_tokens"],
         stop_token_ids=job.get("stop_token_ids") or None,
-        seed=job.get("seed", 0),
+        seed=request_seed(job),
     )
     prompts = [{"prompt_token_ids": ids} for ids in job["prompts"]]
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)  # warm-up
@@ -135,7 +149,7 @@ def _answers(llm: Any, job: dict[str, Any]) -> dict[str, Any]:
         temperature=job.get("temperature", 0.0),
         max_tokens=job["max_new_tokens"],
         stop_token_ids=job.get("stop_token_ids") or None,
-        seed=job.get("seed", 0),
+        seed=request_seed(job),
         logprobs=k,
     )
     start = time.perf_counter()
@@ -154,7 +168,7 @@ def _answers(llm: Any, job: dict[str, Any]) -> dict[str, Any]:
                 }
             )
         answers.append(samples)
-    return {"answers": answers, "seconds": seconds}
+    return {"answers": answers, "seconds": seconds, "request_seed": request_seed(job)}
 
 
 def main(job_path: str, result_path: str) -> None:
