@@ -275,7 +275,9 @@ def test_teacher_rollouts_are_cached_per_prompt():
     assert torch.equal(a.sequences[a.continuation_mask], b.sequences[b.continuation_mask])
 
 
-def _teacher_forward_widths(module: DistillSpecModule, batch: dict[str, torch.Tensor], source: str) -> list[int]:
+def _teacher_forward_widths(
+    module: DistillSpecModule, batch: dict[str, torch.Tensor], source: str
+) -> list[int]:
     """The token widths of the teacher's forwards during one training step on ``source``."""
     widths: list[int] = []
     module.pick_source = lambda step: source  # type: ignore[method-assign]

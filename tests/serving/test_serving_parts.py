@@ -257,7 +257,9 @@ class _Placed(torch.nn.Module):
         return self
 
 
-def test_one_copy_of_the_verifier_on_the_device_while_answers_are_generated(tmp_path: Path, monkeypatch) -> None:
+def test_one_copy_of_the_verifier_on_the_device_while_answers_are_generated(
+    tmp_path: Path, monkeypatch
+) -> None:
     """Through vLLM, vLLM loads its own copy on the answer device and the verifier's stays off it; through
     transformers the verifier goes there for the generation and comes back."""
     import train.models.answers_vllm as answers_vllm
@@ -266,7 +268,9 @@ def test_one_copy_of_the_verifier_on_the_device_while_answers_are_generated(tmp_
     monkeypatch.setattr(
         answers_vllm, "answers_through_vllm", lambda *a, device=None, **k: seen.update(vllm=device) or []
     )
-    monkeypatch.setattr(answers_vllm, "generate_answers", lambda model, *a, **k: seen.update(hf=model.moves[:]) or [])
+    monkeypatch.setattr(
+        answers_vllm, "generate_answers", lambda model, *a, **k: seen.update(hf=model.moves[:]) or []
+    )
     verifier = _Placed(tmp_path)
     gpu = torch.device("cuda", 1)
     answers_vllm.answer_prompts("vllm", verifier, [[1, 2]], [0], 4, device=gpu)

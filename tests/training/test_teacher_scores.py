@@ -30,7 +30,9 @@ def _prompts(lengths: tuple[int, ...], seed: int = 0) -> list[list[int]]:
 def _batch(model: torch.nn.Module, prompts: list[list[int]], n: int = 7, seed: int = 1) -> Rollout:
     left = collate_left_pad(prompts, pad_id=BOS)
     gen = torch.Generator().manual_seed(seed)
-    return rollout(model, left["input_ids"], left["attention_mask"], n, SAMPLED, pad_token_id=BOS, generator=gen)
+    return rollout(
+        model, left["input_ids"], left["attention_mask"], n, SAMPLED, pad_token_id=BOS, generator=gen
+    )
 
 
 def _close_where_counted(got: torch.Tensor, want: torch.Tensor, batch: Rollout) -> None:

@@ -2,9 +2,8 @@
 
 Hugging Face's ``DynamicLayer`` appends by ``torch.cat`` (every forward copies the whole layer) and crops
 by slicing (a new view per layer and per tensor). A speculative decoder does both in every block: it
-appends the context and the draft, then crops the rejected draft away. On the real pair (30 layers) the
-crop alone cost 0.15-0.18 ms per block, most of what kept the loop's own cost above 2% at T = 1
-(docs/decoding.md, "A KV cache that rolls back by a length").
+appends the context and the draft, then crops the rejected draft away; what that cost on the real pair is
+in docs/decoding.md, "A KV cache that rolls back by a length".
 
 :class:`BufferedLayer` keeps each layer's keys and values in one buffer of shape (batch, heads,
 capacity, head_dim) and a length: ``update`` writes the new positions after the length and returns views

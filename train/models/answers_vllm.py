@@ -164,5 +164,13 @@ def answer_prompts(
         return answers
     with on_device(verifier, device):
         return generate_answers(
-            verifier, prompts, eos_ids, max_new_tokens, batch_size, top_k, temperature, seed, on_batch=on_batch
+            verifier,
+            prompts,
+            eos_ids,
+            max_new_tokens,
+            batch_size,
+            top_k,
+            temperature,
+            seed,
+            on_batch=on_batch,
         )

@@ -67,8 +67,9 @@ def prompt_keys(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[b
 class ResponseCache:
     """``cache(input_ids, attention_mask, generator)`` -> the batch with each prompt's cached response.
 
-    generate: samples responses for a sub-batch of left-padded prompts; pad_token_id: fills the continuations of rows shorter than the batch's longest
-    response; budget: keep the responses' scores within it (None: responses only)."""
+    generate: samples responses for a sub-batch of left-padded prompts; pad_token_id: fills the
+    continuations of rows shorter than the batch's longest response; budget: keep the responses' scores
+    within it (None: responses only)."""
 
     def __init__(self, generate: Generate, pad_token_id: int, budget: ByteBudget | None = None) -> None:
         self.generate = generate

@@ -8,10 +8,11 @@ first time it scores it; later batches on that prompt run the verifier over the 
 top of the kept cache. The scores equal a full forward's up to float rounding (the attention over the
 prompt reads the same keys and values; tests/training/test_teacher_scores.py).
 
-What is kept is bounded by a :class:`ByteBudget` shared with whatever else keeps the verifier's outputs
-(the teacher continuations' own scores, :class:`~train.training.responses.ResponseCache`); past it a
-prompt is scored the same way but not kept; a budget of zero scores every batch with one full forward. A model whose cache is not plain per-layer keys and values
-(sliding windows, recurrent state, a stand-in without a config) is scored with one full forward.
+What is kept is bounded by a :class:`ByteBudget` shared with whatever else keeps the verifier's outputs (the
+teacher continuations' own scores, :class:`~train.training.responses.ResponseCache`); past it a prompt is
+scored the same way but not kept; a budget of zero scores every batch with one full forward. A model whose
+cache is not plain per-layer keys and values (sliding windows, recurrent state, a stand-in without a config)
+is scored with one full forward.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class PrefixScorer:
     cache across calls within ``budget``."""
 
     def __init__(self, model: torch.nn.Module, budget: ByteBudget) -> None:
-        self.model = model
+        self.model: Any = model
         self.budget = budget
         self.prefixes: dict[bytes, _Prefix] = {}
         self.reuses_prompts = budget.left > 0 and _plain_cache_layers(model)

@@ -61,9 +61,8 @@ def counter_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, An
 
 
 def _eager(job: dict[str, Any]) -> bool:
-    """``enforce_eager`` unless the job says: on the CPU eager (torch.compile's warm-up took 148 s against
-    44 s here and bought 10% of generation speed),
-    on GPUs not (CUDA graphs are most of vLLM's decode speed)."""
+    """``enforce_eager`` unless the job says: on the CPU eager (torch.compile's warm-up costs more than it
+    buys there; docs/serving.md), on GPUs not (CUDA graphs are most of vLLM's decode speed)."""
     if job.get("enforce_eager") is not None:
         return bool(job["enforce_eager"])
     import torch

@@ -63,13 +63,13 @@ from train.models.draft_vocab import (
     vocab_index,
 )
 from train.models.lora import apply_lora
+from train.training.byte_budget import ByteBudget
 from train.training.optim import (
     WholeNormClipping,
     configure_optimizers,
     float32_trainables,
     weights_dtype,
 )
-from train.training.byte_budget import ByteBudget
 from train.training.responses import ResponseCache, continuation_logits, with_continuation
 from train.training.rollout import ResponseSampler, Rollout
 from train.training.seeding import mix_seed, seeded_generator

@@ -51,8 +51,8 @@ class Eagle3Config:
     """Prompt + answer tokens per training row (longer rows lose prompt tokens from the left)."""
     batch_size: int = 8
     group_by_length: bool = True
-    """Training batches of rows of similar length (transformers' ``LengthGroupedSampler``): on the real
-    pair's answers (batch 8) a random batch computes 1.28x its rows' tokens, a grouped one 1.02x."""
+    """Training batches of rows of similar length (transformers' ``LengthGroupedSampler``), so that a batch
+    computes little padding (measured in docs/eagle3.md)."""
     feature_cache_gb: float = 0.0
     """Keep each row's verifier features in CPU memory after its first pass, up to this many GiB, so later
     epochs skip the verifier (:mod:`train.methods.eagle3.feature_cache`); 0: online every epoch."""
