@@ -135,6 +135,32 @@ def test_cost_chosen_lengths_stop_at_eos_and_at_every_limit(llama_pair):
         assert dec.generate(ids, n, eos_token_id=eos).tokens.tolist() == ref[:n], n
 
 
+def test_another_drafter_step_is_taken_only_where_it_can_pay_for_itself():
+    """extend weighs the next drafter step before it runs (include only the check of a draft already
+    drafted): on checks that are flat to 8 tokens, a 30% draft is worth verifying once drafted but not
+    worth a drafter step that costs 0.3 of a verifier step; a 95% one is."""
+    flat_checks = StepCosts(verify=(1.0, 1.01, 1.02, 1.03, 1.04, 1.05, 1.06, 1.07, 1.08), draft=0.3)
+    policy = CostAwareLength(flat_checks)
+    assert policy.include("greedy", [0.3], 6)
+    assert not policy.extend("greedy", [0.3], 6)
+    assert policy.extend("greedy", [0.95], 6)
+    assert not policy.extend("greedy", [0.95, 0.95], 2)  # the budget is spent
+
+
+def test_a_cheap_check_does_not_make_the_chain_run_to_the_cap():
+    """Checks nearly flat, a drafter step 0.3 of a verifier step, drafts taken about half the time (the
+    peaked table pair at T = 1): blocks draft a token or two, not gamma (before extend every block that
+    drafted ran to gamma, each drafter step spent before it was weighed)."""
+    verifier, drafter = peaked_table_lm(V, 1, 3.0, 0.0), peaked_table_lm(V, 2, 1.0, 0.0)
+    costs = StepCosts(verify=(1.0, 1.01, 1.02, 1.03, 1.04, 1.05), draft=0.3)
+    dec = SpeculativeDecoder(verifier, drafter, gamma=4, draft_length="cost", costs=costs)
+    runs = run_many(dec, PROMPT, 5, SamplingParams(temperature=1.0), 300, seed=5, eos=EOS)
+    drafter_calls = sum(s.drafter_calls for s in runs.stats)
+    blocks = sum(s.verifier_calls for s in runs.stats)
+    accepted = sum(s.accepted for s in runs.stats) / max(1, sum(s.tested for s in runs.stats))
+    assert drafter_calls <= 2.0 * blocks, (drafter_calls, blocks, accepted)
+
+
 def test_where_nothing_pays_every_block_is_a_plain_step(llama_pair):
     """A drafter whose drafts the verifier never takes, on a machine where a check costs twice a step:
     after a few blocks the decoder stops calling the drafter (bar its probes) and runs at one token per

@@ -13,6 +13,8 @@ three questions per block:
    for the next position: with the calibrated acceptance of the drafts kept so far and of this one (the
    last also the guess for those to come), keep it (and draft on) while some chain through it promises
    more tokens per second than stopping before it. The first draft refused makes the block a plain step.
+   Then, before the drafter runs again (:meth:`CostAwareLength.extend`), whether another drafter step,
+   guessed as likely accepted as the last kept draft, can pay for itself and its check.
 3. **Copy how many?** (:meth:`CostAwareLength.choose_copied`) Copied drafts (prompt lookup) are cut to
    the prefix with the most expected tokens per second (:func:`~train.decoding.costs.best_length`), by
    the acceptance copies have had at each position, at no drafter cost.
@@ -172,6 +174,23 @@ class CostAwareLength:
         now = block_rate(a[:-1], costs, n)
         guess = a[-1]
         longer = (block_rate(a + [guess] * extra, costs, n + extra) for extra in range(0, budget - n + 1))
+        return any(rate > now for rate in longer)
+
+    def extend(self, regime: object, confidences: Sequence[float], budget: int) -> bool:
+        """Whether to run the drafter for one more position, the drafts with ``confidences`` kept: some
+        longer chain, each draft to come guessed as likely accepted as the last kept one, promises more
+        tokens per second than verifying the kept ones, its drafter steps counted as still to be spent.
+        (:meth:`include` weighs a draft whose drafter step is already spent: only its check. Without this
+        question a chain on a machine where checks are nearly flat ran to the cap whatever its drafter
+        steps cost.)"""
+        n = len(confidences)
+        if n >= budget:
+            return False
+        costs = self._costs()
+        a = self.acceptances(regime, confidences)
+        now = block_rate(a, costs, n)
+        guess = a[-1]
+        longer = (block_rate(a + [guess] * extra, costs, n + extra) for extra in range(1, budget - n + 1))
         return any(rate > now for rate in longer)
 
     def choose_copied(self, regime: object, count: int) -> int:

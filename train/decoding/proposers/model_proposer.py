@@ -196,6 +196,8 @@ class ModelProposer:
                 break
             if self.confidence_threshold and draft_confidence(q, i, greedy) < self.confidence_threshold:
                 break
+            if length is not None and not length.extend(key, confidences, budget):
+                break  # another drafter step cannot pay (decided on the q's so far, not on x)
             feed = self._embeddable([x])
         if length is not None and tokens:
             self._pending = (key, confidences, len(sequence), len(tokens))
