@@ -24,10 +24,10 @@ import torch
 
 from research.pairs import load_pair, pair_setup, random_pair
 from train.decoding import TimedModel, crop_cache
-from train.decoding.cost_probe import measure_step_costs
+from train.decoding.cost_probe import faster_rows, measure_step_costs
 from train.decoding.costs import StepCosts
 from train.hardware import best_dtype
-from train.models.streamed_linear import stream_small_linears, unstream_linears
+from train.models.streamed_linear import ALL_ROWS, stream_small_linears, unstream_linears
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,8 +85,11 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         for name in curves:
             for model in (verifier_model, drafter_model):
                 if model is not None:
-                    (stream_small_linears if name == "streamed" else unstream_linears)(model)
-            curves[name].append(measure_step_costs(verifier, drafter, args.max_tokens))
+                    if name == "streamed":
+                        stream_small_linears(model, rows=ALL_ROWS)
+                    else:
+                        unstream_linears(model)
+            curves[name].append(measure_step_costs(verifier, drafter, args.max_tokens, choose_kernel=False))
             if round_ == 0:
                 checks[name] = [(k, *_argmax_check(verifier, k)) for k in (2, 4, 8)]
     summary = {
@@ -106,6 +109,12 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     print(f"| n | {head} |\n|---|{'---:|' * args.max_tokens}")
     for name, costs in summary.items():
         print(_row(name, costs))
+    counts = list(range(1, args.max_tokens + 1))
+    chosen = faster_rows(counts, list(summary["as shipped"].verify), list(summary["streamed"].verify))
+    print(
+        f"\nThe cost probe's choice here (DRAFTSMITH_CPU_LINEAR=auto): the streamed product for "
+        f"{sorted(n for n in chosen if n <= args.max_tokens) or 'no'} rows, the library's otherwise"
+    )
     for name, costs in summary.items():
         two = costs.check(2)
         # one drafted token pays when (1 + a) / (V(2) + D) > 1 / V(1)

@@ -5,7 +5,9 @@ take F.linear itself, bit for bit; and a k-token check through it gives the argm
 (greedy equality's premise), with the decoders' greedy output equal to Hugging Face ``generate``.
 Broken on purpose (tried): a product of the weight with the rows untransposed fails the shape and value
 tests; a padded row left in the output fails the 3-row cases; F.linear's transposed, non-contiguous
-result returned as is fails ``test_rows_come_back_contiguous``.
+result returned as is fails ``test_rows_come_back_contiguous``. The tests of the product itself run with
+``DRAFTSMITH_CPU_LINEAR=stream`` (every count of 2-16 rows streams); the default, ``auto``, streams the
+counts the cost probe measured faster (the last tests here).
 """
 
 from __future__ import annotations
@@ -18,6 +20,13 @@ from train.decoding import SpeculativeDecoder, TimedModel, crop_cache
 from train.models import streamed_linear as sl
 
 from .decoding_helpers import build, hf_greedy, tiny_config
+
+
+@pytest.fixture(autouse=True)
+def streamed(monkeypatch, request):
+    """Every count of 2-16 rows streams, except in the tests of the default's measured choice."""
+    if "auto" not in request.node.name:
+        monkeypatch.setenv("DRAFTSMITH_CPU_LINEAR", "stream")
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 16, 17])
@@ -70,7 +79,7 @@ def test_patching_is_idempotent_reversible_and_switchable(monkeypatch):
     assert all("forward" not in vars(m) for m in model.modules())
     monkeypatch.setenv("DRAFTSMITH_CPU_LINEAR", "library")
     assert sl.stream_small_linears(model) == 0
-    monkeypatch.setenv("DRAFTSMITH_CPU_LINEAR", "fast")
+    monkeypatch.setenv("DRAFTSMITH_CPU_LINEAR", "fast")  # a typo is an error, not a silent default
     with pytest.raises(ValueError, match="DRAFTSMITH_CPU_LINEAR"):
         sl.stream_small_linears(model)
 
@@ -110,3 +119,62 @@ def test_chain_sd_through_the_streamed_product_is_hf_greedy(tiny_pairs, arch):
         for _ in range(3):
             ids = torch.randint(2, 128, (1, 12), generator=gen)
             assert dec.generate(ids, 30).tokens.tolist() == hf_greedy(verifier, ids, 30), (arch, gamma)
+
+
+def test_under_auto_a_row_count_streams_only_once_chosen(monkeypatch):
+    """The default: layers are patched but run F.linear until the probe names the row counts whose
+    streamed product measured faster; then exactly those stream."""
+    monkeypatch.delenv("DRAFTSMITH_CPU_LINEAR", raising=False)
+    calls: list[int] = []
+    real = sl.streamed_linear
+    monkeypatch.setattr(sl, "streamed_linear", lambda x, w, b: calls.append(x.shape[-2]) or real(x, w, b))
+    layer = torch.nn.Linear(24, 40)
+    assert sl.stream_small_linears(layer) == 1 and sl.stream_rows(layer) == frozenset()
+    with torch.inference_mode():
+        for rows in (2, 3, 4):
+            layer(torch.randn(rows, 24))
+        assert calls == []
+        assert sl.set_stream_rows(layer, [3, 4, 40])  # out of 2-16: ignored
+        assert sl.stream_rows(layer) == {3, 4}
+        for rows in (2, 3, 4):
+            layer(torch.randn(rows, 24))
+    assert calls == [3, 4]
+    assert not sl.set_stream_rows(torch.nn.Linear(2, 2), [2])  # not patched: nothing to set
+
+
+def test_the_faster_product_is_chosen_per_row_count_auto():
+    from train.decoding.cost_probe import faster_rows
+
+    counts = [1, 2, 3, 4, 5]
+    assert faster_rows(counts, [1.0, 1.7, 1.8, 1.8, 1.9], [1.0, 1.0, 1.0, 1.0, 1.4]) == set(range(2, 17))
+    assert faster_rows(counts, [1.0, 1.05, 1.1, 1.6, 1.6], [1.0, 2.0, 2.0, 1.2, 1.9]) == {4}
+
+
+def test_the_probe_measures_both_products_and_caches_its_choice_auto(monkeypatch, tmp_path):
+    """Under auto the probe times each count both ways, leaves the verifier streaming the counts it
+    found faster and caches that choice with the costs; a later process applies it without measuring."""
+    from train.decoding import cost_probe
+
+    monkeypatch.delenv("DRAFTSMITH_CPU_LINEAR", raising=False)
+    monkeypatch.setenv("DRAFTSMITH_COST_CACHE", str(tmp_path / "costs.json"))
+    monkeypatch.setattr(cost_probe, "_MEMO", {})
+    verifier = TimedModel(build(tiny_config("llama", 64, layers=2), 3))
+    assert cost_probe.chooses_kernel(verifier)
+    timed: list[tuple[int, frozenset[int] | None]] = []
+    real = cost_probe._time_forwards
+    monkeypatch.setattr(
+        cost_probe,
+        "_time_forwards",
+        lambda model, counts, repeats, **kw: (
+            timed.append((len(counts), kw.get("kernels"))) or real(model, counts, repeats, **kw)
+        ),
+    )
+    costs = cost_probe.step_costs(verifier, None, 4)
+    assert timed[0][1] == (frozenset(), sl.ALL_ROWS)  # both products, interleaved
+    chosen = sl.stream_rows(verifier.model)
+    assert chosen is not None and chosen <= sl.ALL_ROWS
+    sl.set_stream_rows(verifier.model, [])
+    monkeypatch.setattr(cost_probe, "_MEMO", {})
+    timed.clear()
+    assert cost_probe.step_costs(verifier, None, 4) == costs
+    assert timed == [] and sl.stream_rows(verifier.model) == chosen  # from the disk cache

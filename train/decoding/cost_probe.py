@@ -3,14 +3,18 @@
 One verifier forward over 1 .. K new tokens after a cached prefix, and one drafter step, timed as the
 decoders time them (:class:`~train.decoding.model_call.TimedModel`): a warm-up pass, then ``repeats``
 passes with the token counts interleaved (so machine load hits them alike), the median of each. About
-``repeats * (K + 1) + K`` verifier forwards: 1-3 seconds for a 135M verifier on 2 CPU cores.
+``repeats * (K + 1) + K`` verifier forwards: 1-3 seconds for a 135M verifier on 2 CPU cores. Where the
+verifier's linear layers can stream (float32 on a CPU, ``DRAFTSMITH_CPU_LINEAR=auto``,
+:mod:`train.models.streamed_linear`) every count is timed both ways, interleaved, and each row count
+takes the faster product from then on (twice the forwards); the costs are the chosen ones.
 
 The result is cached twice: in the process (one measurement per pair and setting), and on disk in
 ``$DRAFTSMITH_COST_CACHE`` (default ``~/.cache/draftsmith/step_costs.json``), keyed by what a cost
 depends on: the processor, torch's version and CPU capability, the device, the dtype, torch's thread
 count, the CPU linear kernel (train/models/streamed_linear.py) and the pair (each model's name, size and
-shape). A run on the same machine and settings reuses it, so its draft lengths, and its sampled output
-for a seed, are the same run after run. ``DRAFTSMITH_COST_CACHE=off`` measures every process afresh.
+shape), with the row counts that stream. A run on the same machine and settings reuses it, so its draft
+lengths, and its sampled output for a seed, are the same run after run. ``DRAFTSMITH_COST_CACHE=off``
+measures every process afresh.
 """
 
 from __future__ import annotations
@@ -31,9 +35,18 @@ from train.decoding.cache import crop_cache
 from train.decoding.costs import StepCosts
 from train.decoding.model_call import TimedModel
 from train.models.draft_vocab import draft_support
-from train.models.streamed_linear import enabled as streamed_enabled
+from train.models.streamed_linear import ALL_ROWS, MAX_ROWS, MIN_ROWS, set_stream_rows, stream_rows
+from train.models.streamed_linear import mode as linear_mode
 
-__all__ = ["MEASURED_TOKENS", "cache_path", "cost_key", "measure_step_costs", "step_costs"]
+__all__ = [
+    "MEASURED_TOKENS",
+    "cache_path",
+    "chooses_kernel",
+    "cost_key",
+    "faster_rows",
+    "measure_step_costs",
+    "step_costs",
+]
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +55,7 @@ PREFIX_TOKENS = 128
 #: Checks of at least 1 .. this many tokens are measured (chains of up to 8 drafts), so decoders of
 #: different caps and the evaluator share one measurement.
 MEASURED_TOKENS = 9
-_MEMO: dict[str, StepCosts] = {}
+_MEMO: dict[str, tuple[StepCosts, frozenset[int] | None]] = {}
 
 
 def _processor() -> str:
@@ -92,7 +105,7 @@ def cost_key(verifier: torch.nn.Module, drafter: torch.nn.Module | None, max_tok
         "torch": torch.__version__,
         "capability": torch.backends.cpu.get_cpu_capability(),
         "threads": torch.get_num_threads(),
-        "kernel": "stream" if streamed_enabled() else "library",
+        "kernel": linear_mode(),
         "verifier": _model_identity(verifier),
         "drafter": _model_identity(drafter),
         "max_tokens": max_tokens,
@@ -122,12 +135,12 @@ def _read_disk() -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def _write_disk(key: str, costs: StepCosts) -> None:
+def _write_disk(key: str, costs: StepCosts, rows: frozenset[int] | None) -> None:
     path = cache_path()
     if path is None:
         return
     data = _read_disk()
-    data[key] = costs.to_dict()
+    data[key] = {**costs.to_dict(), **({"stream_rows": sorted(rows)} if rows is not None else {})}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -143,44 +156,89 @@ def _prefix(model: TimedModel, length: int) -> list[int]:
 
 
 def _time_forwards(
-    model: TimedModel, counts: list[int], repeats: int, support_only: bool = False, draw: bool = False
-) -> list[float]:
-    """Median seconds of a forward over each of ``counts`` new tokens after a cached prefix; ``draw``:
-    with what a drafter step adds to its forward (its distribution, its top token and its confidence)."""
+    model: TimedModel,
+    counts: list[int],
+    repeats: int,
+    support_only: bool = False,
+    draw: bool = False,
+    kernels: tuple[frozenset[int] | None, ...] = (None,),
+) -> list[list[float]]:
+    """Median seconds of a forward over each of ``counts`` new tokens after a cached prefix, one list per
+    entry of ``kernels`` (the row counts that stream while it is timed, :func:`set_stream_rows`, the
+    entries interleaved; None: the model as it is); ``draw``: with what a drafter step adds to its
+    forward (its distribution, its top token and its confidence)."""
     prefix = _prefix(model, PREFIX_TOKENS)
     cache = model(prefix, None, support_only=support_only).cache
     tokens = _prefix(model, max(counts) + 1)[1:]
-    times: dict[int, list[float]] = {n: [] for n in counts}
+    times: list[dict[int, list[float]]] = [{n: [] for n in counts} for _ in kernels]
     for rep in range(repeats + 1):  # the first pass warms up
         for n in counts:
-            start = time.perf_counter()
-            out = model(tokens[:n], cache, logits_to_keep=n, support_only=support_only)
-            if draw:
-                q = torch.softmax(out.logits[-1].float(), dim=-1)
-                float(q.max())
-            seconds = time.perf_counter() - start if draw else out.seconds
-            cache = out.cache
-            crop_cache(cache, PREFIX_TOKENS)
-            if rep:
-                times[n].append(seconds)
-    return [statistics.median(times[n]) for n in counts]
+            for k, rows in enumerate(kernels):
+                if rows is not None:
+                    set_stream_rows(model.model, rows)
+                start = time.perf_counter()
+                out = model(tokens[:n], cache, logits_to_keep=n, support_only=support_only)
+                if draw:
+                    q = torch.softmax(out.logits[-1].float(), dim=-1)
+                    float(q.max())
+                seconds = time.perf_counter() - start if draw else out.seconds
+                cache = out.cache
+                crop_cache(cache, PREFIX_TOKENS)
+                if rep:
+                    times[k][n].append(seconds)
+    return [[statistics.median(per[n]) for n in counts] for per in times]
+
+
+def chooses_kernel(model: TimedModel) -> bool:
+    """Whether the probe chooses ``model``'s linear product per row count (module docstring)."""
+    param = next(model.model.parameters(), None)
+    return (
+        linear_mode() == "auto"
+        and stream_rows(model.model) is not None
+        and param is not None
+        and param.device.type == "cpu"
+        and param.dtype == torch.float32
+    )
+
+
+def faster_rows(counts: list[int], library: list[float], streamed: list[float]) -> frozenset[int]:
+    """The row counts whose streamed forward was faster; counts past the largest measured take its
+    choice."""
+    rows = {n for n, a, b in zip(counts, library, streamed, strict=True) if n >= MIN_ROWS and b < a}
+    if max(counts) in rows:
+        rows |= set(range(max(counts) + 1, MAX_ROWS + 1))
+    return frozenset(rows)
 
 
 def measure_step_costs(
-    verifier: TimedModel, drafter: TimedModel | None, max_tokens: int, repeats: int = 5
+    verifier: TimedModel,
+    drafter: TimedModel | None,
+    max_tokens: int,
+    repeats: int = 5,
+    choose_kernel: bool = True,
 ) -> StepCosts:
-    """Measure (no cache): the verifier's forward over 1 .. ``max_tokens`` tokens and a drafter step."""
+    """Measure (no cache): the verifier's forward over 1 .. ``max_tokens`` tokens and a drafter step;
+    with ``choose_kernel`` (and :func:`chooses_kernel`), each row count's faster linear product is
+    chosen for the verifier (module docstring)."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    counts = list(range(1, max_tokens + 1))
     with torch.inference_mode():
-        medians = _time_forwards(verifier, list(range(1, max_tokens + 1)), repeats)
+        if choose_kernel and chooses_kernel(verifier):
+            library, streamed = _time_forwards(verifier, counts, repeats, kernels=(frozenset(), ALL_ROWS))
+            rows = faster_rows(counts, library, streamed)
+            set_stream_rows(verifier.model, rows)
+            medians = [min(a, b) for a, b in zip(library, streamed, strict=True)]
+            log.info("Linear product per row count: streamed for %s, the library's otherwise", sorted(rows))
+        else:
+            (medians,) = _time_forwards(verifier, counts, repeats)
         # more tokens never cost less: a dip is the machine's noise (a cheaper 4 than 1 would make
         # every block draft 3 tokens "for free"), so each count costs at least what fewer did
         verify = [max(medians[: n + 1]) for n in range(len(medians))]
         draft = 0.0
         if drafter is not None:
             support = drafter.support is not None
-            draft = _time_forwards(drafter, [1], repeats, support_only=support, draw=True)[0]
+            draft = _time_forwards(drafter, [1], repeats, support_only=support, draw=True)[0][0]
     return StepCosts(verify=tuple(verify), draft=draft)
 
 
@@ -190,17 +248,29 @@ def step_costs(verifier: TimedModel, drafter: TimedModel | None, max_tokens: int
     max_tokens = max(max_tokens, MEASURED_TOKENS)
     key = cost_key(verifier.model, drafter.model if drafter is not None else None, max_tokens)
     if key in _MEMO:
-        return _MEMO[key]
-    stored = _read_disk().get(key)
-    costs = None
-    if isinstance(stored, dict):
-        try:
-            costs = StepCosts.from_dict(stored)
-        except (KeyError, TypeError, ValueError):
-            costs = None
-    if costs is None:
-        costs = measure_step_costs(verifier, drafter, max_tokens)
-        _write_disk(key, costs)
-        log.info("Measured step costs (cached under %s): %s", cache_path(), costs)
-    _MEMO[key] = costs
+        costs, rows = _MEMO[key]
+    else:
+        stored, rows = _stored(key)
+        if stored is not None:
+            costs = stored
+        else:
+            costs = measure_step_costs(verifier, drafter, max_tokens)
+            rows = stream_rows(verifier.model) if chooses_kernel(verifier) else None
+            _write_disk(key, costs, rows)
+            log.info("Measured step costs (cached under %s): %s", cache_path(), costs)
+        _MEMO[key] = (costs, rows)
+    if rows is not None and chooses_kernel(verifier):
+        set_stream_rows(verifier.model, rows)  # the choice the costs were measured with
     return costs
+
+
+def _stored(key: str) -> tuple[StepCosts | None, frozenset[int] | None]:
+    """The disk cache's costs and streamed row counts under ``key`` (None, None: none usable)."""
+    stored = _read_disk().get(key)
+    if not isinstance(stored, dict):
+        return None, None
+    try:
+        rows = stored.get("stream_rows")
+        return StepCosts.from_dict(stored), (frozenset(int(n) for n in rows) if rows is not None else None)
+    except (KeyError, TypeError, ValueError):
+        return None, None
