@@ -122,7 +122,7 @@ def stream_small_linears(model: torch.nn.Module, rows: Iterable[int] | None = No
     patched = 0
     for module in model.modules():
         if type(module) is torch.nn.Linear and not getattr(module, _MARK, False):
-            module.forward = _patched_forward(module, shared)  # type: ignore[method-assign]
+            module.forward = _patched_forward(module, shared)  # type: ignore[method-assign,assignment]
             setattr(module, _MARK, True)
             patched += 1
     return patched
