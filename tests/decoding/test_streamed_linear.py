@@ -178,3 +178,20 @@ def test_the_probe_measures_both_products_and_caches_its_choice_auto(monkeypatch
     timed.clear()
     assert cost_probe.step_costs(verifier, None, 4) == costs
     assert timed == [] and sl.stream_rows(verifier.model) == chosen  # from the disk cache
+
+
+def test_a_deep_copy_of_a_patched_model_computes_with_its_own_weights():
+    """The decoders' tests sharpen a deep copy of a drafter the fixtures already patched: a patched
+    forward that closed over the original layer kept computing with the original weights."""
+    import copy
+
+    layer = _layer()
+    twin = copy.deepcopy(layer)
+    with torch.no_grad():
+        twin.weight.mul_(3.0)
+    with torch.inference_mode():
+        for rows in (1, 2, 4):
+            x = torch.randn(rows, 24)
+            torch.testing.assert_close(twin(x), F.linear(x, twin.weight, twin.bias), atol=1e-5, rtol=1e-5)
+    sl.set_stream_rows(twin, [])
+    assert sl.stream_rows(layer) == sl.ALL_ROWS  # the copy's rows are its own

@@ -28,7 +28,8 @@ What changes and what does not:
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+import types
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -96,13 +97,12 @@ def _takes_stream(x: torch.Tensor, weight: torch.Tensor, rows: set[int]) -> bool
     return x.numel() // max(1, x.shape[-1]) in rows
 
 
-def _patched_forward(layer: torch.nn.Linear, rows: set[int]) -> Callable[[torch.Tensor], Any]:
-    def forward(x: torch.Tensor) -> Any:
-        if _takes_stream(x, layer.weight, rows):
-            return streamed_linear(x, layer.weight, layer.bias)
-        return F.linear(x, layer.weight, layer.bias)
-
-    return forward
+def _forward(self: torch.nn.Linear, x: torch.Tensor) -> Any:
+    # a bound method, not a closure: a deep copy of the model rebinds it to the copied layer (and the
+    # copied layers share one copied set of rows)
+    if _takes_stream(x, self.weight, vars(self)[_ROWS]):
+        return streamed_linear(x, self.weight, self.bias)
+    return F.linear(x, self.weight, self.bias)
 
 
 def stream_small_linears(model: torch.nn.Module, rows: Iterable[int] | None = None) -> int:
@@ -122,7 +122,8 @@ def stream_small_linears(model: torch.nn.Module, rows: Iterable[int] | None = No
     patched = 0
     for module in model.modules():
         if type(module) is torch.nn.Linear and not getattr(module, _MARK, False):
-            module.forward = _patched_forward(module, shared)  # type: ignore[method-assign,assignment]
+            vars(module)[_ROWS] = shared
+            module.forward = types.MethodType(_forward, module)  # type: ignore[method-assign]
             setattr(module, _MARK, True)
             patched += 1
     return patched
@@ -152,6 +153,7 @@ def unstream_linears(model: torch.nn.Module) -> int:
         if getattr(module, _MARK, False):
             del module.forward
             delattr(module, _MARK)
+            vars(module).pop(_ROWS, None)
             restored += 1
     vars(model).pop(_ROWS, None)
     return restored
