@@ -151,6 +151,8 @@ def _logits(drafter: Eagle3Drafter, seed: int = 0) -> torch.Tensor:
         (dict(draft_vocab_size=0), "method.draft_vocab_size"),
         (dict(aux_layers=[]), "method.aux_layers"),
         (dict(aux_layers=[-1, 0, 1]), "method.aux_layers"),
+        (dict(aux_layers=[1, 2]), "method.aux_layers"),  # vLLM's EAGLE-3 fuses three: refused before training
+        (dict(vllm_export="yes"), "method.vllm_export"),
         (dict(batch_size=0), "method.batch_size"),
         (dict(speculative_tokens=0), "method.speculative_tokens"),
         (dict(optimizer=functools.partial(torch.optim.AdamW, lr=-1.0)), "method.optimizer.lr"),
@@ -349,12 +351,18 @@ def test_the_speculators_export_names_a_local_verifier_without_this_machines_pat
 
 
 def test_a_drafter_vllm_cannot_load_exports_eagle3_only_and_says_why(tmp_path, caplog):
-    """Two aux layers: ``eagle3/`` is exported (and its card says there is no vLLM copy); the speculators
-    folder is not, with a warning naming ``method.aux_layers``."""
-    module, _ = _build(torch.float32, aux_layers=[0, 1])
-    with caplog.at_level("WARNING"):
+    """Two aux layers need ``vllm_export: false`` (refused at start-up otherwise, above): ``eagle3/`` is
+    exported (and its card says there is no vLLM copy), the speculators folder is not; a drafter that
+    reaches the export with two layers anyway gets a warning naming ``method.aux_layers``."""
+    module, _ = _build(torch.float32, aux_layers=[0, 1], vllm_export=False)
+    with caplog.at_level("INFO"):
         out = module.export(str(tmp_path / "run" / "eagle3"))
     assert (out / "model.safetensors").is_file() and not (tmp_path / "run" / "eagle3_speculators").exists()
+    assert "method.vllm_export=false" in caplog.text
+    module.cfg.vllm_export = True
+    with caplog.at_level("WARNING"):
+        module.export(str(tmp_path / "run2" / "eagle3"))
+    assert not (tmp_path / "run2" / "eagle3_speculators").exists()
     assert "No eagle3_speculators/ export" in caplog.text and "method.aux_layers" in caplog.text
     write_model_card(out)
     assert "it has no copy in the speculators format" in (out / "README.md").read_text()

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from train.config import ConfigError, require
+from train.export.speculators import check_vllm_aux_layers
 from train.models.answers_vllm import ANSWER_ENGINES
 from train.models.draft_vocab import frequent_tokens
 from train.models.eagle3_drafter import Eagle3Drafter
@@ -74,8 +75,11 @@ class Eagle3Config:
     None or >= the verifier's vocabulary: the full vocabulary."""
     aux_layers: list[int] | None = None
     """The verifier's ``hidden_states`` indices fused by ``fc``; None: EAGLE-3's [2, L//2, L-3].
-    vLLM's EAGLE-3 fuses exactly three: with another count the finish step exports ``eagle3/`` but no
-    ``eagle3_speculators/``."""
+    vLLM's EAGLE-3 fuses exactly three: another count needs ``vllm_export: false`` (checked at start-up,
+    before any training)."""
+    vllm_export: bool = True
+    """Also export ``eagle3_speculators/``, the folder vLLM's EAGLE-3 loads (exactly three fused layers);
+    false: ``eagle3/`` only."""
     init: str | None = None
     """Start from an exported drafter (an Eagle3Drafter folder or Hub id) instead of a fresh one."""
     speculative_tokens: int = 3
@@ -143,6 +147,14 @@ class Eagle3Config:
             self.aux_layers,
         )
         require(self.speculative_tokens >= 1, "method.speculative_tokens", ">= 1", self.speculative_tokens)
+        require(isinstance(self.vllm_export, bool), "method.vllm_export", "true or false", self.vllm_export)
+        if self.vllm_export and self.aux_layers is not None:
+            try:
+                check_vllm_aux_layers(self.aux_layers)
+            except ValueError as err:
+                raise ConfigError(
+                    f"method.aux_layers: {err}; or set method.vllm_export=false to export eagle3/ only"
+                ) from None
 
     def default_sampled_dir(self, verifier: Any, train_answers: list[Any], spec: Any) -> str:
         """Where the sampled answers are cached when ``sampled_answers_dir`` is null: a folder of the run's

@@ -68,15 +68,18 @@ class Eagle3Finish:
     def export(self, out_dir: str) -> Path:
         """``eagle3/`` (``save_pretrained``: config.json + model.safetensors, reloaded by
         ``Eagle3Drafter.from_pretrained``) and, beside it, ``eagle3_speculators/`` in the format vLLM loads
-        natively, with a model card saying how vLLM serves it (license front matter included). vLLM's EAGLE-3
-        fuses exactly three verifier layers: a drafter trained with another ``method.aux_layers`` count gets
-        ``eagle3/`` only, and a warning saying why
-        (:func:`~train.export.speculators.check_vllm_aux_layers`)."""
+        natively, with a model card saying how vLLM serves it (license front matter included), unless
+        ``method.vllm_export`` is false. vLLM's EAGLE-3 fuses exactly three verifier layers (checked at
+        start-up; a drafter given here with another count gets ``eagle3/`` only, and a warning saying why,
+        :func:`~train.export.speculators.check_vllm_aux_layers`)."""
         out = Path(out_dir)
         drafter = self.trained_drafter()
         drafter.save_pretrained(out)
         architectures = list(getattr(getattr(self.verifier, "config", None), "architectures", None) or [])
         name = self.verifier_name(str(out))
+        if not self.cfg.vllm_export:
+            log.info("method.vllm_export=false: no %s%s/ export", out.name, SPECULATORS_SUFFIX)
+            return out
         try:
             check_vllm_aux_layers(drafter.aux_layers)
         except ValueError as err:
