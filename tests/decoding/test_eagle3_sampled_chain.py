@@ -36,6 +36,22 @@ class ChainSpy:
         monkeypatch.setattr(Eagle3Proposer, "propose", propose_spy)
 
 
+def drafts_under_eos(monkeypatch) -> list[tuple[frozenset[int], Draft]]:
+    """Every non-empty draft the EAGLE-3 proposer makes from now on, with the eos set it drafted under
+    (a list that fills as the test decodes)."""
+    drafted: list[tuple[frozenset[int], Draft]] = []
+    propose = Eagle3Proposer.propose
+
+    def propose_spy(self, sequence, budget, params, generator, eos, stats):
+        draft = propose(self, sequence, budget, params, generator, eos, stats)
+        if len(draft):
+            drafted.append((eos, draft))
+        return draft
+
+    monkeypatch.setattr(Eagle3Proposer, "propose", propose_spy)
+    return drafted
+
+
 def sampled_drafts(verifier, vocab: str, params: SamplingParams, monkeypatch, **decoder_kw):
     """(verifier, drafter, ChainSpy records) of 24 tokens decoded from ``PROMPTS[0]`` by an
     ``Eagle3Decoder(verifier, drafter, 4, 3, 10, **decoder_kw)`` with a random drafter (seed 2)."""
@@ -116,16 +132,7 @@ def test_a_sampled_chain_stops_at_eos_and_within_the_budget(eagle3_verifiers, mo
     decodes pass no ``eos_token_id``, and there its id is an ordinary token (a check over every draft
     held only while no such draft happened to carry it)."""
     verifier = eagle3_verifiers["llama"]
-    drafted: list[tuple[frozenset[int], Draft]] = []
-    propose = Eagle3Proposer.propose
-
-    def propose_spy(self, sequence, budget, params, generator, eos, stats):
-        draft = propose(self, sequence, budget, params, generator, eos, stats)
-        if len(draft):
-            drafted.append((eos, draft))
-        return draft
-
-    monkeypatch.setattr(Eagle3Proposer, "propose", propose_spy)
+    drafted = drafts_under_eos(monkeypatch)
     decoder = Eagle3Decoder(verifier, drafter_for(verifier), 5, 2, 8, sampled_chain=True)
     eos = stops_at_the_limit_and_at_eos(decoder)
     under_eos = [draft for stop, draft in drafted if stop]

@@ -21,6 +21,7 @@ from .test_eagle3_sampled_chain import (
     BOTH_VOCABS,
     SAMPLED_REGIMES,
     ChainSpy,
+    drafts_under_eos,
     sampled_drafts,
     stops_at_the_limit_and_at_eos,
 )
@@ -82,16 +83,7 @@ def test_a_sampled_tree_stops_at_eos_and_within_the_budget(eagle3_verifiers, mon
     """A node drafting an eos gets no children. Checked only on the drafts made under that eos:
     the helper's first decodes pass no ``eos_token_id``, and there its id is an ordinary token."""
     verifier = eagle3_verifiers["llama"]
-    drafted: list[tuple[frozenset[int], Draft]] = []  # every non-empty draft with its eos set
-    propose = Eagle3Proposer.propose
-
-    def propose_spy(self, sequence, budget, params, generator, eos, stats):
-        draft = propose(self, sequence, budget, params, generator, eos, stats)
-        if len(draft):
-            drafted.append((eos, draft))
-        return draft
-
-    monkeypatch.setattr(Eagle3Proposer, "propose", propose_spy)
+    drafted = drafts_under_eos(monkeypatch)  # every non-empty draft with its eos set
     decoder = Eagle3Decoder(verifier, drafter_for(verifier), 5, 2, 8, sampled_tree=[2, 2, 2, 1, 1])
     eos = stops_at_the_limit_and_at_eos(decoder)
     under_eos = [draft for stop, draft in drafted if stop]

@@ -29,6 +29,7 @@ __all__ = [
     "crop_cache",
     "decoding_cache",
     "keep_positions",
+    "library_cache",
     "sliding_layout",
 ]
 
@@ -47,7 +48,7 @@ class SlidingLayout:
     mixed: bool
 
 
-def _library_cache(model: Any) -> Any:
+def library_cache(model: Any) -> Any:
     """The cache the model would build for itself (``DynamicCache(config=...)``), or None for a stand-in."""
     config = getattr(model, "config", None)
     if not callable(getattr(config, "get_text_config", None)):
@@ -60,7 +61,7 @@ def _library_cache(model: Any) -> Any:
 
 def sliding_layout(model: Any) -> SlidingLayout | None:
     """The model's sliding-window layers (:class:`SlidingLayout`), or None when it has none."""
-    cache = _library_cache(model)
+    cache = library_cache(model)
     if cache is None or not any(type(layer) is DynamicSlidingWindowLayer for layer in cache.layers):
         return None
     text = model.config.get_text_config(decoder=True)
@@ -94,7 +95,7 @@ def decoding_cache(model: Any) -> Any:
     the window through its attention mask, built from its config for a causal forward, and the decoders
     narrow their tree masks the same way (:func:`~train.decoding.tree_attention.sliding_window_mask`).
     """
-    cache = _library_cache(model)
+    cache = library_cache(model)
     if cache is None:
         return None
     kinds = {type(layer) for layer in cache.layers}

@@ -113,6 +113,15 @@ def chain_outcomes(tested_count: int, accepted_count: int) -> list[tuple[int, bo
     return outcomes
 
 
+def _some_longer_chain_pays(
+    acceptance: list[float], costs: StepCosts, steps: int, extras: range, now: float
+) -> bool:
+    """Whether verifying ``acceptance``'s drafts and ``extra`` more (each guessed as likely accepted as the
+    last), after ``steps + extra`` drafter steps, beats ``now`` tokens per second for some ``extra``."""
+    guess = acceptance[-1]
+    return any(block_rate(acceptance + [guess] * e, costs, steps + e) > now for e in extras)
+
+
 class CostAwareLength:
     """The draft length that maximizes expected tokens per second (module docstring).
 
@@ -171,10 +180,7 @@ class CostAwareLength:
         n = len(confidences)
         costs = self._costs()
         a = self.acceptances(regime, confidences)
-        now = block_rate(a[:-1], costs, n)
-        guess = a[-1]
-        longer = (block_rate(a + [guess] * extra, costs, n + extra) for extra in range(0, budget - n + 1))
-        return any(rate > now for rate in longer)
+        return _some_longer_chain_pays(a, costs, n, range(0, budget - n + 1), block_rate(a[:-1], costs, n))
 
     def extend(self, regime: object, confidences: Sequence[float], budget: int) -> bool:
         """Whether to run the drafter for one more position, the drafts with ``confidences`` kept: some
@@ -188,10 +194,7 @@ class CostAwareLength:
             return False
         costs = self._costs()
         a = self.acceptances(regime, confidences)
-        now = block_rate(a, costs, n)
-        guess = a[-1]
-        longer = (block_rate(a + [guess] * extra, costs, n + extra) for extra in range(1, budget - n + 1))
-        return any(rate > now for rate in longer)
+        return _some_longer_chain_pays(a, costs, n, range(1, budget - n + 1), block_rate(a, costs, n))
 
     def choose_copied(self, regime: object, count: int) -> int:
         """How many of ``count`` copied tokens (prompt lookup, no drafter cost) to verify; after

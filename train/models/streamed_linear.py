@@ -117,8 +117,7 @@ def stream_small_linears(model: torch.nn.Module, rows: Iterable[int] | None = No
         shared = set(ALL_ROWS) if mode() == "stream" else set()
         vars(model)[_ROWS] = shared
     if rows is not None:
-        shared.clear()
-        shared.update(int(n) for n in rows if MIN_ROWS <= int(n) <= MAX_ROWS)
+        set_stream_rows(model, rows)
     patched = 0
     for module in model.modules():
         if type(module) is torch.nn.Linear and not getattr(module, _MARK, False):

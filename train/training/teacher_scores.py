@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from train.decoding.cache import library_cache
 from train.models.introspect import cache_keyword, returned_cache
 from train.training.byte_budget import ByteBudget
 from train.training.responses import continuation_logits, prompt_keys
@@ -43,14 +44,12 @@ class _Prefix:
 
 def _plain_cache_layers(model: Any) -> bool:
     """Whether ``model``'s own cache is one plain key/value layer per attention layer."""
-    config = getattr(model, "config", None)
-    if not callable(getattr(config, "get_text_config", None)):
-        return False
-    try:
-        cache = DynamicCache(config=config)
-    except (TypeError, ValueError, AttributeError, KeyError):
-        return False
-    return bool(cache.layers) and all(type(layer) is DynamicLayer for layer in cache.layers)
+    cache = library_cache(model)
+    return (
+        cache is not None
+        and bool(cache.layers)
+        and all(type(layer) is DynamicLayer for layer in cache.layers)
+    )
 
 
 class PrefixScorer:
