@@ -14,6 +14,7 @@ from typing import Any
 from train.decoding.cache import cache_length, crop_cache, keep_positions
 from train.decoding.decoders.async_decoder import AsyncSpeculativeDecoder
 from train.decoding.decoders.autoregressive import AutoregressiveDecoder
+from train.decoding.decoders.dflash_decoder import DFlashDecoder
 from train.decoding.decoders.eagle3_decoder import Eagle3Decoder
 from train.decoding.decoders.heads_decoder import HeadsDecoder
 from train.decoding.decoders.speculative import SpeculativeDecoder
@@ -51,6 +52,7 @@ from train.models.introspect import input_vocab_size, model_device, output_vocab
 __all__ = [
     "AsyncSpeculativeDecoder",
     "AutoregressiveDecoder",
+    "DFlashDecoder",
     "CallResult",
     "DecodeResult",
     "DecodeStats",

@@ -160,3 +160,27 @@ class DraftTreeDecoder(Decoder):
             generator,
             typical=self._typical,
         )
+
+
+def check_feature_drafter(verifier: torch.nn.Module, drafter: Any, vocab_size: int, name: str) -> None:
+    """Refuse a drafter on the verifier's hidden states (EAGLE-3, DFlash) made for another verifier: its
+    hidden size and vocabulary must be the verifier's, and the layers it reads must exist
+    (``hidden_states`` indices below the verifier's layer count). ``name`` names the drafter kind."""
+    config = getattr(verifier, "config", None)
+    hidden = getattr(config, "hidden_size", None)
+    if hidden is not None and int(hidden) != drafter.hidden_size:
+        raise ValueError(
+            f"the {name} drafter reads hidden states of size {drafter.hidden_size}, but the verifier's are "
+            f"{hidden}: it was made for another verifier"
+        )
+    if drafter.vocab_size != vocab_size:
+        raise ValueError(
+            f"the {name} drafter's vocabulary has {drafter.vocab_size} tokens, but the verifier's has "
+            f"{vocab_size}: it was made for another verifier"
+        )
+    layers = getattr(config, "num_hidden_layers", None)
+    if layers is not None and not all(0 <= i < int(layers) for i in drafter.aux_layers):
+        raise ValueError(
+            f"the {name} drafter reads layers {drafter.aux_layers}, but the verifier has {layers}: "
+            "it was made for another verifier"
+        )

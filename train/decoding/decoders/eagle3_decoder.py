@@ -15,7 +15,7 @@ from typing import ClassVar
 
 import torch
 
-from train.decoding.decoders.base import DraftTreeDecoder
+from train.decoding.decoders.base import DraftTreeDecoder, check_feature_drafter
 from train.decoding.model_call import TimedModel
 from train.decoding.proposers.eagle3_proposer import Eagle3Proposer
 from train.decoding.proposers.lookup_proposer import prompt_lookup
@@ -75,25 +75,8 @@ class Eagle3Decoder(DraftTreeDecoder):
 
 
 def check_eagle3(verifier: torch.nn.Module, drafter: torch.nn.Module, vocab_size: int) -> None:
-    """Refuse a drafter made for another verifier: its hidden size and vocabulary must be the verifier's,
-    and the layers it reads must exist (``hidden_states`` indices below the verifier's layer count)."""
+    """Refuse anything but a Eagle3Drafter, and one made for another verifier
+    (:func:`~train.decoding.decoders.base.check_feature_drafter`)."""
     if not isinstance(drafter, Eagle3Drafter):
-        raise ValueError(f"Eagle3Decoder takes an Eagle3Drafter, got {type(drafter).__name__}")
-    config = getattr(verifier, "config", None)
-    hidden = getattr(config, "hidden_size", None)
-    if hidden is not None and int(hidden) != drafter.hidden_size:
-        raise ValueError(
-            f"the EAGLE-3 drafter reads hidden states of size {drafter.hidden_size}, but the verifier's are "
-            f"{hidden}: it was made for another verifier"
-        )
-    if drafter.vocab_size != vocab_size:
-        raise ValueError(
-            f"the EAGLE-3 drafter's vocabulary has {drafter.vocab_size} tokens, but the verifier's has "
-            f"{vocab_size}: it was made for another verifier"
-        )
-    layers = getattr(config, "num_hidden_layers", None)
-    if layers is not None and not all(0 <= i < int(layers) for i in drafter.aux_layers):
-        raise ValueError(
-            f"the EAGLE-3 drafter reads layers {drafter.aux_layers}, but the verifier has {layers}: "
-            "it was made for another verifier"
-        )
+        raise ValueError(f"Eagle3Decoder takes a Eagle3Drafter, got {type(drafter).__name__}")
+    check_feature_drafter(verifier, drafter, vocab_size, "EAGLE-3")

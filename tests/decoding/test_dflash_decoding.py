@@ -1,0 +1,249 @@
+"""Decoding with a DFlash drafter (DFlashDecoder): greedy equality with HF ``generate`` (Llama and Qwen3
+verifiers, full and reduced draft vocabularies, block sizes, EOS and length limits), every block's logits
+against a cache-free reference forward, the exact output law at T > 0 (whole chains and chains cut by
+cost), and broken-on-purpose checks (a q the tokens were not drawn from; a context row missing)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from train.decoding import DFlashDecoder, Draft, SamplingParams
+from train.decoding.costs import StepCosts
+from train.decoding.proposers.dflash_proposer import DFlashProposer
+from train.models.dflash_drafter import DFlashDrafter, block_inputs
+
+from .decoding_helpers import build, hf_greedy, tiny_config
+from .spec_reference import chi2_critical, chi2_power, chi_square, noncentrality, pooled_cells, run_many
+from .test_eagle3_decoding import LAW_PROMPT, LAW_RUNS, PROMPTS, first_token_shift, tokens_2_and_3
+
+
+def drafter_for(
+    verifier, vocab: str = "full", seed: int = 1, block_size: int = 4, layers: int = 2
+) -> DFlashDrafter:
+    """A DFlash drafter for ``verifier`` with every trainable weight perturbed (nothing passes on an
+    identity); ``vocab`` reduced: every third id."""
+    ids = None if vocab == "full" else list(range(0, verifier.config.vocab_size, 3))
+    drafter = DFlashDrafter.from_verifier(verifier, num_layers=layers, block_size=block_size, draft_ids=ids)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if name != "embed_tokens.weight":
+                p.add_(0.3 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    return drafter.eval()
+
+
+def reference_block_logits(verifier, drafter: DFlashDrafter, sequence: list[int]) -> torch.Tensor:
+    """The block's logits (B - 1, N) at the end of ``sequence``, from scratch: the verifier over every
+    token but the last, its states fused into context rows, one forward of the block."""
+    ids = torch.tensor([sequence])
+    with torch.no_grad():
+        states = verifier(ids[:, :-1], output_hidden_states=True).hidden_states
+        context = drafter.fuse(drafter.aux_features(states))
+        n = context.shape[1]
+        kv = drafter.context_kv(context, torch.arange(n)[None])
+        block = block_inputs(ids[:, -1], drafter.block_size, drafter.mask_token_id)
+        return drafter(block, torch.arange(n, n + drafter.block_size)[None], kv)[0, 1:]
+
+
+class Spy:
+    """Records every non-empty draft with the sequence it continues and the proposer's context length."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.records: list[tuple[list[int], Draft, int]] = []
+        propose = DFlashProposer.propose
+        spy = self
+
+        def propose_spy(self, sequence, *args):
+            draft = propose(self, sequence, *args)
+            if len(draft):
+                spy.records.append((list(sequence), draft, self.context_length))
+            return draft
+
+        monkeypatch.setattr(DFlashProposer, "propose", propose_spy)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("vocab", ["full", "reduced"])
+@pytest.mark.parametrize(("block_size", "max_draft"), [(4, None), (2, None), (8, 5)])
+def test_greedy_equals_hf_generate(arch, vocab, block_size, max_draft, eagle3_verifiers):
+    verifier = eagle3_verifiers[arch]
+    decoder = DFlashDecoder(verifier, drafter_for(verifier, vocab, block_size=block_size), max_draft)
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        reference = hf_greedy(verifier, ids, 17)
+        for n in (0, 1, 2, 17):
+            assert decoder.generate(ids, n).tokens.tolist() == reference[:n], (prompt, n)
+        for eos in reference[2:6]:
+            out = decoder.generate(ids, 17, eos_token_id=eos).tokens.tolist()
+            assert out == reference[: reference.index(eos) + 1]
+
+
+@pytest.mark.parametrize("vocab", ["full", "reduced"])
+def test_every_block_is_the_cache_free_reference(vocab, eagle3_verifiers, monkeypatch):
+    """The context rows kept across blocks (prefill, accepted drafts, corrections) give the logits a
+    from-scratch forward gives, and the greedy draft is their argmax."""
+    verifier = eagle3_verifiers["llama"]
+    drafter = drafter_for(verifier, vocab, block_size=5)
+    spy = Spy(monkeypatch)
+    DFlashDecoder(verifier, drafter).generate(torch.tensor([PROMPTS[0]]), 24)
+    assert len(spy.records) > 3
+    for sequence, draft, context in spy.records:
+        assert context == len(sequence) - 1  # every committed position but the anchor
+        want = reference_block_logits(verifier, drafter, sequence)
+        greedy = drafter.draft_ids[want.argmax(-1)].tolist()
+        assert draft.tokens == greedy[: len(draft.tokens)]
+
+
+class OracleDFlash(DFlashDrafter):
+    """Test double: a real drafter whose slot k puts the reference token at position anchor + k first."""
+
+    def set_reference(self, sequence: list[int]) -> OracleDFlash:
+        self.sequence = sequence
+        return self
+
+    def forward(self, block_ids, positions, context, attention_mask=None):  # type: ignore[override]
+        logits = super().forward(block_ids, positions, context, attention_mask)
+        logits = torch.zeros_like(logits)
+        for j, p in enumerate(positions[0].tolist()):
+            if p < len(self.sequence):
+                logits[0, j, self.sequence[p]] = 10.0
+        return logits
+
+
+def test_oracle_drafter_accepts_whole_blocks_eos_and_limits(eagle3_verifiers):
+    verifier = eagle3_verifiers["llama"]
+    ids = torch.tensor([PROMPTS[0]])
+    reference = hf_greedy(verifier, ids, 40)
+    drafter = OracleDFlash.from_verifier(verifier, block_size=6).set_reference(PROMPTS[0] + reference)
+    decoder = DFlashDecoder(verifier, drafter)
+    result = decoder.generate(ids, 40)
+    assert result.tokens.tolist() == reference
+    assert result.stats.verifier_calls <= 40 // 6 + 2  # about block_size tokens per call
+    assert result.stats.drafter_calls <= result.stats.verifier_calls  # one forward a block
+    for eos in reference[3:10]:
+        out = decoder.generate(ids, 40, eos_token_id=eos).tokens.tolist()
+        assert out == reference[: reference.index(eos) + 1]
+    for n in range(1, 8):
+        assert decoder.generate(ids, n).tokens.tolist() == reference[:n]
+
+
+def test_a_chain_stops_after_an_eos_it_drafts(eagle3_verifiers, monkeypatch):
+    verifier = eagle3_verifiers["llama"]
+    ids = torch.tensor([PROMPTS[0]])
+    reference = hf_greedy(verifier, ids, 30)
+    drafter = OracleDFlash.from_verifier(verifier, block_size=8).set_reference(PROMPTS[0] + reference)
+    spy = Spy(monkeypatch)
+    eos = reference[5]
+    DFlashDecoder(verifier, drafter).generate(ids, 30, eos_token_id=eos)
+    with_eos = [draft for _, draft, _ in spy.records if eos in draft.tokens]
+    assert with_eos and all(draft.tokens[-1] == eos for draft in with_eos)
+
+
+def test_mismatched_drafters_are_refused(eagle3_verifiers):
+    llama = eagle3_verifiers["llama"]
+    drafter = drafter_for(llama)
+    with pytest.raises(ValueError, match="hidden states of size"):
+        DFlashDecoder(build(tiny_config("llama", 64, layers=4), 1), drafter)
+    with pytest.raises(ValueError, match="vocabulary"):
+        DFlashDecoder(build(tiny_config("llama", 32, vocab=100, layers=4), 1), drafter)
+    with pytest.raises(ValueError, match="max_draft"):
+        DFlashDecoder(llama, drafter, max_draft=4)  # block of 4: three slots
+    with pytest.raises(ValueError, match="draft_length"):
+        DFlashDecoder(llama, drafter, draft_length="short")
+
+
+# ----------------------------------------------------------------------------- the cost-aware cut
+
+
+def test_the_cost_cut_drafts_less_when_checks_are_dear(eagle3_verifiers, monkeypatch):
+    """Flat checks: whole chains; checks that cost a step per token: nothing pays, plain steps. Greedy
+    output unchanged either way."""
+    verifier = eagle3_verifiers["llama"]
+    ids = torch.tensor([PROMPTS[0]])
+    reference = hf_greedy(verifier, ids, 20)
+    lengths = {}
+    for name, verify in (("flat", (1.0,) * 8), ("dear", tuple(float(n) for n in range(1, 9)))):
+        spy = Spy(monkeypatch)
+        decoder = DFlashDecoder(
+            verifier, drafter_for(verifier, block_size=6), draft_length="cost", costs=StepCosts(verify, 0.01)
+        )
+        assert decoder.generate(ids, 20).tokens.tolist() == reference
+        lengths[name] = sum(len(d) for _, d, _ in spy.records)
+    assert lengths["flat"] > 10 and lengths["dear"] == 0, lengths
+
+
+# ----------------------------------------------------------------------------- the law at T > 0
+
+
+def law_statistic(verifier, params: SamplingParams, **decoder_kw) -> tuple[float, int, int]:
+    """(chi-square, df, accepted drafts) of tokens 2 and 3 over 4000 seeded runs of 4 tokens against the
+    verifier's warped law, a random DFlash drafter (block of 4) drafting."""
+    law = tokens_2_and_3(verifier, params)
+    decoder = DFlashDecoder(verifier, drafter_for(verifier, seed=3, block_size=4), **decoder_kw)
+    runs = run_many(decoder, LAW_PROMPT, 4, params, LAW_RUNS, seed=0)
+    counts: dict[tuple[int, ...], int] = {}
+    for key, c in runs.counts.items():
+        counts[key[1:3]] = counts.get(key[1:3], 0) + c
+    stat, df = chi_square(counts, law, LAW_RUNS)
+    return stat, df, sum(s.accepted for s in runs.stats)
+
+
+@pytest.mark.parametrize(
+    ("params", "decoder_kw"),
+    [
+        pytest.param(SamplingParams(1.0), {}, id="T1"),
+        pytest.param(
+            SamplingParams(1.0),
+            {"draft_length": "cost", "costs": StepCosts((1.0, 1.1, 1.3, 1.6), 0.1)},
+            id="T1-cost-cut",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            SamplingParams(0.7, top_k=4),
+            {"draft_temperature": 0.6},
+            id="T0.7-top_k4-sharper-q",
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
+def test_sampled_output_law_is_the_verifiers(eagle3_law_verifier, params, decoder_kw):
+    law = tokens_2_and_3(eagle3_law_verifier, params)
+    df = len(pooled_cells(law, LAW_RUNS)) - 1
+    # power: moving 6 points of the 2nd token's probability is seen with probability > 0.9 (alpha 1e-4)
+    assert chi2_power(df, noncentrality(law, first_token_shift(law, 0.06), LAW_RUNS)) > 0.9
+    stat, df, accepted = law_statistic(eagle3_law_verifier, params, **decoder_kw)
+    assert stat < chi2_critical(df), (stat, df)
+    assert accepted > 0.1 * LAW_RUNS  # drafts were accepted often: the rule was exercised
+
+
+@pytest.mark.slow
+def test_law_test_catches_a_q_the_tokens_were_not_drawn_from(eagle3_law_verifier, monkeypatch):
+    """Broken on purpose: the tokens are drawn from the drafter's distribution, the rule is handed a
+    flattened one (q**0.5, renormalised)."""
+    original = DFlashProposer._chain
+
+    def flattened_q(self, logits, params, generator, eos, spent, committed):
+        draft = original(self, logits, params, generator, eos, spent, committed)
+        if draft.q is not None:
+            flat = draft.q.sqrt()
+            draft.q = flat / flat.sum(-1, keepdim=True)
+        return draft
+
+    monkeypatch.setattr(DFlashProposer, "_chain", flattened_q)
+    stat, df, _ = law_statistic(eagle3_law_verifier, SamplingParams(1.0))
+    assert stat > chi2_critical(df), (stat, df)
+
+
+def test_a_missing_context_row_is_caught(eagle3_verifiers, monkeypatch):
+    """Broken on purpose: the proposer drops the last verifier state it is handed; the check that the
+    context reaches the anchor refuses to draft on it."""
+    original = DFlashProposer.observe
+
+    def drop_last(self, states):
+        original(self, states[:-1])
+
+    monkeypatch.setattr(DFlashProposer, "observe", drop_last)
+    verifier = eagle3_verifiers["llama"]
+    with pytest.raises(RuntimeError, match="context rows"):
+        DFlashDecoder(verifier, drafter_for(verifier)).generate(torch.tensor([PROMPTS[0]]), 10)

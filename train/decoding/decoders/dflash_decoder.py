@@ -1,0 +1,97 @@
+"""``DFlashDecoder``: a DFlash drafter proposes a chain from one forward per block (docs/dflash.md).
+
+The drafting side is :class:`~train.decoding.proposers.dflash_proposer.DFlashProposer`; verification is
+the synchronous loop's chain rule (greedy at T = 0, the standard rule with the drafter's q at T > 0):
+lossless at every temperature. ``draft_length="cost"`` cuts each block's chain to the prefix with the
+most expected tokens per second under the pair's measured check costs (measured at the first call and
+cached per machine, :mod:`train.decoding.cost_probe`). ``lookup_tokens`` K > 0: prompt lookup first,
+the drafter where the context offers nothing to copy.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from train.decoding.cost_probe import step_costs
+from train.decoding.costs import StepCosts
+from train.decoding.decoders.base import DraftTreeDecoder, check_feature_drafter
+from train.decoding.length_policy import CostAwareLength
+from train.decoding.metrics import DecodeResult
+from train.decoding.model_call import TimedModel
+from train.decoding.proposers.dflash_proposer import DFlashProposer
+from train.decoding.proposers.lookup_proposer import prompt_lookup
+from train.decoding.sampling import SamplingParams
+from train.models.dflash_drafter import DFlashDrafter
+
+__all__ = ["DFlashDecoder", "check_dflash"]
+
+
+class DFlashDecoder(DraftTreeDecoder):
+    """Speculative decoding with a :class:`~train.models.dflash_drafter.DFlashDrafter`: a chain of at most
+    ``max_draft`` tokens (None: the block's ``block_size - 1``) from one drafter forward per block;
+    ``draft_temperature`` divides the drafter's logits at T > 0 (any value stays lossless: q is what the
+    tokens are drawn from); ``draft_length``: ``"fixed"`` (the whole chain) or ``"cost"`` (the prefix
+    that pays, ``costs`` or measured at the first call). Same ``generate`` as the other decoders."""
+
+    accepts: ClassVar[tuple[str, ...]] = ("dflash",)
+
+    def __init__(
+        self,
+        verifier: torch.nn.Module,
+        drafter: DFlashDrafter,
+        max_draft: int | None = None,
+        draft_temperature: float = 1.0,
+        draft_length: str = "fixed",
+        costs: StepCosts | None = None,
+        lookup_tokens: int = 0,
+        lookup_max_ngram: int = 3,
+        lookup_min_ngram: int = 2,
+    ) -> None:
+        if draft_length not in ("fixed", "cost"):
+            raise ValueError(f"draft_length must be 'fixed' or 'cost', got {draft_length!r}")
+        self.verifier = verifier
+        self.drafter = drafter
+        self._verifier = TimedModel(verifier)
+        check_dflash(verifier, drafter, self._verifier.vocab_size)
+        #: The cost-aware cut (``draft_length="cost"``), else None.
+        self.length = CostAwareLength(costs) if draft_length == "cost" else None
+        self.draft_length = draft_length
+        self._proposer = DFlashProposer(
+            drafter, self._verifier.vocab_size, max_draft, draft_temperature, self.length
+        )
+        self.depth = self._proposer.max_draft
+        self.draft_temperature = self._proposer.draft_temperature
+        self._lookup = prompt_lookup(lookup_tokens, lookup_max_ngram, lookup_min_ngram)
+        if self._lookup is not None:
+            self._lookup.length = self.length
+
+    def models(self) -> tuple[torch.nn.Module, ...]:
+        return (self.verifier,)
+
+    @property
+    def step_costs(self) -> StepCosts | None:
+        """The measured check costs the chain is cut by (None: not cut by cost, or not measured yet)."""
+        return self.length.costs if self.length is not None else None
+
+    def decode(
+        self,
+        prompt: list[int],
+        max_new_tokens: int,
+        params: SamplingParams,
+        eos: frozenset[int],
+        generator: torch.Generator | None,
+    ) -> DecodeResult:
+        if self.length is not None and self.length.costs is None:
+            most = max(self.depth, self._lookup.num_tokens if self._lookup is not None else 0) + 1
+            self.length.costs = step_costs(self._verifier, None, most)
+        return super().decode(prompt, max_new_tokens, params, eos, generator)
+
+
+def check_dflash(verifier: torch.nn.Module, drafter: torch.nn.Module, vocab_size: int) -> None:
+    """Refuse anything but a DFlashDrafter, and one made for another verifier
+    (:func:`~train.decoding.decoders.base.check_feature_drafter`)."""
+    if not isinstance(drafter, DFlashDrafter):
+        raise ValueError(f"DFlashDecoder takes a DFlashDrafter, got {type(drafter).__name__}")
+    check_feature_drafter(verifier, drafter, vocab_size, "DFlash")

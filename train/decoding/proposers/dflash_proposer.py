@@ -1,0 +1,194 @@
+"""Drafting with a DFlash drafter: a whole chain from one forward (:class:`DFlashProposer`).
+
+The proposer reads the verifier's hidden states at the drafter's auxiliary layers (``hidden_layers``),
+which the loop hands it for every position a verifier forward committed (``observe``; no extra forward),
+and keeps every layer's keys and values of those context rows (:class:`~train.models.dflash_drafter.ContextKV`):
+positions 0 .. n - 1 when the committed sequence is t_0 .. t_n. A block is the last committed token t_n
+(the anchor, whose verifier state does not exist yet) and ``block_size - 1`` mask tokens at positions
+n .. n + B - 1; one drafter forward gives a distribution for each of the positions n + 1 .. n + B - 1
+(docs/dflash.md).
+
+The chain: at T = 0 each position's argmax over the draft vocabulary; at T > 0 a token drawn from each
+position's distribution (the drafter's logits divided by ``draft_temperature``, warped like the verifier's:
+temperature, top-k, top-p), handed over with those distributions as q, so the standard rule accepts x
+with probability min(1, p(x) / q(x)). The positions' distributions do not depend on the tokens drawn at
+the others (one forward made them all), which the rule does not need: it needs only that each token was
+drawn from the q it is handed, given the committed sequence and the drafts before it. Lossless at every
+temperature. The chain stops after an eos.
+
+With a ``length`` policy (:class:`~train.decoding.length_policy.CostAwareLength`) the chain is cut to the
+prefix with the most expected tokens per second (:func:`~train.decoding.costs.best_length`) under the
+measured check costs and the drafter's own forward time (spent either way), each position's acceptance
+calibrated online from its confidence (the largest probability of its distribution, never the drawn
+token's): the cut depends on the distributions alone, so the kept drafts are still draws from their q.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+
+import torch
+
+from train.decoding.costs import best_length
+from train.decoding.draft import Draft
+from train.decoding.length_policy import CostAwareLength, regime
+from train.decoding.metrics import DecodeStats
+from train.decoding.sampling import SamplingParams, draw_index, uniforms, warp
+from train.models.dflash_drafter import ContextKV, DFlashDrafter, block_inputs
+
+__all__ = ["DFlashProposer"]
+
+
+class DFlashProposer:
+    """Chains of up to ``block_size - 1`` tokens from a :class:`DFlashDrafter`, one forward each (see the
+    module docstring). ``max_draft`` caps the chain (None: the whole block)."""
+
+    def __init__(
+        self,
+        drafter: DFlashDrafter,
+        vocab_size: int,
+        max_draft: int | None = None,
+        draft_temperature: float = 1.0,
+        length: CostAwareLength | None = None,
+    ) -> None:
+        slots = drafter.block_size - 1
+        if max_draft is not None and (isinstance(max_draft, bool) or not 1 <= int(max_draft) <= slots):
+            raise ValueError(f"max_draft must be in [1, block_size - 1 = {slots}], got {max_draft!r}")
+        if isinstance(draft_temperature, bool) or not draft_temperature > 0:
+            raise ValueError(f"draft_temperature must be > 0, got {draft_temperature!r}")
+        self.drafter = drafter
+        self.vocab_size = vocab_size
+        self.max_draft = int(max_draft) if max_draft is not None else slots
+        self.draft_temperature = float(draft_temperature)
+        #: The cost-aware cut of the chain (None: the whole chain).
+        self.length = length
+        self.hidden_layers: tuple[int, ...] = tuple(int(i) for i in drafter.aux_layers)
+        param = drafter.fc.weight
+        self._device, self._dtype = param.device, param.dtype
+        self._targets = drafter.draft_ids.to(self._device)
+        self._target_ids: list[int] = self._targets.tolist()
+        self._context = ContextKV([])
+        self._pending: list[torch.Tensor] = []
+        self._forward_time = 0.0  # mean of the drafter's forwards so far (the cut weighs it as spent)
+        self._forwards = 0
+        self._outcome: tuple[object, list[float], int, int] | None = (
+            None  # regime, confidences, drafted, first
+        )
+
+    def start(self) -> None:
+        self._context = ContextKV([])
+        self._pending = []
+        self._outcome = None
+
+    def observe(self, states: torch.Tensor) -> None:
+        """The verifier's states (P, len(aux_layers), d) at the positions just committed, in order."""
+        self._pending.append(states.reshape(states.shape[0], -1).to(self._device, self._dtype))
+
+    def commit(self, length: int, path: Sequence[int] | None = None) -> None:
+        """The first ``length`` tokens are final: the verifier's answer to the last draft is learnt (for
+        the cost-aware cut), and no context row past ``length - 1`` stays (none is ever added, since
+        ``observe`` brings committed positions only)."""
+        if self._outcome is not None and self.length is not None:
+            key, confidences, drafted, first = self._outcome
+            self.length.record(key, confidences, drafted, min(drafted, max(0, length - first)))
+        self._outcome = None
+        if self._context.length > length - 1:
+            self._context = self._context.crop(max(length - 1, 0))
+
+    @property
+    def context_length(self) -> int:
+        """Positions whose context rows the proposer holds."""
+        return self._context.length
+
+    def _catch_up(self) -> None:
+        """The pending verifier states become context rows, keys and values in every layer."""
+        if not self._pending:
+            return
+        states = torch.cat(self._pending)[None]
+        first = self._context.length
+        positions = torch.arange(first, first + states.shape[1], device=self._device)[None]
+        self._context = self._context.append(self.drafter.context_kv(self.drafter.fuse(states), positions))
+        self._pending = []
+
+    def propose(
+        self,
+        sequence: list[int],
+        budget: int,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        eos: frozenset[int],
+        stats: DecodeStats,
+    ) -> Draft:
+        if budget < 1 or (not self._pending and self._context.length == 0):
+            return Draft()
+        start = time.perf_counter()
+        self._catch_up()
+        anchor = len(sequence) - 1
+        if self._context.length != anchor:
+            raise RuntimeError(
+                f"{self._context.length} context rows for an anchor at position {anchor}: "
+                "observe must follow every verifier forward"
+            )
+        size = self.drafter.block_size
+        ids = block_inputs(
+            torch.tensor([sequence[-1]], device=self._device), size, self.drafter.mask_token_id
+        )
+        positions = torch.arange(anchor, anchor + size, device=self._device)[None]
+        logits = self.drafter(ids, positions, self._context)[0, 1:].float()  # (B - 1, N)
+        count = min(self.max_draft, budget)
+        draft = self._chain(
+            logits[:count], params, generator, eos, time.perf_counter() - start, len(sequence)
+        )
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        elapsed = time.perf_counter() - start
+        self._forwards += 1
+        self._forward_time += (elapsed - self._forward_time) / self._forwards
+        stats.drafter_calls += 1
+        stats.drafter_time += elapsed
+        return draft
+
+    def _chain(
+        self,
+        logits: torch.Tensor,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        eos: frozenset[int],
+        spent: float,
+        committed: int,
+    ) -> Draft:
+        """The chain from the block's logits (n, N): greedy or sampled, cut by the cost policy, stopped
+        after an eos."""
+        if params.greedy:
+            q = None
+            probs = logits.softmax(-1)
+            columns = probs.max(-1).indices.tolist()
+            confidences = probs.max(-1).values.tolist()
+        else:
+            q = warp(logits / self.draft_temperature, params)
+            u = uniforms(q.shape[0], generator).tolist()
+            columns = [draw_index(q[i], u[i]) for i in range(q.shape[0])]
+            confidences = q.max(-1).values.tolist()
+        keep = len(columns)
+        if self.length is not None:
+            key = regime(params)
+            costs = self.length.costs
+            if costs is not None:
+                acceptance = self.length.acceptances(key, confidences)
+                spent_costs = replace(costs, draft=max(self._forward_time, spent))
+                keep = best_length(acceptance, spent_costs, 1)[0]
+            self._outcome = (key, confidences[:keep], keep, committed)
+        tokens: list[int] = []
+        for column in columns[:keep]:
+            tokens.append(self._target_ids[column])
+            if tokens[-1] in eos:
+                break
+        n = len(tokens)
+        if self._outcome is not None:
+            key, kept, _, first = self._outcome
+            self._outcome = (key, kept[:n], n, first)
+        if q is None:
+            return Draft.chain(tokens)
+        return Draft.chain(tokens, q[:n], support=self._targets, columns=columns[:n])
