@@ -12,9 +12,9 @@ import torch
 from tests.conftest import tiny_llama
 from tests.methods.test_eagle3_method import PAD, _build, _Losses, _trainer
 from train.config import ConfigError
-from train.methods.eagle3.feature_cache import FeatureCache, fingerprint, padded_rows, row_keys
 from train.models.eagle3_ttt import head_matches, head_targets, verifier_targets
 from train.training.answer_data import collate_answers
+from train.training.feature_cache import FeatureCache, fingerprint, padded_rows, row_keys
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

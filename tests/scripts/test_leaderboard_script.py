@@ -60,6 +60,7 @@ def test_leaderboard_trains_what_is_missing_then_reuses_it(tmp_path):
         "medusa_tiny",
         "medusa2_tiny",
         "eagle3_tiny",
+        "dflash_tiny",
     }
     seen = {(r["drafter"], r["decoder"].split("@")[0]) for r in board["rows"]}
     for pair in [
@@ -75,6 +76,7 @@ def test_leaderboard_trains_what_is_missing_then_reuses_it(tmp_path):
         ("medusa-1", "bpd"),
         ("medusa-2", "medusa"),
         ("eagle3", "eagle3_8"),
+        ("dflash", "dflash"),
     ]:
         assert pair in seen, pair
     assert all(r["n"] == 2 for r in board["rows"]) and {r["temperature"] for r in board["rows"]} == {0.0, 1.0}
@@ -82,7 +84,7 @@ def test_leaderboard_trains_what_is_missing_then_reuses_it(tmp_path):
     text = (tmp_path / "first" / "leaderboard.md").read_text()
     assert "a model, not a measurement" in text and "medusa-2" in text
     assert (tmp_path / "first" / "eval_main" / "results.json").is_file()
-    assert proc.stdout.count("Training what the leaderboard needs") == 5
+    assert proc.stdout.count("Training what the leaderboard needs") == 6
 
     again = _leaderboard(tmp_path, "second")  # every artifact is found: nothing trains
     assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
@@ -103,7 +105,14 @@ def test_auto_experiments_follow_the_pair_and_a_bad_list_names_the_key():
             self.tiny = tiny
 
     auto = OmegaConf.create({"experiments": "auto"})
-    assert experiment_names(auto, Model(None)) == ["distillspec", "steering", "medusa", "medusa2", "eagle3"]
+    assert experiment_names(auto, Model(None)) == [
+        "distillspec",
+        "steering",
+        "medusa",
+        "medusa2",
+        "eagle3",
+        "dflash",
+    ]
     assert experiment_names(auto, Model(object()))[0] == "distillspec_tiny"
     assert experiment_names(OmegaConf.create({"experiments": ["medusa"]}), Model(None)) == ["medusa"]
     from hydra import compose, initialize_config_dir

@@ -4,7 +4,8 @@ Top-level shortcuts of conf/eval.yaml: ``drafter=PATH`` replaces ``model.drafter
 (a folder or Hub id of :class:`~train.models.heads.MedusaHeads`) adds prediction heads, which the
 decoders that take heads (``decoding=medusa``) run while the others run the drafter;
 ``eagle3=PATH`` (an :class:`~train.models.eagle3_drafter.Eagle3Drafter`) adds an EAGLE-3 drafter for
-``decoding=eagle3``; ``decoding=<name>`` picks the decoder config that ``eval.decoders`` holds by default
+``decoding=eagle3``, ``dflash=PATH`` (a :class:`~train.models.dflash_drafter.DFlashDrafter`) a DFlash drafter
+for ``decoding=dflash``; ``decoding=<name>`` picks the decoder config that ``eval.decoders`` holds by default
 (labelled by that name); ``gamma=N`` sets that config's draft length; ``gammas=[...]`` is ``eval.gammas``.
 """
 
@@ -28,6 +29,7 @@ from train.evaluation.eval_config import (
 from train.evaluation.prompts import build_prompts
 from train.evaluation.results_table import results_table
 from train.evaluation.runner import evaluate_drafters
+from train.models.dflash_drafter import DFlashDrafter
 from train.models.eagle3_drafter import Eagle3Drafter
 from train.models.heads import MedusaHeads
 from train.models.loading import eos_token_ids, load_pair, place_pair, resolve_devices
@@ -38,6 +40,14 @@ from train.training.trainer import build_loggers
 __all__ = ["EvalRun", "main", "validate"]
 
 _DECODING_REF = "${decoding}"
+
+
+FEATURE_DRAFTERS: dict[str, tuple[Any, str]] = {
+    "eagle3": (Eagle3Drafter, "an EAGLE-3 drafter"),
+    "dflash": (DFlashDrafter, "a DFlash drafter"),
+}
+"""The drafters on the verifier's hidden states a command-line key loads (``eagle3=PATH``,
+``dflash=PATH``), each for the decoders that take its kind."""
 
 
 def _decoding_choice(cfg: DictConfig) -> str | None:
@@ -150,13 +160,14 @@ def validate(cfg: DictConfig) -> EvalRun:
         )
     if heads_source is not None:
         check_model_source("heads", str(heads_source))
-    eagle3_source = cfg.get("eagle3")
-    if "eagle3" in kinds and eagle3_source is None:
-        raise ConfigError("eagle3: the decoders include one that takes an EAGLE-3 drafter; pass eagle3=PATH")
-    if eagle3_source is not None and "eagle3" not in kinds:
-        raise ConfigError("eagle3: given, but no decoder in eval.decoders takes it; add decoding=eagle3")
-    if eagle3_source is not None:
-        check_model_source("eagle3", str(eagle3_source))
+    for key, (_, noun) in FEATURE_DRAFTERS.items():
+        source = cfg.get(key)
+        if key in kinds and source is None:
+            raise ConfigError(f"{key}: the decoders include one that takes {noun}; pass {key}=PATH")
+        if source is not None and key not in kinds:
+            raise ConfigError(f"{key}: given, but no decoder in eval.decoders takes it; add decoding={key}")
+        if source is not None:
+            check_model_source(key, str(source))
     return run
 
 
@@ -180,12 +191,12 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         heads = MedusaHeads.from_pretrained(str(heads_source)).eval()
         heads.to(next(pair.verifier.parameters()).device)
         drafters[_drafter_label(str(heads_source))] = heads
-    eagle3_source = cfg.get("eagle3")
-    if eagle3_source is not None:
-        verifier_weight = next(pair.verifier.parameters())
-        eagle3 = Eagle3Drafter.from_pretrained(str(eagle3_source)).eval()
-        eagle3.to(verifier_weight.device, verifier_weight.dtype)
-        drafters[_drafter_label(str(eagle3_source))] = eagle3
+    verifier_weight = next(pair.verifier.parameters())
+    for key, (cls, _) in FEATURE_DRAFTERS.items():
+        source = cfg.get(key)
+        if source is not None:
+            drafter = cls.from_pretrained(str(source)).eval()
+            drafters[_drafter_label(str(source))] = drafter.to(verifier_weight.device, verifier_weight.dtype)
     prompts = build_prompts(
         pair.tokenizer, run.data, eval_cfg.num_prompts, eval_cfg.prompt_len, seed=int(cfg.get("seed", 0))
     )

@@ -1,7 +1,7 @@
 """The body of ``scripts/leaderboard.py`` (conf/leaderboard.yaml, docs/leaderboard.md).
 
 1. **Artifacts**: for each experiment of ``experiments`` (``auto``: distillspec, steering, medusa, medusa2,
-   eagle3, or their ``_tiny`` recipes on ``model=tiny``), the
+   eagle3, dflash, or their ``_tiny`` recipes on ``model=tiny``), the
    newest finished run of it for this verifier (:func:`train.rundir.newest_artifact`); when there is
    none, or with ``retrain=true``, it is trained first, ``python train.py experiment=<name>`` with this
    command's model/data/paths overrides and ``train_overrides``, in that order (steering picks up the
@@ -32,6 +32,7 @@ from train.config import instantiate_group, require
 from train.evaluation import build_eval_config, build_prompts, evaluate_drafters, to_jsonable
 from train.evaluation.eval_config import DECODING_CONF_DIR, known_decoder_configs
 from train.evaluation.leaderboard import leaderboard_markdown, leaderboard_rows
+from train.models.dflash_drafter import DFlashDrafter
 from train.models.eagle3_drafter import Eagle3Drafter
 from train.models.heads import MedusaHeads
 from train.models.loading import (
@@ -62,11 +63,20 @@ ARTIFACTS: dict[str, str] = {
     "medusa2_tiny": "heads",
     "eagle3": "eagle3",
     "eagle3_tiny": "eagle3",
+    "dflash": "dflash",
+    "dflash_tiny": "dflash",
 }
 """The folder each experiment's run exports and the leaderboard loads."""
 
-REAL_PAIR_EXPERIMENTS = ("distillspec", "steering", "medusa", "medusa2", "eagle3")
-TINY_PAIR_EXPERIMENTS = ("distillspec_tiny", "steering_tiny", "medusa_tiny", "medusa2_tiny", "eagle3_tiny")
+REAL_PAIR_EXPERIMENTS = ("distillspec", "steering", "medusa", "medusa2", "eagle3", "dflash")
+TINY_PAIR_EXPERIMENTS = (
+    "distillspec_tiny",
+    "steering_tiny",
+    "medusa_tiny",
+    "medusa2_tiny",
+    "eagle3_tiny",
+    "dflash_tiny",
+)
 """``experiments: auto``: the recipes for the model's pair (steering after DistillSpec, whose drafter it
 steers too; Medusa-2 after Medusa-1, whose heads it starts from)."""
 
@@ -201,8 +211,13 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     if eagle3_dir:  # the real pair's recipe or its tiny-pair twin: one row, "eagle3"
         weight = next(pair.verifier.parameters())
         drafters["eagle3"] = Eagle3Drafter.from_pretrained(eagle3_dir).eval().to(dtype=weight.dtype)
-    for model in drafters.values():  # heads and EAGLE-3 read the verifier's states: they sit on its device
-        placed = device if isinstance(model, MedusaHeads | Eagle3Drafter) else (drafter_device or device)
+    dflash_dir = artifacts.get("dflash") or artifacts.get("dflash_tiny")
+    if dflash_dir:  # after EAGLE-3: its recipe reads EAGLE-3's cached features
+        weight = next(pair.verifier.parameters())
+        drafters["dflash"] = DFlashDrafter.from_pretrained(dflash_dir).eval().to(dtype=weight.dtype)
+    on_verifier = MedusaHeads | Eagle3Drafter | DFlashDrafter
+    for model in drafters.values():  # heads, EAGLE-3, DFlash read the verifier's states: on its device
+        placed = device if isinstance(model, on_verifier) else (drafter_device or device)
         model.to(placed).requires_grad_(False)
     eos = eos_token_ids(pair.tokenizer, pair.verifier, pair.drafter)
     evaluations: dict[str, dict[str, Any]] = {}

@@ -12,11 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from train.config import ConfigError, require
+from train.export.dflash_speculators import load_dflash_speculators
 from train.export.drafter import WEIGHT_FILES, verify_export
 from train.export.kinds import export_kind
 from train.export.medusa_layout import load_vllm_medusa
 from train.export.redaction import REPO_ID
 from train.export.speculators import load_speculators
+from train.models.dflash_drafter import DFlashDrafter
 from train.models.eagle3_drafter import Eagle3Drafter
 from train.models.heads import MedusaHeads
 from train.models.loading import CorruptModelError
@@ -117,6 +119,8 @@ def public_repo_warning(repo_id: str) -> str:
 
 
 LOADERS: dict[str, Callable[[str], Any]] = {
+    "dflash": functools.partial(DFlashDrafter.from_pretrained, strict=True),
+    "dflash_speculators": load_dflash_speculators,
     "eagle3": functools.partial(Eagle3Drafter.from_pretrained, strict=True),
     "eagle3_speculators": load_speculators,
     "heads": functools.partial(MedusaHeads.from_pretrained, strict=True),

@@ -61,6 +61,8 @@ def _results_markdown(results: Mapping[str, Any] | str | None) -> str | None:
 
 KIND_NOUNS: dict[str, str] = {
     "drafter": "drafter",
+    "dflash": "DFlash drafter",
+    "dflash_speculators": "DFlash drafter (vLLM speculators format)",
     "eagle3": "EAGLE-3 drafter",
     "eagle3_speculators": "EAGLE-3 drafter (vLLM speculators format)",
     "heads": "prediction heads",
@@ -69,7 +71,7 @@ KIND_NOUNS: dict[str, str] = {
 }
 """What the card calls each export kind (:func:`train.export.kinds.export_kind`), in its title."""
 
-COMPANION_SUFFIXES: dict[str, str] = {"eagle3": "_speculators", "heads": "_vllm"}
+COMPANION_SUFFIXES: dict[str, str] = {"dflash": "_speculators", "eagle3": "_speculators", "heads": "_vllm"}
 """The folder each kind's export writes beside it in a serving layout (``eagle3_speculators/``,
 ``heads_vllm/``): its card is rewritten with the main folder's."""
 
@@ -82,6 +84,12 @@ def _what_it_is(kind: str, target: str) -> str:
         what = (
             "An EAGLE-3 drafter trained with draftsmith: one decoder layer that reads the hidden states of "
             f"three layers of {target} and proposes tokens for it to check in one forward pass."
+        )
+    elif kind in ("dflash", "dflash_speculators"):
+        what = (
+            "A DFlash drafter trained with draftsmith: a few decoder layers that read the hidden states of "
+            f"layers of {target} and propose a whole block of tokens in one forward pass, which the verifier "
+            "checks in one forward pass."
         )
     elif kind in ("heads", "heads_vllm"):
         what = (
@@ -180,6 +188,25 @@ def usage_section(kind: str, verifier_ref: str, folder: str, layout: Mapping[str
         )
         return _draftsmith_usage(
             "train.models.eagle3_drafter", "Eagle3Drafter", f"decoding=eagle3 eagle3={THIS_EXPORT}", serving
+        )
+    if kind == "dflash":
+        return _draftsmith_usage(
+            "train.models.dflash_drafter",
+            "DFlashDrafter",
+            f"decoding=dflash dflash={THIS_EXPORT}",
+            f"vLLM serves its copy in the speculators format, `{folder}{COMPANION_SUFFIXES[kind]}/` beside it.",
+        )
+    if kind == "dflash_speculators":
+        speculators = layout.get("speculators_config") or {}
+        verifier = (speculators.get("verifier") or {}).get("name_or_path") or verifier_ref
+        tokens = int((speculators.get("proposal_methods") or [{}])[0].get("speculative_tokens", 7))
+        return _vllm_usage(
+            [],
+            verifier,
+            {"model": f"./{folder}", "method": "dflash", "num_speculative_tokens": tokens},
+            "vLLM's `dflash` method (0.25 and later on CPUs) drafts a block of `num_speculative_tokens` "
+            "tokens in one forward. The auxiliary layer ids are the verifier's `hidden_states` indices, and "
+            "`sliding_window_non_causal: true` keeps the block non-causal, as it was trained.",
         )
     if kind == "heads":
         return _draftsmith_usage(

@@ -10,6 +10,8 @@ from typing import Any
 import lightning as L
 
 from train.config import ConfigError
+from train.methods.dflash import build as dflash
+from train.methods.dflash.config import DFlashConfig
 from train.methods.distillspec import build as distillspec
 from train.methods.distillspec.config import DistillSpecConfig
 from train.methods.eagle3 import build as eagle3
@@ -28,6 +30,7 @@ __all__ = ["BUILDS", "build_method"]
 Build = Callable[[Any, ModelPair, RunSpec], tuple[L.LightningModule, L.LightningDataModule]]
 
 BUILDS: dict[type, Build] = {
+    DFlashConfig: dflash.build,
     DistillSpecConfig: distillspec.build,
     Eagle3Config: eagle3.build,
     MedusaConfig: medusa.build,

@@ -9,6 +9,8 @@ vLLM drafts a chain of ``num_speculative_tokens`` tokens, the most likely one at
   number is the heads'. The counterpart: the heads' top-1 chain (BPD).
 - ``eagle3``: an EAGLE-3 drafter in the speculators layout (``eagle3_speculators/``). The counterpart:
   the EAGLE-3 decoder with a tree of one branch of that depth.
+- ``dflash``: a DFlash drafter in the speculators layout (``dflash_speculators/``): one forward drafts the
+  number (at most the block's slots). The counterpart: the DFlash decoder with that chain.
 
 SD^2's steering module (``steering/``) has no vLLM method: a steered drafter reads the verifier's hidden
 states into a drafter model's, which none of vLLM's proposers do.
@@ -30,6 +32,7 @@ VLLM_METHODS: dict[str, str] = {
     "drafter": "draft_model",
     "heads_vllm": "medusa",
     "eagle3_speculators": "eagle3",
+    "dflash_speculators": "dflash",
 }
 """The vLLM ``speculative_config.method`` of each export kind vLLM serves."""
 
@@ -39,6 +42,7 @@ NOT_SERVED: dict[str, str] = {
     ),
     "heads": "serve heads_vllm/, the same heads in vLLM's Medusa layout",
     "eagle3": "serve eagle3_speculators/, the same drafter in the speculators layout",
+    "dflash": "serve dflash_speculators/, the same drafter in the speculators layout",
 }
 
 
@@ -74,6 +78,8 @@ class ServedExport:
                 "tree": tree,
                 "acceptance": "rejection",
             }
+        if self.kind == "dflash_speculators":
+            return {"name": f"dflash_chain{k}", "_target_": "train.decoding.DFlashDecoder", "max_draft": k}
         return {
             "name": f"eagle3_chain{k}",
             "_target_": "train.decoding.Eagle3Decoder",
@@ -98,7 +104,11 @@ def served_export(folder: str | os.PathLike[str], num_speculative_tokens: int = 
     kind = export_kind(path)
     if kind not in VLLM_METHODS:
         raise ValueError(f"{path} holds a {kind!r} export: {NOT_SERVED[kind]}")
-    k = int(_config(path)["num_heads"]) if kind == "heads_vllm" else num_speculative_tokens
+    k = num_speculative_tokens
+    if kind == "heads_vllm":
+        k = int(_config(path)["num_heads"])
+    elif kind == "dflash_speculators":  # a block's draft slots at most
+        k = min(k, int(_config(path)["block_size"]) - 1)
     if k < 1:
         raise ValueError(f"num_speculative_tokens must be >= 1, got {k}")
     return ServedExport(path, kind, k)
