@@ -1,6 +1,7 @@
 """Exporting a DFlash drafter in the speculators layout vLLM's ``dflash`` method loads (docs/dflash.md).
 
-``config.json``: ``speculators_model_type: "dflash"``, the draft layers as a Qwen3 ``transformer_layer_config``
+``config.json``: ``speculators_model_type: "dflash"``, the draft layers as a Qwen3
+``transformer_layer_config``
 (``num_hidden_layers`` = the drafter's layers; Qwen3 because vLLM's DFlash model is Qwen3-shaped: per-head
 ``q_norm`` / ``k_norm``), ``draft_vocab_size``, ``block_size``, ``target_hidden_size``,
 ``aux_hidden_state_layer_ids``, ``mask_token_id``, ``sliding_window_non_causal`` and a
@@ -46,9 +47,9 @@ def _layer_config(drafter: DFlashDrafter) -> dict[str, Any]:
         "hidden_size": drafter.hidden_size,
         "intermediate_size": int(c.intermediate_size),
         "num_hidden_layers": drafter.num_layers,
-        "num_attention_heads": int(c.num_attention_heads),
-        "num_key_value_heads": int(c.num_key_value_heads),
-        "head_dim": int(c.head_dim),
+        "num_attention_heads": int(c.num_attention_heads),  # type: ignore[arg-type]
+        "num_key_value_heads": int(c.num_key_value_heads),  # type: ignore[arg-type]
+        "head_dim": int(c.head_dim),  # type: ignore[arg-type]
         "rms_norm_eps": float(c.rms_norm_eps),
         "hidden_act": str(c.hidden_act),
         "max_position_embeddings": int(c.max_position_embeddings),

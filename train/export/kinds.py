@@ -23,7 +23,8 @@ def export_kind(folder: Path) -> str:
     """Which export ``folder`` holds, from its ``config.json``: ``drafter`` (a transformers causal LM),
     ``eagle3`` (:class:`~train.models.eagle3_drafter.Eagle3Drafter`), ``eagle3_speculators`` (vLLM's
     speculators layout), ``dflash`` (:class:`~train.models.dflash_drafter.DFlashDrafter`),
-    ``dflash_speculators`` (its speculators layout), ``heads`` (:class:`~train.models.heads.MedusaHeads`), ``heads_vllm`` (vLLM's
+    ``dflash_speculators`` (its speculators layout), ``heads`` (:class:`~train.models.heads.MedusaHeads`),
+    ``heads_vllm`` (vLLM's
     Medusa layout) or ``steering`` (anything else saved by ``PyTorchModelHubMixin``: SD^2's steering
     module)."""
     config_file = Path(folder) / "config.json"

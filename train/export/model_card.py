@@ -194,7 +194,8 @@ def usage_section(kind: str, verifier_ref: str, folder: str, layout: Mapping[str
             "train.models.dflash_drafter",
             "DFlashDrafter",
             f"decoding=dflash dflash={THIS_EXPORT}",
-            f"vLLM serves its copy in the speculators format, `{folder}{COMPANION_SUFFIXES[kind]}/` beside it.",
+            f"vLLM serves its copy in the speculators format, "
+            f"`{folder}{COMPANION_SUFFIXES[kind]}/` beside it.",
         )
     if kind == "dflash_speculators":
         speculators = layout.get("speculators_config") or {}

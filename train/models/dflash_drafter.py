@@ -339,14 +339,16 @@ class DFlashDrafter(
         return [hidden_states[i] for i in self.aux_layers]
 
     def fuse(self, aux_states: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tensor:
-        """The context rows ``hidden_norm(fc(cat(aux)))``: a list of (B, T, h) or one (B, T, n h) -> (B, T, h)."""
+        """The context rows ``hidden_norm(fc(cat(aux)))``: a list of (B, T, h) or one (B, T, n h)
+        -> (B, T, h)."""
         x = aux_states if isinstance(aux_states, torch.Tensor) else torch.cat(list(aux_states), dim=-1)
         return self.hidden_norm(self.fc(x.to(self.fc.weight.dtype)))
 
     def context_kv(self, context: torch.Tensor, positions: torch.Tensor) -> ContextKV:
         """Every layer's keys and values of the context rows (B, C, h) at RoPE ``positions`` (B, C)."""
         cos_sin = self.rotary_emb(context, positions)
-        return ContextKV([layer.self_attn.keys_values(context, cos_sin) for layer in self.layers])
+        layers: list[DFlashLayer] = list(self.layers)  # type: ignore[arg-type]
+        return ContextKV([layer.self_attn.keys_values(context, cos_sin) for layer in layers])
 
     def forward(
         self,

@@ -106,7 +106,8 @@ def block_loss(
     """The loss of :func:`sample_anchors`' blocks (see the module docstring).
 
     aux_states: (B, T, n h) the verifier's concatenated auxiliary states; input_ids, attention_mask,
-    loss_mask: (B, T); targets: the verifier's (B, T) rows (:func:`~train.models.eagle3_ttt.verifier_targets`)."""
+    loss_mask: (B, T); targets: the verifier's (B, T) rows
+    (:func:`~train.models.eagle3_ttt.verifier_targets`)."""
     batch, length = input_ids.shape
     size = drafter.block_size
     device = input_ids.device

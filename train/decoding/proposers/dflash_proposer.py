@@ -2,7 +2,8 @@
 
 The proposer reads the verifier's hidden states at the drafter's auxiliary layers (``hidden_layers``),
 which the loop hands it for every position a verifier forward committed (``observe``; no extra forward),
-and keeps every layer's keys and values of those context rows (:class:`~train.models.dflash_drafter.ContextKV`):
+and keeps every layer's keys and values of those context rows
+(:class:`~train.models.dflash_drafter.ContextKV`):
 positions 0 .. n - 1 when the committed sequence is t_0 .. t_n. A block is the last committed token t_n
 (the anchor, whose verifier state does not exist yet) and ``block_size - 1`` mask tokens at positions
 n .. n + B - 1; one drafter forward gives a distribution for each of the positions n + 1 .. n + B - 1

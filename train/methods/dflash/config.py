@@ -19,7 +19,8 @@ class DFlashConfig(FeatureDrafterSettings):
     :class:`~train.training.feature_drafters.FeatureDrafterSettings`); validated before any model loads."""
 
     num_layers: int = 1
-    """The drafter's decoder layers (the authors use 5 on 8B verifiers; one forward of them drafts a block)."""
+    """The drafter's decoder layers (the authors use 5 on 8B verifiers); one forward of them drafts a
+    block."""
     block_size: int = 8
     """The anchor and the draft slots: one forward drafts ``block_size - 1`` tokens (vLLM's
     ``num_speculative_tokens``)."""

@@ -28,6 +28,12 @@ class DFlashFinish(Eagle3Finish):
     cfg: DFlashConfig  # type: ignore[assignment]
     drafter: DFlashDrafter  # type: ignore[assignment]
 
+    def trained_drafter(self) -> DFlashDrafter:  # type: ignore[override]
+        """A copy of the trained drafter in ``model.dtype``, on the CPU, in eval mode."""
+        drafter = super().trained_drafter()
+        assert isinstance(drafter, DFlashDrafter)
+        return drafter
+
     def drafters_to_evaluate(self) -> dict[str, torch.nn.Module]:
         """``dflash`` (the trained drafter) and, when kept, ``pair drafter``."""
         drafters: dict[str, torch.nn.Module] = {"dflash": self.trained_drafter()}
