@@ -125,7 +125,14 @@ class DFlashProposer:
         if budget < 1 or (not self._pending and self._context.length == 0):
             return Draft()
         start = time.perf_counter()
+        prefill = self._context.length == 0
         self._catch_up()
+        if prefill:  # the prompt's context rows: a call of its own, kept apart as for every drafter (the
+            # cost ratio compares decoding steps only)
+            self._synchronize()
+            stats.drafter_prefill_calls += 1
+            stats.drafter_prefill_time += time.perf_counter() - start
+        block_start = time.perf_counter()
         anchor = len(sequence) - 1
         if self._context.length != anchor:
             raise RuntimeError(
@@ -139,17 +146,20 @@ class DFlashProposer:
         positions = torch.arange(anchor, anchor + size, device=self._device)[None]
         logits = self.drafter(ids, positions, self._context)[0, 1:].float()  # (B - 1, N)
         count = min(self.max_draft, budget)
-        draft = self._chain(
-            logits[:count], params, generator, eos, time.perf_counter() - start, len(sequence)
-        )
+        spent = time.perf_counter() - block_start
+        draft = self._chain(logits[:count], params, generator, eos, spent, len(sequence))
+        self._synchronize()
+        end = time.perf_counter()
+        self._forwards += 1  # the drafter's time per block, which the cost-aware cut weighs as spent
+        self._forward_time += (end - block_start - self._forward_time) / self._forwards
+        stats.drafter_calls += 1 + int(prefill)
+        stats.drafter_time += end - start
+        return draft
+
+    def _synchronize(self) -> None:
+        """Wait for the drafter's own device, so the clock measures its work."""
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
-        elapsed = time.perf_counter() - start
-        self._forwards += 1
-        self._forward_time += (elapsed - self._forward_time) / self._forwards
-        stats.drafter_calls += 1
-        stats.drafter_time += elapsed
-        return draft
 
     def _chain(
         self,
