@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from research.pairs import load_pair, pair_setup
+from train.methods.eagle3.build import eagle3_drafter
 from train.methods.eagle3.config import Eagle3Config
 from train.methods.eagle3.module import Eagle3Module
 from train.models.answers import load_answers
@@ -79,7 +80,9 @@ def time_variant(
         group_by_length=group,
         feature_cache_gb=cache_gb,
     )
-    module = Eagle3Module(verifier, cfg.drafter(verifier, tokenizer, answers["train"]), cfg, tokenizer)
+    module = Eagle3Module(
+        verifier, eagle3_drafter(cfg, verifier, tokenizer, answers["train"]), cfg, tokenizer
+    )
     data = answer_batches(answers, verifier, tokenizer, args.batch_size, args.max_len, args.seed, True, group)
     batches = list(data.train_dataloader())[: args.warmup + args.batches]
     if cache_gb > 0:  # the first epoch, untimed: every later one reads what it kept

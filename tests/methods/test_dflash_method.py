@@ -15,6 +15,7 @@ from train.config import ConfigError
 from train.export.dflash_speculators import load_dflash_speculators
 from train.export.hub import verify_kind
 from train.export.kinds import export_kind
+from train.methods.dflash.build import dflash_drafter
 from train.methods.dflash.config import DFlashConfig
 from train.methods.dflash.module import DFlashModule
 from train.models.dflash_drafter import DFlashDrafter, block_inputs
@@ -52,7 +53,7 @@ def _build(dtype: torch.dtype = torch.float32, **kw) -> tuple[DFlashModule, Answ
     verifier, tok = _verifier(dtype), make_tokenizer()
     answers = _generated(verifier)
     split = {"train": answers, "validation": answers}  # overfit: validate on what it trains on
-    drafter = cfg.drafter(verifier, tok, split["train"])
+    drafter = dflash_drafter(cfg, verifier, tok, split["train"])
     return DFlashModule(verifier, drafter, cfg, tok), AnswerDataModule(
         split, PAD, cfg.batch_size, cfg.max_len, seed=0
     )
@@ -91,9 +92,9 @@ def test_bad_settings_fail_at_start_up_naming_the_key(override, key):
 def test_layers_the_verifier_lacks_and_a_mask_outside_the_vocabulary_are_refused():
     verifier = _verifier()
     with pytest.raises(ConfigError, match="method.aux_layers"):
-        _cfg(aux_layers=[0, 5]).drafter(verifier, make_tokenizer(), [])
+        dflash_drafter(_cfg(aux_layers=[0, 5]), verifier, make_tokenizer(), [])
     with pytest.raises(ConfigError, match="method.mask_token_id"):
-        _cfg(mask_token_id=10**6).drafter(verifier, make_tokenizer(), [])
+        dflash_drafter(_cfg(mask_token_id=10**6), verifier, make_tokenizer(), [])
 
 
 def test_the_mask_token_is_no_special_token():

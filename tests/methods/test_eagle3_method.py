@@ -18,6 +18,7 @@ from tests.conftest import make_tokenizer, tiny_llama
 from tests.models.speculators_reference import load_speculators
 from train.config import ConfigError
 from train.export.model_card import write_model_card
+from train.methods.eagle3.build import eagle3_drafter
 from train.methods.eagle3.config import Eagle3Config
 from train.methods.eagle3.module import Eagle3Module
 from train.models.answers import Answer, generate_answers
@@ -82,7 +83,7 @@ def _build(
     answers = _generated(verifier)
     assert sum(len(a.answer) for a in answers) > 4 * 3  # the verifier says something
     split = {"train": answers, "validation": answers}  # overfit: validate on what it trains on
-    drafter = cfg.drafter(verifier, tok, split["train"])
+    drafter = eagle3_drafter(cfg, verifier, tok, split["train"])
     module = Eagle3Module(verifier, drafter, cfg, tok, comparison=comparison)
     return module, AnswerDataModule(split, PAD, cfg.batch_size, cfg.max_len, seed=0)
 
@@ -175,7 +176,7 @@ def test_draft_vocab_is_the_most_frequent_answer_tokens_and_eos():
     verifier, tok = _verifier(), make_tokenizer()
     # answer counts: 5 x4, 7 x3, 9 x2, 11 x1, eos x2; the prompts' token 3 (x12) must not count
     train = [_answer([3] * 6, [5, 5, 5, 7, 7, 9, EOS]), _answer([3] * 6, [5, 7, 9, 11, EOS])]
-    drafter = _cfg(draft_vocab_size=4).drafter(verifier, tok, train)
+    drafter = eagle3_drafter(_cfg(draft_vocab_size=4), verifier, tok, train)
     assert drafter.draft_vocab_size == 4 and drafter.aux_layers == AUX
     assert drafter.draft_ids.tolist() == [5, 7, 9, EOS]
     assert drafter.t2d.nonzero().flatten().tolist() == [5, 7, 9, EOS] and drafter.t2d.numel() == 260
@@ -183,10 +184,10 @@ def test_draft_vocab_is_the_most_frequent_answer_tokens_and_eos():
     torch.testing.assert_close(drafter.lm_head.weight, verifier.lm_head.weight[[5, 7, 9, EOS]])
     torch.testing.assert_close(drafter.embed_tokens.weight, verifier.get_input_embeddings().weight)
     # eos is kept even when it is not among the most frequent: 2 slots -> 5 and eos, not 7
-    assert _cfg(draft_vocab_size=2).drafter(verifier, tok, train).draft_ids.tolist() == [5, EOS]
+    assert eagle3_drafter(_cfg(draft_vocab_size=2), verifier, tok, train).draft_ids.tolist() == [5, EOS]
     # None, or a size >= the vocabulary: every id
     for size in (None, 260, 300):
-        full = _cfg(draft_vocab_size=size).drafter(verifier, tok, train)
+        full = eagle3_drafter(_cfg(draft_vocab_size=size), verifier, tok, train)
         assert full.draft_vocab_size == 260 and bool(full.t2d.all())
 
 

@@ -20,8 +20,10 @@ from tests.fsdp import CPUFSDPStrategy, gloo_rank
 from train.data.datamodule import PromptDataModule
 from train.methods.distillspec.config import DistillSpecConfig
 from train.methods.distillspec.module import DistillSpecModule
+from train.methods.eagle3.build import eagle3_drafter
 from train.methods.eagle3.config import Eagle3Config
 from train.methods.eagle3.module import Eagle3Module
+from train.methods.steering.build import steering_for
 from train.methods.steering.config import DISTILLED_ARM, MAIN_ARM, SteeringConfig
 from train.methods.steering.module import SteeringTrainingModule
 from train.models.answers import Answer
@@ -73,7 +75,7 @@ def _steering() -> tuple[L.LightningModule, PromptDataModule, list[list[str]]]:
     verifier, drafter = tiny_llama(hidden=64, seed=0).to(torch.bfloat16), tiny_llama(hidden=32, seed=1)
     arms = {
         DISTILLED_ARM: (tiny_llama(hidden=32, seed=2).to(torch.bfloat16), None),
-        MAIN_ARM: (drafter.to(torch.bfloat16), cfg.steering_for(verifier, drafter)),
+        MAIN_ARM: (drafter.to(torch.bfloat16), steering_for(cfg, verifier, drafter)),
     }
     module = SteeringTrainingModule(verifier, arms, make_tokenizer(), cfg)
     groups = [[f"drafters.{DISTILLED_ARM}."], [f"drafters.{MAIN_ARM}.", f"steering.{MAIN_ARM}."]]  # per arm
@@ -95,7 +97,7 @@ def _eagle3() -> tuple[L.LightningModule, AnswerDataModule, list[list[str]]]:
         )
 
     answers = {"train": [answer(i) for i in range(8)], "validation": [answer(i) for i in range(8, 10)]}
-    module = Eagle3Module(verifier, cfg.drafter(verifier, tok, answers["train"]), cfg, tok)
+    module = Eagle3Module(verifier, eagle3_drafter(cfg, verifier, tok, answers["train"]), cfg, tok)
     return module, AnswerDataModule(answers, 258, cfg.batch_size, cfg.max_len), [["drafter."]]
 
 

@@ -18,6 +18,7 @@ from train.methods.distillspec.config import DistillSpecConfig
 from train.methods.distillspec.module import DistillSpecModule
 from train.methods.medusa.config import MedusaConfig
 from train.methods.medusa.module import MedusaModule
+from train.methods.steering.build import steering_for
 from train.methods.steering.config import DISTILLED_ARM, MAIN_ARM, SteeringConfig
 from train.methods.steering.module import SteeringTrainingModule
 from train.models.heads import MedusaHeads
@@ -130,7 +131,7 @@ def test_medusa2_heads_and_lora(tmp_path):
 def test_sd2_steering_and_drafter_arms(tmp_path):
     cfg = SteeringConfig(optimizer=ADAMW, gamma=2, **PROMPTS)
     verifier, drafter = _bf16(64, 0), _bf16(32, 1)
-    arms = {DISTILLED_ARM: (_bf16(32, 1), None), MAIN_ARM: (drafter, cfg.steering_for(verifier, drafter))}
+    arms = {DISTILLED_ARM: (_bf16(32, 1), None), MAIN_ARM: (drafter, steering_for(cfg, verifier, drafter))}
     module = SteeringTrainingModule(verifier, arms, make_tokenizer(), cfg)
     before = _snapshot([module.drafters, module.steering])
     trainer = _fit(module, _prompts(cfg), tmp_path)

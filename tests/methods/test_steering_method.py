@@ -30,6 +30,7 @@ from train.data.datamodule import PromptDataModule
 from train.decoding import AutoregressiveDecoder, SamplingParams, SpeculativeDecoder
 from train.evaluation import build_eval_config
 from train.evaluation.decoder_build import build_decoders
+from train.methods.steering.build import steering_for
 from train.methods.steering.config import DISTILLED_ARM, MAIN_ARM, SteeringConfig
 from train.methods.steering.module import SteeringTrainingModule
 from train.models.steering_module import SteeredDrafter, SteeringModule
@@ -69,10 +70,10 @@ def _module(cfg: SteeringConfig, extra_arm: bool = False) -> tuple[SteeringTrain
     arms: dict = {}
     if cfg.distilled_baseline:
         arms[DISTILLED_ARM] = (tiny_llama(hidden=32, seed=1), None)
-    arms[MAIN_ARM] = (drafter, cfg.steering_for(verifier, drafter))
+    arms[MAIN_ARM] = (drafter, steering_for(cfg, verifier, drafter))
     if extra_arm:
         other = tiny_llama(hidden=32, seed=2)
-        arms["distillspec_steered"] = (other, cfg.steering_for(verifier, other))
+        arms["distillspec_steered"] = (other, steering_for(cfg, verifier, other))
     data = PromptDataModule(
         _splits(),
         tok,

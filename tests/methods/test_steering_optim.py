@@ -14,6 +14,7 @@ from tests.conftest import make_tokenizer, tiny_llama
 from tests.fsdp import RecordingRoot, fake_fsdp_trainer
 from train.data.datamodule import PromptDataModule
 from train.losses import divergence
+from train.methods.steering.build import steering_for
 from train.methods.steering.config import DISTILLED_ARM, MAIN_ARM, SteeringConfig
 from train.methods.steering.module import SteeringTrainingModule
 
@@ -32,7 +33,7 @@ def _module(**kw) -> tuple[SteeringTrainingModule, dict[str, torch.Tensor]]:
     verifier, drafter = tiny_llama(hidden=64, seed=0), tiny_llama(hidden=32, seed=1)
     arms: dict = {
         DISTILLED_ARM: (tiny_llama(hidden=32, seed=1), None),
-        MAIN_ARM: (drafter, cfg.steering_for(verifier, drafter)),
+        MAIN_ARM: (drafter, steering_for(cfg, verifier, drafter)),
     }
     docs = [f"def add(a, b):\n    return a + b  # doc {i} " + "x" * (i % 5) for i in range(12)]
     data = PromptDataModule(

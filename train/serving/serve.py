@@ -191,7 +191,8 @@ def serve_run(
     )
     if not exports:
         raise FileNotFoundError(
-            f"{run_path}: no export vLLM serves (drafter/, heads_vllm/, eagle3_speculators/, dflash_speculators/)"
+            f"{run_path}: no export vLLM serves "
+            "(drafter/, heads_vllm/, eagle3_speculators/, dflash_speculators/)"
         )
     run = run_prompts(run_path, num_prompts, prompt_len)
     verifier = load_model(run.verifier, dtype=run.dtype, role="model.verifier").eval()

@@ -3,18 +3,58 @@ run one way: build -> module -> finish -> config)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import lightning as L
 
+from train.config import ConfigError, require
 from train.methods.dflash.config import DFlashConfig
 from train.methods.dflash.module import DFlashModule
 from train.methods.run_spec import RunSpec
+from train.models.dflash_drafter import DFlashDrafter
 from train.models.loading import ModelPair
+from train.training.answer_data import answer_eos_ids
 from train.training.feature_drafters import feature_drafter_data
 
 
 def build(cfg: DFlashConfig, pair: ModelPair, spec: RunSpec) -> tuple[DFlashModule, L.LightningDataModule]:
     """The verifier's answers and their batches, a fresh drafter on the pair's verifier (or ``init``)."""
     answers, data = feature_drafter_data(cfg, pair, spec)
-    drafter = cfg.drafter(pair.verifier, pair.tokenizer, answers["train"])
+    drafter = dflash_drafter(cfg, pair.verifier, pair.tokenizer, answers["train"])
     comparison = pair.drafter if cfg.compare_pair_drafter else None
     return DFlashModule(pair.verifier, drafter, cfg, pair.tokenizer, comparison=comparison), data
+
+
+def dflash_drafter(
+    cfg: DFlashConfig, verifier: Any, tokenizer: Any, train_answers: list[Any]
+) -> DFlashDrafter:
+    """``init`` loaded, or a fresh drafter over the ``draft_vocab_size`` most frequent answer tokens."""
+    vocab = int(verifier.config.vocab_size)
+    if cfg.init is not None:
+        drafter = DFlashDrafter.from_pretrained(cfg.init)
+        require(
+            drafter.vocab_size == vocab,
+            "method.init",
+            f"a drafter for a vocabulary of {vocab}",
+            f"{cfg.init} (vocab_size={drafter.vocab_size})",
+        )
+        return drafter
+    require(
+        cfg.mask_token_id is None or 0 <= cfg.mask_token_id < vocab,
+        "method.mask_token_id",
+        f"null or an id in [0, {vocab})",
+        cfg.mask_token_id,
+    )
+    special = [*answer_eos_ids(verifier, tokenizer), *(getattr(tokenizer, "all_special_ids", None) or [])]
+    try:
+        return DFlashDrafter.from_verifier(
+            verifier,
+            num_layers=cfg.num_layers,
+            block_size=cfg.block_size,
+            mask_token_id=cfg.mask_token_id,
+            aux_layers=cfg.aux_layers,
+            draft_ids=cfg.draft_ids(verifier, tokenizer, train_answers),
+            special_ids=special,
+        )
+    except ValueError as err:  # the layers do not fit this verifier
+        raise ConfigError(f"method.aux_layers: {err}") from None

@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from train.config import ConfigError, require
-from train.models.dflash_drafter import DFlashDrafter
-from train.training.answer_data import answer_eos_ids
+from train.config import require
 from train.training.feature_drafters import FeatureDrafterSettings
 
 __all__ = ["DFlashConfig"]
@@ -50,35 +47,3 @@ class DFlashConfig(FeatureDrafterSettings):
             f"> block_size ({self.block_size})",
             self.max_len,
         )
-
-    def drafter(self, verifier: Any, tokenizer: Any, train_answers: list[Any]) -> DFlashDrafter:
-        """``init`` loaded, or a fresh drafter over the ``draft_vocab_size`` most frequent answer tokens."""
-        vocab = int(verifier.config.vocab_size)
-        if self.init is not None:
-            drafter = DFlashDrafter.from_pretrained(self.init)
-            require(
-                drafter.vocab_size == vocab,
-                "method.init",
-                f"a drafter for a vocabulary of {vocab}",
-                f"{self.init} (vocab_size={drafter.vocab_size})",
-            )
-            return drafter
-        require(
-            self.mask_token_id is None or 0 <= self.mask_token_id < vocab,
-            "method.mask_token_id",
-            f"null or an id in [0, {vocab})",
-            self.mask_token_id,
-        )
-        special = [*answer_eos_ids(verifier, tokenizer), *(getattr(tokenizer, "all_special_ids", None) or [])]
-        try:
-            return DFlashDrafter.from_verifier(
-                verifier,
-                num_layers=self.num_layers,
-                block_size=self.block_size,
-                mask_token_id=self.mask_token_id,
-                aux_layers=self.aux_layers,
-                draft_ids=self.draft_ids(verifier, tokenizer, train_answers),
-                special_ids=special,
-            )
-        except ValueError as err:  # the layers do not fit this verifier
-            raise ConfigError(f"method.aux_layers: {err}") from None

@@ -4,13 +4,18 @@ arrows run one way: build -> module -> finish -> config)."""
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import lightning as L
 
+from train.config import ConfigError
 from train.methods.distillspec.config import DistillSpecConfig
 from train.methods.distillspec.module import DistillSpecModule
 from train.methods.run_spec import RunSpec
 from train.models.loading import ModelPair, load_model
+from train.training.answer_data import cached_answers
+from train.training.answer_share import answer_device
+from train.training.pair_answers import pair_answers
 from train.training.prompt_data import prompt_data
 
 
@@ -26,5 +31,23 @@ def build(
         pair.drafter, pair.verifier, pair.tokenizer, cfg, seed=spec.seed, pretrained=pretrained
     )
     if cfg.teacher_answers is not None and cfg.on_policy_probability < 1.0:
-        module.preload_teacher(cfg.offline_teacher_answers(pair, spec))
+        module.preload_teacher(offline_teacher_answers(cfg, pair, spec))
     return module, data
+
+
+def offline_teacher_answers(cfg: DistillSpecConfig, pair: ModelPair, spec: RunSpec) -> list[Any]:
+    """The training answers ``cfg.teacher_answers`` names: the real pair's to this run's ``num_prompts``
+    training prompts (generated on first use, cached), or a folder's."""
+    if cfg.teacher_answers != "pair":
+        return cached_answers(str(cfg.teacher_answers), key="method.teacher_answers")["train"]
+    device = answer_device(spec.trainer.accelerator)
+    answers = pair_answers(
+        spec.model, pair.verifier, pair.tokenizer, train_prompts=cfg.num_prompts, device=device
+    )
+    if answers is None:
+        raise ConfigError(
+            "method.teacher_answers=pair: "
+            "only the real pair (model=smollm2) keeps the verifier's answers; "
+            "give a folder of answers, or null to generate the teacher's continuations in the run"
+        )
+    return answers["train"]

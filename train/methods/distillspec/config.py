@@ -7,14 +7,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from train.config import ConfigError, require
+from train.config import require
 from train.models.lora import LoraSettings
-from train.training.answer_data import cached_answers
-from train.training.answer_share import answer_device
 from train.training.optim import (
     check_optimizer,
 )
-from train.training.pair_answers import pair_answers
 from train.training.prompt_data import ResponseDistillSettings
 
 log = logging.getLogger(__name__)
@@ -112,23 +109,6 @@ class DistillSpecConfig(ResponseDistillSettings):
     def off_policy_source(self) -> str:
         """What a batch that is not on-policy trains on: ``fixed`` or ``teacher``."""
         return "fixed" if self.data_source in ("fixed", "mixed_fixed") else "teacher"
-
-    def offline_teacher_answers(self, pair: Any, spec: Any) -> list[Any]:
-        """The training answers ``teacher_answers`` names: the real pair's to this run's ``num_prompts``
-        training prompts (generated on first use, cached), or a folder's."""
-        if self.teacher_answers != "pair":
-            return cached_answers(str(self.teacher_answers), key="method.teacher_answers")["train"]
-        device = answer_device(spec.trainer.accelerator)
-        answers = pair_answers(
-            spec.model, pair.verifier, pair.tokenizer, train_prompts=self.num_prompts, device=device
-        )
-        if answers is None:
-            raise ConfigError(
-                "method.teacher_answers=pair: "
-                "only the real pair (model=smollm2) keeps the verifier's answers; "
-                "give a folder of answers, or null to generate the teacher's continuations in the run"
-            )
-        return answers["train"]
 
 
 def _in_unit(x: Any) -> bool:

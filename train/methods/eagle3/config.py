@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from train.config import ConfigError, require
 from train.export.speculators import check_vllm_aux_layers
-from train.models.eagle3_drafter import Eagle3Drafter
 from train.training.feature_drafters import FeatureDrafterSettings
 
 __all__ = ["Eagle3Config"]
@@ -50,21 +48,3 @@ class Eagle3Config(FeatureDrafterSettings):
                 raise ConfigError(
                     f"method.aux_layers: {err}; or set method.vllm_export=false to export eagle3/ only"
                 ) from None
-
-    def drafter(self, verifier: Any, tokenizer: Any, train_answers: list[Any]) -> Eagle3Drafter:
-        """``init`` loaded, or a fresh drafter over the ``draft_vocab_size`` most frequent answer tokens
-        (the eos ids always among them)."""
-        if self.init is not None:
-            drafter = Eagle3Drafter.from_pretrained(self.init)
-            require(
-                drafter.vocab_size == int(verifier.config.vocab_size),
-                "method.init",
-                f"a drafter for a vocabulary of {verifier.config.vocab_size}",
-                f"{self.init} (vocab_size={drafter.vocab_size})",
-            )
-            return drafter
-        ids = self.draft_ids(verifier, tokenizer, train_answers)
-        try:
-            return Eagle3Drafter.from_verifier(verifier, aux_layers=self.aux_layers, draft_ids=ids)
-        except ValueError as err:  # the layers do not fit this verifier
-            raise ConfigError(f"method.aux_layers: {err}") from None

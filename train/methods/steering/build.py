@@ -7,10 +7,12 @@ import copy
 import functools
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import lightning as L
 import torch
 
+from train.config import require
 from train.methods.run_spec import RunSpec
 from train.methods.steering.config import DISTILLED_ARM, DISTILLSPEC_STEERED_ARM, MAIN_ARM, SteeringConfig
 from train.methods.steering.module import SteeringTrainingModule
@@ -22,6 +24,18 @@ from train.rundir import newest_artifact_of
 from train.training.prompt_data import prompt_data
 
 log = logging.getLogger(__name__)
+
+
+def steering_for(cfg: SteeringConfig, verifier: Any, drafter: torch.nn.Module) -> SteeringModule:
+    """A zero-initialised steering module for this drafter, reading ``cfg.layers`` of the verifier."""
+    depth = int(verifier.config.num_hidden_layers)
+    require(
+        cfg.layers is None or max(int(i) for i in cfg.layers) <= depth,
+        "method.layers",
+        f"indices into the verifier's hidden_states (0..{depth})",
+        cfg.layers,
+    )
+    return SteeringModule.for_pair(verifier, drafter, cfg.layers).float()
 
 
 def build(
@@ -36,7 +50,7 @@ def build(
     arms: dict[str, tuple[torch.nn.Module, SteeringModule | None]] = {}
     if cfg.distilled_baseline and cfg.train_drafter:  # frozen, it would be the pretrained drafter
         arms[DISTILLED_ARM] = (copy.deepcopy(drafter), None)
-    arms[MAIN_ARM] = (drafter, cfg.steering_for(pair.verifier, drafter))
+    arms[MAIN_ARM] = (drafter, steering_for(cfg, pair.verifier, drafter))
     references: dict[str, Callable[[], torch.nn.Module]] = {
         "pretrained": functools.partial(load, source, key="method.drafter")
     }
@@ -56,7 +70,7 @@ def build(
             )
     if distillspec is not None:
         ds = load(distillspec, key="method.distillspec_drafter")
-        arms[DISTILLSPEC_STEERED_ARM] = (ds, cfg.steering_for(pair.verifier, ds))
+        arms[DISTILLSPEC_STEERED_ARM] = (ds, steering_for(cfg, pair.verifier, ds))
         references["distillspec"] = functools.partial(load, distillspec, key="method.distillspec_drafter")
     module = SteeringTrainingModule(
         pair.verifier, arms, pair.tokenizer, cfg, seed=spec.seed, references=references

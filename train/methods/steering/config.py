@@ -6,13 +6,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from train.config import check_model_source, require
 from train.models.lora import LoraSettings
-from train.models.steering_module import (
-    SteeringModule,
-)
 from train.training.optim import (
     check_optimizer,
 )
@@ -74,14 +69,3 @@ class SteeringConfig(ResponseDistillSettings):
             check_model_source("method.drafter", str(self.drafter))
         if self.distillspec_drafter not in (None, "auto"):
             check_model_source("method.distillspec_drafter", str(self.distillspec_drafter))
-
-    def steering_for(self, verifier: Any, drafter: torch.nn.Module) -> SteeringModule:
-        """A zero-initialised steering module for this drafter, reading ``layers`` of the verifier."""
-        depth = int(verifier.config.num_hidden_layers)
-        require(
-            self.layers is None or max(int(i) for i in self.layers) <= depth,
-            "method.layers",
-            f"indices into the verifier's hidden_states (0..{depth})",
-            self.layers,
-        )
-        return SteeringModule.for_pair(verifier, drafter, self.layers).float()
