@@ -301,3 +301,33 @@ def test_slot_k_is_scored_against_the_verifiers_row_for_anchor_plus_k(monkeypatc
             assert float(result.loss) < 1e-5 and accuracies == [1.0] * (BLOCK - 1)
         else:
             assert float(result.loss) > 0.1 and max(accuracies) < 1.0
+
+
+def test_the_finish_step_measures_an_eagle3_drafter_beside_dflash(tmp_path):
+    """``compare_eagle3`` names an EAGLE-3 drafter folder; it joins the drafters the evaluator measures.
+    A bad path fails at start-up, naming the key."""
+    from tests.methods.test_eagle3_method import _cfg as eagle3_cfg
+    from train.methods.dflash.build import eagle3_to_compare
+    from train.methods.eagle3.build import eagle3_drafter
+
+    module, _ = _build()
+    eagle3 = eagle3_drafter(eagle3_cfg(), module.verifier, module.tokenizer, [])
+    eagle3.save_pretrained(tmp_path / "eagle3")
+    cfg = _cfg(compare_eagle3=str(tmp_path / "eagle3"))
+
+    class Spec:
+        class paths:
+            checkpoints_dir = str(tmp_path)
+
+        class model:
+            verifier = "unused"
+
+    class Pair:
+        verifier = module.verifier
+
+    module = DFlashModule(module.verifier, module.drafter, cfg, eagle3=eagle3_to_compare(cfg, Pair, Spec))
+    assert list(module.drafters_to_evaluate()) == ["dflash", "eagle3"]
+    assert not any(name.startswith("eagle3") for name, _ in module.named_parameters())  # not a child
+    assert eagle3_to_compare(_cfg(compare_eagle3="auto"), Pair, Spec) is None  # no EAGLE-3 run there
+    with pytest.raises(ConfigError, match="method.compare_eagle3"):
+        _cfg(compare_eagle3=str(tmp_path / "missing"))

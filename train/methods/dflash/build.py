@@ -3,6 +3,7 @@ run one way: build -> module -> finish -> config)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import lightning as L
@@ -12,9 +13,14 @@ from train.methods.dflash.config import DFlashConfig
 from train.methods.dflash.module import DFlashModule
 from train.methods.run_spec import RunSpec
 from train.models.dflash_drafter import DFlashDrafter
+from train.models.eagle3_drafter import Eagle3Drafter
 from train.models.loading import ModelPair
+from train.rundir import newest_artifact_of
 from train.training.answer_data import answer_eos_ids
 from train.training.feature_drafters import feature_drafter_data
+from train.training.optim import weights_dtype
+
+log = logging.getLogger(__name__)
 
 
 def build(cfg: DFlashConfig, pair: ModelPair, spec: RunSpec) -> tuple[DFlashModule, L.LightningDataModule]:
@@ -22,7 +28,38 @@ def build(cfg: DFlashConfig, pair: ModelPair, spec: RunSpec) -> tuple[DFlashModu
     answers, data = feature_drafter_data(cfg, pair, spec)
     drafter = dflash_drafter(cfg, pair.verifier, pair.tokenizer, answers["train"])
     comparison = pair.drafter if cfg.compare_pair_drafter else None
-    return DFlashModule(pair.verifier, drafter, cfg, pair.tokenizer, comparison=comparison), data
+    eagle3 = eagle3_to_compare(cfg, pair, spec)
+    return DFlashModule(
+        pair.verifier, drafter, cfg, pair.tokenizer, comparison=comparison, eagle3=eagle3
+    ), data
+
+
+def eagle3_to_compare(cfg: DFlashConfig, pair: ModelPair, spec: RunSpec) -> Eagle3Drafter | None:
+    """The EAGLE-3 drafter ``cfg.compare_eagle3`` names (``auto``: the newest finished EAGLE-3 run of
+    this verifier, or None with a line saying how to add one), in the verifier's dtype."""
+    source = cfg.compare_eagle3
+    if source == "auto":
+        source = newest_artifact_of(
+            spec.paths.checkpoints_dir, ("eagle3", "eagle3_tiny"), spec.model.verifier, "eagle3"
+        )
+        if source is None:
+            log.info(
+                "method.compare_eagle3=auto: no EAGLE-3 run of this verifier under %s; the finish step "
+                "measures DFlash without it (run `python train.py experiment=eagle3` first to add it)",
+                spec.paths.checkpoints_dir,
+            )
+            return None
+    if source is None:
+        return None
+    eagle3 = Eagle3Drafter.from_pretrained(str(source)).eval()
+    require(
+        eagle3.vocab_size == int(pair.verifier.config.vocab_size),
+        "method.compare_eagle3",
+        "an EAGLE-3 drafter of this verifier",
+        f"{source} (vocab_size={eagle3.vocab_size})",
+    )
+    log.info("The finish step measures the EAGLE-3 drafter %s beside DFlash", source)
+    return eagle3.to(weights_dtype(pair.verifier))
 
 
 def dflash_drafter(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from train.config import require
+from train.config import check_model_source, require
 from train.training.feature_drafters import FeatureDrafterSettings
 
 __all__ = ["DFlashConfig"]
@@ -27,6 +27,10 @@ class DFlashConfig(FeatureDrafterSettings):
     """Slot k's loss weight: exp(-(k - 1) / gamma)."""
     mask_token_id: int | None = None
     """The id the draft slots carry; None: the last id of the vocabulary that is no special token."""
+    compare_eagle3: str | None = "auto"
+    """An EAGLE-3 drafter the finish step measures beside DFlash on the same prompts (an ``eagle3/`` folder
+    or Hub id); ``auto``: the newest finished ``experiment=eagle3`` run of this verifier, when there is
+    one; None: none."""
 
     def __post_init__(self) -> None:
         self.check_common()
@@ -41,6 +45,8 @@ class DFlashConfig(FeatureDrafterSettings):
             "> 0",
             self.gamma,
         )
+        if self.compare_eagle3 not in (None, "auto"):
+            check_model_source("method.compare_eagle3", str(self.compare_eagle3))
         require(
             self.max_len > self.block_size,
             "method.max_len",

@@ -27,6 +27,8 @@ class DFlashFinish(Eagle3Finish):
     artifact_dir = "dflash"
     cfg: DFlashConfig  # type: ignore[assignment]
     drafter: DFlashDrafter  # type: ignore[assignment]
+    eagle3: torch.nn.Module | None = None
+    """The EAGLE-3 drafter measured beside DFlash (set by the build; None: none)."""
 
     def trained_drafter(self) -> DFlashDrafter:  # type: ignore[override]
         """A copy of the trained drafter in ``model.dtype``, on the CPU, in eval mode."""
@@ -35,8 +37,11 @@ class DFlashFinish(Eagle3Finish):
         return drafter
 
     def drafters_to_evaluate(self) -> dict[str, torch.nn.Module]:
-        """``dflash`` (the trained drafter) and, when kept, ``pair drafter``."""
+        """``dflash`` (the trained drafter), ``eagle3`` (the EAGLE-3 drafter ``method.compare_eagle3``
+        names, when there is one) and, when kept, ``pair drafter``."""
         drafters: dict[str, torch.nn.Module] = {"dflash": self.trained_drafter()}
+        if self.eagle3 is not None:
+            drafters["eagle3"] = self.eagle3
         if self.comparison is not None:
             drafters["pair drafter"] = self.comparison
         return drafters

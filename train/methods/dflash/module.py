@@ -47,6 +47,7 @@ class DFlashModule(VerifierFeatures, DFlashFinish, WholeNormClipping, L.Lightnin
         cfg: DFlashConfig,
         tokenizer: Any = None,
         comparison: torch.nn.Module | None = None,
+        eagle3: torch.nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.cfg = cfg
@@ -55,6 +56,7 @@ class DFlashModule(VerifierFeatures, DFlashFinish, WholeNormClipping, L.Lightnin
         self.drafter = drafter.float()
         object.__setattr__(self, "verifier", verifier)  # not a child: never checkpointed or optimised
         object.__setattr__(self, "comparison", comparison)
+        object.__setattr__(self, "eagle3", eagle3)  # measured beside DFlash by the finish step; not a child
         verifier.eval()
         verifier.requires_grad_(False)
         self._sums: dict[str, float] = {}
