@@ -82,13 +82,8 @@ def _steering() -> tuple[L.LightningModule, PromptDataModule, list[list[str]]]:
     return module, _data(cfg), groups
 
 
-def _eagle3() -> tuple[L.LightningModule, AnswerDataModule, list[list[str]]]:
-    """The EAGLE-3 drafter (float32, its frozen embedding included) beside a frozen bfloat16 verifier that
-    stays outside the module, over a reduced draft vocabulary, on small hand-made answers."""
-    cfg = Eagle3Config(
-        optimizer=ADAMW, ttt_steps=2, max_len=24, batch_size=2, draft_vocab_size=32, aux_layers=[0, 1, 1]
-    )
-    verifier, tok = tiny_llama(hidden=64, seed=0).to(torch.bfloat16), make_tokenizer()
+def _answers() -> dict[str, list[Answer]]:
+    """Small hand-made answers for the drafters on the verifier's states."""
 
     def answer(i: int) -> Answer:
         tokens = [40 + (i + j) % 20 for j in range(5 + i % 3)] + [257]
@@ -96,12 +91,46 @@ def _eagle3() -> tuple[L.LightningModule, AnswerDataModule, list[list[str]]]:
             [256, 10 + i, 11 + i, 12], tokens, torch.zeros(len(tokens), 1), torch.zeros(len(tokens), 1)
         )
 
-    answers = {"train": [answer(i) for i in range(8)], "validation": [answer(i) for i in range(8, 10)]}
+    return {"train": [answer(i) for i in range(8)], "validation": [answer(i) for i in range(8, 10)]}
+
+
+def _eagle3() -> tuple[L.LightningModule, AnswerDataModule, list[list[str]]]:
+    """The EAGLE-3 drafter (float32, its frozen embedding included) beside a frozen bfloat16 verifier that
+    stays outside the module, over a reduced draft vocabulary, on small hand-made answers."""
+    cfg = Eagle3Config(
+        optimizer=ADAMW, ttt_steps=2, max_len=24, batch_size=2, draft_vocab_size=32, aux_layers=[0, 1, 1]
+    )
+    verifier, tok, answers = tiny_llama(hidden=64, seed=0).to(torch.bfloat16), make_tokenizer(), _answers()
     module = Eagle3Module(verifier, eagle3_drafter(cfg, verifier, tok, answers["train"]), cfg, tok)
     return module, AnswerDataModule(answers, 258, cfg.batch_size, cfg.max_len), [["drafter."]]
 
 
+def _dflash() -> tuple[L.LightningModule, AnswerDataModule, list[list[str]]]:
+    """The DFlash drafter (two layers, float32) on the same frozen bfloat16 verifier and answers as
+    EAGLE-3's."""
+    from train.methods.dflash.build import dflash_drafter
+    from train.methods.dflash.config import DFlashConfig
+    from train.methods.dflash.module import DFlashModule
+
+    eagle3, data, prefixes = _eagle3()
+    cfg = DFlashConfig(
+        optimizer=ADAMW,
+        num_layers=2,
+        block_size=4,
+        num_anchors=4,
+        max_len=24,
+        batch_size=2,
+        draft_vocab_size=32,
+        aux_layers=[0, 1, 1],
+        compare_eagle3=None,
+    )
+    verifier, tok = eagle3.verifier, eagle3.tokenizer
+    drafter = dflash_drafter(cfg, verifier, tok, _answers()["train"])
+    return DFlashModule(verifier, drafter, cfg, tok), data, prefixes
+
+
 METHODS = {
+    "dflash": _dflash,
     "distillspec": _distillspec,
     "distillspec_draft_vocab": _distillspec_draft_vocab,
     "steering": _steering,
