@@ -14,9 +14,11 @@ import torch
 from tests.conftest import make_tokenizer, tiny_llama
 from tests.decoding.decoding_helpers import build, hf_greedy, tiny_config
 from train.evaluation.eval_config import build_eval_config
+from train.export.dflash_speculators import export_dflash_speculators
 from train.export.medusa_layout import export_vllm_medusa
 from train.export.speculators import export_speculators
 from train.models.answers_vllm import resolve_answer_engine
+from train.models.dflash_drafter import DFlashDrafter
 from train.models.eagle3_drafter import Eagle3Drafter
 from train.models.heads import MedusaHeads
 from train.serving.exports import served_export, served_exports
@@ -42,6 +44,8 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     make_tokenizer().save_pretrained(root / "drafter")
     eagle = Eagle3Drafter.from_verifier(verifier, draft_ids=list(range(0, 260, 2)))
     export_speculators(eagle, root / "eagle3_speculators", "org/verifier")
+    dflash = DFlashDrafter.from_verifier(verifier, block_size=4, draft_ids=list(range(0, 260, 2)))
+    export_dflash_speculators(dflash, root / "dflash_speculators", "org/verifier")
     heads = MedusaHeads(hidden_size=32, vocab_size=260, num_heads=3, draft_vocab=list(range(0, 260, 4)))
     export_vllm_medusa(heads, root / "heads_vllm")
     (root / "steering").mkdir()
@@ -52,7 +56,7 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_every_export_vllm_serves_is_found_with_its_method(run_dir: Path) -> None:
     found = {s.folder.name: s for s in served_exports(run_dir, num_speculative_tokens=5)}
-    assert set(found) == {"drafter", "eagle3_speculators", "heads_vllm"}
+    assert set(found) == {"drafter", "eagle3_speculators", "heads_vllm", "dflash_speculators"}
     assert found["drafter"].speculative_config() == {
         "method": "draft_model",
         "model": str(run_dir / "drafter"),
@@ -60,7 +64,9 @@ def test_every_export_vllm_serves_is_found_with_its_method(run_dir: Path) -> Non
     }
     assert found["eagle3_speculators"].method == "eagle3"
     assert found["eagle3_speculators"].num_speculative_tokens == 5
-    # Medusa drafts one token per head, whatever was asked
+    # DFlash drafts at most its block's slots (4 - 1), Medusa one token per head, whatever was asked
+    assert found["dflash_speculators"].method == "dflash"
+    assert found["dflash_speculators"].num_speculative_tokens == 3
     assert found["heads_vllm"].method == "medusa"
     assert found["heads_vllm"].num_speculative_tokens == 3
 
@@ -72,7 +78,7 @@ def test_an_export_vllm_cannot_serve_says_why(run_dir: Path, tmp_path: Path) -> 
         served_export(tmp_path)
 
 
-@pytest.mark.parametrize("folder", ["drafter", "eagle3_speculators", "heads_vllm"])
+@pytest.mark.parametrize("folder", ["drafter", "eagle3_speculators", "heads_vllm", "dflash_speculators"])
 def test_the_evaluators_counterpart_is_vllms_chain_and_builds(run_dir: Path, folder: str) -> None:
     served = served_export(run_dir / folder, num_speculative_tokens=4)
     entry = served.decoder_entry()
@@ -81,6 +87,8 @@ def test_the_evaluators_counterpart_is_vllms_chain_and_builds(run_dir: Path, fol
     k = served.num_speculative_tokens
     if folder == "drafter":
         assert decoder["gamma"] == k
+    elif folder == "dflash_speculators":
+        assert decoder["max_draft"] == k == 3
     elif folder == "heads_vllm":
         assert decoder["tree"] == [[0] * (i + 1) for i in range(k)]  # one branch: each head's top token
     else:
