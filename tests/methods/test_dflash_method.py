@@ -169,17 +169,7 @@ def test_the_block_loss_learns_the_verifiers_continuations():
     opt = torch.optim.Adam(params, lr=3e-3)
     losses = []
     for step in range(120):
-        result = block_loss(
-            drafter,
-            aux,
-            batch["input_ids"],
-            batch["attention_mask"],
-            targets,
-            batch["loss_mask"],
-            16,
-            4.0,
-            torch.Generator().manual_seed(step),
-        )
+        result = block_loss(drafter, aux, batch, targets, 16, 4.0, torch.Generator().manual_seed(step))
         opt.zero_grad()
         result.loss.backward()
         opt.step()
@@ -295,7 +285,8 @@ def test_slot_k_is_scored_against_the_verifiers_row_for_anchor_plus_k(monkeypatc
             return targets.logprobs.gather(1, rows[..., None].expand(-1, -1, targets.logprobs.shape[-1]))
 
         monkeypatch.setattr(DFlashDrafter, "forward", oracle)
-        result = block_loss(drafter, aux, ids, attention, targets, loss_mask, 8, 4.0)
+        rows = {"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask}
+        result = block_loss(drafter, aux, rows, targets, 8, 4.0)
         accuracies = [float(a) for a in result.accuracies]
         if perfect:
             assert float(result.loss) < 1e-5 and accuracies == [1.0] * (BLOCK - 1)

@@ -182,7 +182,7 @@ class DFlashDrafter(
     drafter_kind: ClassVar[str] = "dflash"
     """What decoders take this drafter (:class:`train.decoding.DFlashDecoder`)."""
 
-    def __init__(
+    def __init__(  # more than 8 parameters: PyTorchModelHubMixin saves them as the config.json it reloads
         self,
         hidden_size: int,
         intermediate_size: int,

@@ -95,19 +95,18 @@ class BlockResult:
 def block_loss(
     drafter: DFlashDrafter,
     aux_states: torch.Tensor,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
+    batch: dict[str, torch.Tensor],
     targets: VerifierTargets,
-    loss_mask: torch.Tensor,
     num_anchors: int,
     gamma: float,
     generator: torch.Generator | None = None,
 ) -> BlockResult:
     """The loss of :func:`sample_anchors`' blocks (see the module docstring).
 
-    aux_states: (B, T, n h) the verifier's concatenated auxiliary states; input_ids, attention_mask,
-    loss_mask: (B, T); targets: the verifier's (B, T) rows
+    aux_states: (B, T, n h) the verifier's concatenated auxiliary states; batch: ``input_ids``,
+    ``attention_mask`` and ``loss_mask``, each (B, T); targets: the verifier's (B, T) rows
     (:func:`~train.models.eagle3_ttt.verifier_targets`)."""
+    input_ids, attention_mask, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
     batch, length = input_ids.shape
     size = drafter.block_size
     device = input_ids.device

@@ -37,7 +37,7 @@ class DFlashDecoder(DraftTreeDecoder):
 
     accepts: ClassVar[tuple[str, ...]] = ("dflash",)
 
-    def __init__(
+    def __init__(  # more than 8 parameters: each is a key of the decoder configs Hydra instantiates
         self,
         verifier: torch.nn.Module,
         drafter: DFlashDrafter,

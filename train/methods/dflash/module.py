@@ -71,17 +71,7 @@ class DFlashModule(VerifierFeatures, DFlashFinish, WholeNormClipping, L.Lightnin
     def blocks(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None = None) -> BlockResult:
         """The block loss of ``batch`` (anchors from ``generator``, None: the global one)."""
         aux, targets = self.features_and_targets(batch)
-        return block_loss(
-            self.drafter,
-            aux,
-            batch["input_ids"],
-            batch["attention_mask"],
-            targets,
-            batch["loss_mask"],
-            self.cfg.num_anchors,
-            self.cfg.gamma,
-            generator,
-        )
+        return block_loss(self.drafter, aux, batch, targets, self.cfg.num_anchors, self.cfg.gamma, generator)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         result = self.blocks(batch)
