@@ -103,6 +103,53 @@ def test_real_pair_main_job_runs_end_to_end_on_a_micro_recipe(tmp_path: Path) ->
     assisted = verifier.generate(ids, max_new_tokens=16, do_sample=False, assistant_model=drafter)
     assert torch.equal(plain, assisted)
     _served_in_vllm(run_dir, tmp_path / "checkpoints" / "smollm2")
+    _dflash_served_in_vllm(tmp_path, env)
+
+
+def _dflash_served_in_vllm(root: Path, env: dict[str, str]) -> None:
+    """A DFlash drafter on the same built pair (a micro recipe: 8 greedy answers, 2 steps), its
+    ``dflash_speculators/`` served by vLLM's ``dflash`` method: loaded, vLLM's greedy output with it equal to
+    its own without it, acceptance per position beside this project's evaluator on the same chain."""
+    from train.vllm import vllm_available
+
+    micro = [
+        "model.dtype=float32",
+        "method.answers=null",
+        "method.sampled_answers=0",
+        "method.feature_cache_gb=0",
+        "method.feature_cache_dir=null",
+        "method.num_prompts=8",
+        "method.num_val_prompts=2",
+        "method.answer_tokens=16",
+        "method.answer_engine=transformers",
+        "method.batch_size=4",
+        "method.compare_eagle3=null",
+        "trainer.max_steps=2",
+        "trainer.val_check_interval=2",
+        "trainer.limit_val_batches=1",
+        "eval.num_prompts=1",
+        "eval.max_new_tokens=8",
+        "eval.decoders=[dflash]",
+        "eval.plots=false",
+    ]
+    cmd = [sys.executable, "train.py", "experiment=dflash", *MICRO_SMOLLM2, *micro]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    (run_dir,) = [p for p in (root / "checkpoints" / "dflash").iterdir() if p.is_dir()]
+    assert (run_dir / "dflash_speculators" / "model.safetensors").is_file()
+    if not vllm_available():
+        assert not os.environ.get("DRAFTSMITH_REQUIRE_VLLM"), (
+            "DRAFTSMITH_REQUIRE_VLLM is set and no vLLM found"
+        )
+        return
+    cmd = [sys.executable, "scripts/serve_vllm.py", str(run_dir), "--prompts", "2", "--max-new-tokens", "24"]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    (row,) = json.loads((run_dir / "vllm" / "serving.json").read_text())["rows"]
+    assert (row["export"], row["method"]) == ("dflash_speculators", "dflash")
+    assert row["vllm"]["greedy_equal"] == "yes" and row["ours"]["greedy_equal"] == "yes"
+    assert row["vllm"]["drafts"] > 0
+    assert len(row["vllm"]["acceptance"]) == len(row["ours"]["acceptance"])
 
 
 def _served_in_vllm(run_dir: Path, pair_dir: Path) -> None:

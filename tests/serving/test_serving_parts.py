@@ -64,7 +64,7 @@ def test_every_export_vllm_serves_is_found_with_its_method(run_dir: Path) -> Non
     }
     assert found["eagle3_speculators"].method == "eagle3"
     assert found["eagle3_speculators"].num_speculative_tokens == 5
-    # DFlash drafts at most its block's slots (4 - 1), Medusa one token per head, whatever was asked
+    # DFlash drafts its block's slots (4 - 1), Medusa one token per head, whatever was asked
     assert found["dflash_speculators"].method == "dflash"
     assert found["dflash_speculators"].num_speculative_tokens == 3
     assert found["heads_vllm"].method == "medusa"

@@ -9,8 +9,9 @@ vLLM drafts a chain of ``num_speculative_tokens`` tokens, the most likely one at
   number is the heads'. The counterpart: the heads' top-1 chain (BPD).
 - ``eagle3``: an EAGLE-3 drafter in the speculators layout (``eagle3_speculators/``). The counterpart:
   the EAGLE-3 decoder with a tree of one branch of that depth.
-- ``dflash``: a DFlash drafter in the speculators layout (``dflash_speculators/``): one forward drafts the
-  number (at most the block's slots). The counterpart: the DFlash decoder with that chain.
+- ``dflash``: a DFlash drafter in the speculators layout (``dflash_speculators/``): one forward drafts its
+  block's ``block_size - 1`` slots, whatever was asked (vLLM's block is 1 + that number positions, and
+  the drafter was trained on its own block length). The counterpart: the DFlash decoder's whole chain.
 
 SD^2's steering module (``steering/``) has no vLLM method: a steered drafter reads the verifier's hidden
 states into a drafter model's, which none of vLLM's proposers do.
@@ -107,8 +108,9 @@ def served_export(folder: str | os.PathLike[str], num_speculative_tokens: int = 
     k = num_speculative_tokens
     if kind == "heads_vllm":
         k = int(_config(path)["num_heads"])
-    elif kind == "dflash_speculators":  # a block's draft slots at most
-        k = min(k, int(_config(path)["block_size"]) - 1)
+    elif kind == "dflash_speculators":  # its whole block: vLLM feeds 1 + k positions, and a non-causal
+        # block of another length is not the one the drafter was trained on
+        k = int(_config(path)["block_size"]) - 1
     if k < 1:
         raise ValueError(f"num_speculative_tokens must be >= 1, got {k}")
     return ServedExport(path, kind, k)
