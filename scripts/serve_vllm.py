@@ -22,7 +22,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--export", action="append", default=[], help="an export folder (repeatable; default: all)"
     )
-    parser.add_argument("--tokens", type=int, default=4, help="num_speculative_tokens (Medusa: its heads)")
+    parser.add_argument(
+        "--tokens",
+        type=int,
+        default=4,
+        help="num_speculative_tokens (Medusa: its heads; DFlash: its block - 1)",
+    )
     parser.add_argument(
         "--prompts", type=int, default=None, help="held-out prompts (default: the run's eval)"
     )
