@@ -150,7 +150,7 @@ def _hub_placeholders(arg: str) -> str:
     the shape of a model source, not that it exists)."""
     key, sep, value = arg.partition("=")
     if sep and re.search(r"PATH|RUN/|<\w+>|^/abs/", value):
-        if key in ("drafter", "heads", "steering", "eagle3", "model.drafter", "model.verifier"):
+        if key in ("drafter", "heads", "steering", "eagle3", "dflash", "model.drafter", "model.verifier"):
             return f"{key}={PLACEHOLDER_HUB_ID}"
         return f"{key}=/placeholder/{key}"
     return arg
@@ -385,6 +385,7 @@ class Workspace:
                 "heads": f"{self.run_dir('medusa')}/heads",
                 "steering": f"{self.run_dir('steering')}/steering",
                 "eagle3": f"{self.run_dir('eagle3')}/eagle3",
+                "dflash": f"{self.run_dir('dflash')}/dflash",
                 "run": self.run_dir("distillspec"),
             }[key]
         elif value.startswith("RUN/"):

@@ -17,6 +17,7 @@ from train.decoding import SpeculativeDecoder
 from train.decoding.decoders.tree_decoder import tree_size
 from train.evaluation import EvalConfig, build_decoders, build_eval_config, known_decoder_configs
 from train.evaluation.decoder_build import accepted_kinds
+from train.models.dflash_drafter import DFlashDrafter
 from train.models.eagle3_drafter import Eagle3Drafter
 from train.models.heads import MedusaHeads
 from train.models.ngram import NGramLM
@@ -103,6 +104,7 @@ def test_decoder_configs_build_as_partials(tmp_path):
     eagle3 = Eagle3Drafter.from_verifier(verifier, aux_layers=[0, 1, 1])  # tiny_llama has 2 layers
     eagle3.save_pretrained(tmp_path / "eagle3")
     eagle3 = Eagle3Drafter.from_pretrained(tmp_path / "eagle3")
+    dflash = DFlashDrafter.from_verifier(verifier, aux_layers=[0, 1, 1])
     overrides = [
         f"heads={tmp_path / 'heads'}",
         f"eagle3={tmp_path / 'eagle3'}",
@@ -112,9 +114,10 @@ def test_decoder_configs_build_as_partials(tmp_path):
     for name in known_decoder_configs():
         factory = instantiate(_compose("eval", [f"decoding={name}", *overrides]).decoding)
         kinds = accepted_kinds(factory.func)
-        second = heads if "heads" in kinds else eagle3 if "eagle3" in kinds else drafter
+        by_kind = {"heads": heads, "eagle3": eagle3, "dflash": dflash}
+        second = next((by_kind[k] for k in kinds if k in by_kind), drafter)
         assert factory(verifier, second).verifier is verifier, name
-    assert "eagle3" in known_decoder_configs()
+    assert {"eagle3", "dflash", "dflash_cost", "dflash_lookup"} <= set(known_decoder_configs())
 
 
 @pytest.mark.parametrize(
