@@ -107,31 +107,31 @@ def block_loss(
     ``attention_mask`` and ``loss_mask``, each (B, T); targets: the verifier's (B, T) rows
     (:func:`~train.models.eagle3_ttt.verifier_targets`)."""
     input_ids, attention_mask, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
-    batch, length = input_ids.shape
+    rows_n, length = input_ids.shape
     size = drafter.block_size
     device = input_ids.device
     anchors, valid = sample_anchors(loss_mask, attention_mask, num_anchors, generator)
     num = anchors.shape[1]
-    positions = torch.arange(length, device=device).expand(batch, length)
+    positions = torch.arange(length, device=device).expand(rows_n, length)
     context = drafter.context_kv(drafter.fuse(aux_states), positions)
     ids = block_inputs(input_ids.gather(1, anchors), size, drafter.mask_token_id)  # (B, A, S)
     offsets = torch.arange(size, device=device)
     slot_positions = anchors[:, :, None] + offsets  # (B, A, S)
     logits = drafter(
-        ids.reshape(batch, num * size),
-        slot_positions.reshape(batch, num * size),
+        ids.reshape(rows_n, num * size),
+        slot_positions.reshape(rows_n, num * size),
         context,
         attention_mask=block_mask(anchors, valid, attention_mask, size),
-    ).view(batch, num, size, -1)[:, :, 1:]  # slots 1 .. S - 1: (B, A, S - 1, N)
+    ).view(rows_n, num, size, -1)[:, :, 1:]  # slots 1 .. S - 1: (B, A, S - 1, N)
     target_pos = slot_positions[:, :, 1:]  # position a + k each slot predicts
     inside = target_pos < length
     rows = (target_pos - 1).clamp(max=length - 1)  # the verifier's row a + k - 1
-    flat = rows.reshape(batch, -1)
+    flat = rows.reshape(rows_n, -1)
     teacher = targets.logprobs.gather(1, flat[:, :, None].expand(-1, -1, targets.logprobs.shape[-1]))
     teacher = teacher.view(*rows.shape, -1)
     argmax = targets.argmax.gather(1, flat).view(rows.shape)
     in_vocab = targets.in_vocab.gather(1, flat).view(rows.shape)
-    target_mask = loss_mask.bool().gather(1, target_pos.clamp(max=length - 1).reshape(batch, -1))
+    target_mask = loss_mask.bool().gather(1, target_pos.clamp(max=length - 1).reshape(rows_n, -1))
     eligible = valid[:, :, None] & inside & target_mask.view(rows.shape)
     kept = eligible & in_vocab
     student = logits.float().log_softmax(-1)
