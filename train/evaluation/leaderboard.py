@@ -45,6 +45,7 @@ MEASURED: tuple[tuple[str, int], ...] = (
     ("cost_ratio", 3),
     ("tokens_per_second", 1),
     ("speedup", 2),
+    ("speedup_bound", 2),
 )
 
 
@@ -167,7 +168,9 @@ def leaderboard_markdown(rows: Sequence[Mapping[str, Any]], kappa: float = DEFAU
         ]
     parts.append(
         "Measured columns: mean ± std over n seeds on the same prompts, timed on this machine (speedup = "
-        "tokens/s over the autoregressive baseline of the same verifier, same run). **Projected speedup "
+        "tokens/s over the autoregressive baseline of the same verifier, same run); speedup_bound = the best "
+        "speedup a chain of any fixed length reaches with the run's measured acceptance and step costs "
+        "(docs/decoding.md). **Projected speedup "
         "(a model, not a measurement)**: tau / (c x drafter calls per verifier call + 1 + kappa x "
         f"(verifier tokens per call - 1)), kappa = {kappa:g}, from the measured tau and counts, at the "
         "drafter/verifier cost ratio c of a GPU deployment; heads are projected at c = 0. Lossless = the "
