@@ -174,32 +174,27 @@ class DFlashProposer:
         after an eos."""
         if params.greedy:
             q = None
-            probs = logits.softmax(-1)
-            columns = probs.max(-1).indices.tolist()
-            confidences = probs.max(-1).values.tolist()
+            top = logits.softmax(-1).max(-1)
+            columns, confidences = top.indices.tolist(), top.values.tolist()
         else:
             q = warp(logits / self.draft_temperature, params)
             u = uniforms(q.shape[0], generator).tolist()
             columns = [draw_index(q[i], u[i]) for i in range(q.shape[0])]
             confidences = q.max(-1).values.tolist()
         keep = len(columns)
-        if self.length is not None:
-            key = regime(params)
-            costs = self.length.costs
-            if costs is not None:
-                acceptance = self.length.acceptances(key, confidences)
-                spent_costs = replace(costs, draft=max(self._forward_time, spent))
-                keep = best_length(acceptance, spent_costs, 1)[0]
-            self._outcome = (key, confidences[:keep], keep, committed)
+        key = regime(params)
+        if self.length is not None and self.length.costs is not None:
+            acceptance = self.length.acceptances(key, confidences)
+            spent_costs = replace(self.length.costs, draft=max(self._forward_time, spent))
+            keep = best_length(acceptance, spent_costs, 1)[0]
         tokens: list[int] = []
         for column in columns[:keep]:
             tokens.append(self._target_ids[column])
             if tokens[-1] in eos:
                 break
         n = len(tokens)
-        if self._outcome is not None:
-            key, kept, _, first = self._outcome
-            self._outcome = (key, kept[:n], n, first)
+        if self.length is not None:  # what commit() tells the policy about these drafts
+            self._outcome = (key, confidences[:n], n, committed)
         if q is None:
             return Draft.chain(tokens)
         return Draft.chain(tokens, q[:n], support=self._targets, columns=columns[:n])
