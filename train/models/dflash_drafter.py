@@ -43,8 +43,7 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-from train.models.eagle3_drafter import default_aux_layers, draft_ids_of, draft_vocab_maps
-from train.models.rotary import keep_rotary_float32
+from train.models.eagle3_drafter import DraftVocabAndStates, default_aux_layers, draft_vocab_maps
 
 __all__ = ["ContextKV", "DFlashDrafter", "block_inputs", "default_mask_token_id"]
 
@@ -168,6 +167,7 @@ class DFlashLayer(nn.Module):
 
 
 class DFlashDrafter(
+    DraftVocabAndStates,
     nn.Module,
     PyTorchModelHubMixin,
     library_name="draftsmith",
@@ -251,12 +251,6 @@ class DFlashDrafter(
         self.register_buffer("d2t", d2t)
         self.register_buffer("t2d", t2d)
 
-    def _apply(self, fn: Any, recurse: bool = True) -> DFlashDrafter:
-        """Every move keeps the RoPE frequencies exact float32 (:mod:`train.models.rotary`)."""
-        super()._apply(fn, recurse)
-        keep_rotary_float32(self)
-        return self
-
     # ------------------------------------------------------------ building
 
     @classmethod
@@ -319,24 +313,7 @@ class DFlashDrafter(
             drafter.lm_head.weight.copy_(head.index_select(0, ids.to(head.device)))
         return drafter
 
-    def set_draft_ids(self, draft_ids: Sequence[int] | torch.Tensor) -> None:
-        """Set ``d2t`` / ``t2d`` from the sorted target ids (as many as ``lm_head``'s rows)."""
-        d2t, t2d = draft_vocab_maps(draft_ids, self.vocab_size)
-        if d2t.numel() != self.draft_vocab_size:
-            raise ValueError(f"{d2t.numel()} draft ids for a head of {self.draft_vocab_size} rows")
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
-
-    @property
-    def draft_ids(self) -> torch.Tensor:
-        """(N,) int64 target ids of the draft vocabulary (``arange(N) + d2t``)."""
-        return draft_ids_of(self.d2t)
-
     # ------------------------------------------------------------ forward
-
-    def aux_features(self, hidden_states: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """The verifier's ``hidden_states`` (L + 1 tensors (B, T, h)) at ``aux_layers``."""
-        return [hidden_states[i] for i in self.aux_layers]
 
     def fuse(self, aux_states: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tensor:
         """The context rows ``hidden_norm(fc(cat(aux)))``: a list of (B, T, h) or one (B, T, n h)

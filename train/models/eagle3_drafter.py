@@ -40,6 +40,7 @@ from transformers.models.llama.modeling_llama import (
 from train.models.rotary import keep_rotary_float32
 
 __all__ = [
+    "DraftVocabAndStates",
     "Eagle3Drafter",
     "Eagle3Output",
     "default_aux_layers",
@@ -78,6 +79,43 @@ def draft_vocab_maps(
 def draft_ids_of(d2t: torch.Tensor) -> torch.Tensor:
     """The target ids of the draft vocabulary, ``arange(N) + d2t`` (int64, on ``d2t``'s device)."""
     return torch.arange(d2t.numel(), device=d2t.device) + d2t.long()
+
+
+class DraftVocabAndStates:
+    """What the drafters on the verifier's hidden states share (EAGLE-3's, DFlash's): the draft vocabulary
+    maps (``d2t`` / ``t2d`` buffers, as many ids as ``lm_head``'s rows), the verifier's states they read
+    (``aux_layers``), and RoPE kept in float32 through every move."""
+
+    vocab_size: int
+    draft_vocab_size: int
+    aux_layers: list[int]
+    d2t: torch.Tensor
+    t2d: torch.Tensor
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        """Every move (``.to``, ``.half()``, ``.bfloat16()``, a precision plugin's) goes through here:
+        the RoPE frequencies stay exact float32 (:mod:`train.models.rotary`), as vLLM computes them."""
+        super()._apply(fn, recurse)  # type: ignore[misc]
+        keep_rotary_float32(self)  # type: ignore[arg-type]
+        return self
+
+    def set_draft_ids(self, draft_ids: Sequence[int] | torch.Tensor) -> None:
+        """Set ``d2t`` / ``t2d`` from the sorted target ids (as many as ``lm_head``'s rows)."""
+        d2t, t2d = draft_vocab_maps(draft_ids, self.vocab_size)
+        if d2t.numel() != self.draft_vocab_size:
+            raise ValueError(f"{d2t.numel()} draft ids for a head of {self.draft_vocab_size} rows")
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    @property
+    def draft_ids(self) -> torch.Tensor:
+        """(N,) int64 target ids of the draft vocabulary (``arange(N) + d2t``)."""
+        return draft_ids_of(self.d2t)
+
+    def aux_features(self, hidden_states: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The verifier's ``hidden_states`` (``output_hidden_states=True``: L + 1 tensors (B, T, h),
+        index i = the stream entering layer i) at ``aux_layers``."""
+        return [hidden_states[i] for i in self.aux_layers]
 
 
 @dataclass
@@ -159,6 +197,7 @@ class Eagle3Layer(nn.Module):
 
 
 class Eagle3Drafter(
+    DraftVocabAndStates,
     nn.Module,
     PyTorchModelHubMixin,
     library_name="draftsmith",
@@ -229,13 +268,6 @@ class Eagle3Drafter(
         self.register_buffer("d2t", d2t)
         self.register_buffer("t2d", t2d)
 
-    def _apply(self, fn: Any, recurse: bool = True) -> Eagle3Drafter:
-        """Every move (``.to``, ``.half()``, ``.bfloat16()``, a precision plugin's) goes through here:
-        the RoPE frequencies stay exact float32 (:mod:`train.models.rotary`), as vLLM computes them."""
-        super()._apply(fn, recurse)
-        keep_rotary_float32(self)
-        return self
-
     # ------------------------------------------------------------ building
 
     @classmethod
@@ -305,25 +337,7 @@ class Eagle3Drafter(
             drafter.lm_head.weight.copy_(head.index_select(0, ids.to(head.device)))
         return drafter
 
-    def set_draft_ids(self, draft_ids: Sequence[int] | torch.Tensor) -> None:
-        """Set ``d2t`` / ``t2d`` from the sorted target ids (as many as ``lm_head``'s rows)."""
-        d2t, t2d = draft_vocab_maps(draft_ids, self.vocab_size)
-        if d2t.numel() != self.draft_vocab_size:
-            raise ValueError(f"{d2t.numel()} draft ids for a head of {self.draft_vocab_size} rows")
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
-
-    @property
-    def draft_ids(self) -> torch.Tensor:
-        """(N,) int64 target ids of the draft vocabulary (``arange(N) + d2t``)."""
-        return draft_ids_of(self.d2t)
-
     # ------------------------------------------------------------ forward
-
-    def aux_features(self, hidden_states: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """The verifier's ``hidden_states`` (``output_hidden_states=True``: L + 1 tensors (B, T, h),
-        index i = the stream entering layer i) at ``aux_layers``."""
-        return [hidden_states[i] for i in self.aux_layers]
 
     def fuse(self, aux_states: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tensor:
         """``fc`` of the concatenated auxiliary states:
