@@ -285,3 +285,15 @@ def test_one_copy_of_the_verifier_on_the_device_while_answers_are_generated(
     assert seen["vllm"] == gpu and verifier.moves == []
     answers_vllm.answer_prompts("transformers", verifier, [[1, 2]], [0], 4, device=gpu)
     assert seen["hf"] == ["cuda:1"] and verifier.moves == ["cuda:1", "cpu"]
+
+
+def test_engine_seeded_sampling_runs_the_engine_core_in_process() -> None:
+    """Sampled jobs seeded by the engine's one stream (the CPU) keep vLLM's engine core in the worker's
+    process: with the core in its own process, which requests share a step depends on timing and two runs
+    of one job gave two answer sets (a CI failure, 2026-11-29). Greedy jobs and per-request seeds keep it
+    apart."""
+    from train.vllm.worker import engine_in_process
+
+    assert engine_in_process({"temperature": 1.0, "seed": 7}, cuda=False)
+    assert not engine_in_process({"temperature": 1.0, "seed": 7}, cuda=True)
+    assert not engine_in_process({"temperature": 0.0}, cuda=False)

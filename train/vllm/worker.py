@@ -24,6 +24,7 @@ The result (JSON): ``vllm_version``, ``startup_seconds``, and per mode ``outputs
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -84,7 +85,18 @@ def request_seed(job: dict[str, Any], cuda: bool | None = None) -> int | None:
     return int(job.get("seed", 0))
 
 
+def engine_in_process(job: dict[str, Any], cuda: bool | None = None) -> bool:
+    """Whether the engine core runs in this process: for sampled jobs seeded by the engine alone (CPU,
+    :func:`request_seed`). There the sampled tokens depend on which requests share a step, and with the core
+    in its own process that depends on when each request reaches it (two runs of one job gave two answer
+    sets); in this process every request is queued before the first step, so the batches, the draws and
+    the answers are the same each run."""
+    return job.get("temperature", 0.0) > 0 and request_seed(job, cuda) is None
+
+
 def _engine(job: dict[str, Any]) -> Any:
+    if engine_in_process(job):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM
 
     kwargs: dict[str, Any] = {
