@@ -5,11 +5,13 @@ a sequential forward along its path, the exact output law at T > 0, and broken-o
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-import train.decoding.loop as loop_module
 import train.decoding.proposers.eagle3_proposer as proposer_module
+import train.decoding.rules.rejection as rejection_rule
 from train.decoding import Draft, Eagle3Decoder, SamplingParams
 from train.decoding.proposers.eagle3_proposer import Eagle3Proposer, select_nodes
 from train.decoding.rules.tree_walk import verify_tree
@@ -392,10 +394,10 @@ def test_accepting_a_child_of_a_rejected_node_is_caught(eagle3_verifiers, monkey
         verdict = verify_tree(logits, draft, params, generator, eos)
         orphans = [i for i, parent in enumerate(draft.parents) if parent >= 0]
         if not verdict.path and orphans:
-            verdict.path = [orphans[0]]
+            return dataclasses.replace(verdict, path=[orphans[0]])
         return verdict
 
-    monkeypatch.setattr(loop_module, "verify_tree", child_of_rejected)
+    monkeypatch.setattr(rejection_rule, "verify_tree", child_of_rejected)
     verifier = eagle3_verifiers["llama"]
     ids = torch.tensor([PROMPTS[0]])
     decoder = Eagle3Decoder(verifier, drafter_for(verifier), 4, 3, 12)

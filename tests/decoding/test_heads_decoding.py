@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from train.decoding import Draft, HeadsDecoder, SamplingParams, chain_choices, warp
+from train.decoding.block_step import committed_tokens
 from train.decoding.proposers.heads_proposer import DEFAULT_CHOICES, tree_from_accuracies
 from train.decoding.rules.typical import TypicalAcceptance, typical_bound, verify_typical
 from train.models.heads import MedusaHeads
@@ -291,9 +292,10 @@ def test_typical_bound_and_rule_by_hand():
     # after a sure row only the argmax is above 0.09
     verdict = verify_typical(logits[[0, 3]], Draft([0], [-1], None, [0]), params, g, frozenset(), rule)
     assert verdict.path == [0] and verdict.next == 0
-    # an accepted EOS ends the block without a next token
+    # an accepted EOS ends the block: the block step commits it and no token after it
     verdict = verify_typical(logits, draft, params, g, frozenset({0}), rule)
-    assert verdict.path == [0] and verdict.next is None
+    settled = committed_tokens(draft, verdict, frozenset({0}), room=10)
+    assert verdict.path == [0] and settled.tokens == [0] and settled.done
 
 
 def test_typical_acceptance_is_greedy_at_t0_and_marked_lossy(tiny_pairs):

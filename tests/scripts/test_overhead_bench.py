@@ -10,6 +10,7 @@ import pytest
 
 import train.decoding
 import train.decoding.rules.chain as current_chain
+import train.decoding.rules.rejection
 from research.benchmarks.overhead import load_package
 from tests.conftest import REPO_ROOT
 
@@ -26,14 +27,14 @@ def test_a_copy_of_the_engine_runs_its_own_parts_and_leaves_the_current_one(tmp_
 
     old = load_package(str(copy))
 
-    verify = old.loop.verify_chain
+    verify = old.rules.rejection.verify_chain
     assert verify.__globals__.get("MARKER") == "the copy"
     assert inspect.getfile(verify).startswith(str(copy))
     assert old.SpeculativeDecoder is not train.decoding.SpeculativeDecoder
     assert not hasattr(current_chain, "MARKER")
     assert {k: m for k, m in sys.modules.items() if k.startswith("train.decoding")} == before
     assert sys.modules["train.decoding"] is train.decoding
-    assert train.decoding.loop.verify_chain is current_chain.verify_chain
+    assert train.decoding.rules.rejection.verify_chain is current_chain.verify_chain
 
 
 def test_a_missing_copy_is_named(tmp_path):

@@ -4,7 +4,8 @@ The drafter runs in its own thread and never waits for verification: it keeps dr
 a time ahead of the verified sequence (up to ``max_ahead`` tokens) and publishes each with the q it
 was drawn from. The verifier, in the calling thread, takes every published draft beyond the verified
 prefix (up to ``max_block``), verifies the chain in one forward with the same rule as the synchronous
-loop (:func:`~train.decoding.rules.chain.verify_chain`), and commits the accepted drafts plus its own token.
+loop and commits the accepted drafts plus its own token through the same block step
+(:mod:`train.decoding.block_step`); this module keeps only what is asynchronous.
 
 Only tokens cross between the two sides, under one ``threading.Condition`` (no spinning):
 
@@ -40,12 +41,12 @@ from typing import Any
 import torch
 
 from train.decoding.async_policy import CostLine, acceptance_estimate, best_wait
-from train.decoding.cache import crop_cache
+from train.decoding.block_step import VerifierCache, settle_block
 from train.decoding.draft import Draft
 from train.decoding.metrics import DecodeResult, DecodeStats
 from train.decoding.model_call import TimedModel
 from train.decoding.proposers.model_proposer import ModelProposer
-from train.decoding.rules.chain import verify_chain
+from train.decoding.rules.rejection import LOSSLESS
 from train.decoding.sampling import SamplingParams
 
 __all__ = ["IDLE_POLICIES", "auto_block", "interval_overlap", "run_asynchronous"]
@@ -196,6 +197,23 @@ def _draft(
                 stats.discarded += 1  # computed on a sequence that changed meanwhile
 
 
+def _republish(shared: _Shared, k: int, accepted: int, extra: list[int], done: bool) -> int:
+    """After a block of ``k`` drafts, ``accepted`` of them, then the verifier's ``extra`` token (if kept):
+    the published drafts past the block that still extend the verified sequence stay (an all-accepted
+    block whose verifier token equals the next draft keeps the rest); the others are dropped and the
+    epoch advances. Returns how many published drafts were dropped. Call under ``shared.cond``."""
+    rest, rest_q = shared.drafts[k:], shared.qs[k:]
+    shared.drafts, shared.qs = [], []
+    if done:
+        shared.stop = True
+    if accepted == k and not done and extra and rest and rest[0] == extra[0]:
+        shared.drafts, shared.qs = rest[1:], rest_q[1:]  # the drafter had guessed it: keep the rest
+        return 0
+    if accepted < k or done or rest:
+        shared.epoch += 1
+    return len(rest)
+
+
 def run_asynchronous(
     verifier: TimedModel,
     proposer: ModelProposer,
@@ -262,8 +280,7 @@ def run_asynchronous(
         torch.set_num_threads(split)
     thread.start()
     seq = shared.verified  # only this thread appends to it, under the lock
-    v_cache = None
-    v_len = 0
+    scored = VerifierCache(verifier, stats)
     calls = CostLine()  # the verifier's decoding calls: tokens scored, seconds
     cap = min(max_block, max_ahead)
     auto = functools.partial(auto_block, stats, drafter_stats, calls, max_block=cap, wait=idle == "wait")
@@ -294,67 +311,22 @@ def run_asynchronous(
                 block,
                 None if k == 0 or qs[0] is None else torch.stack(qs),  # type: ignore[arg-type]
             )
-            context = seq[v_len:]
-            out = verifier(context + block, v_cache, logits_to_keep=k + 1)
+            prefill = not scored.prefilled
+            out = scored.score(seq, draft)
             end = time.perf_counter()
             verifier_busy.append((end - out.seconds, end))
-            if v_cache is None:
-                stats.verifier_prefill_calls += 1
-                stats.verifier_prefill_time += out.seconds
-            else:
-                calls.add(len(context) + k, out.seconds)
-            v_cache = out.cache
-            v_len += len(context) + k
-            stats.verifier_calls += 1
-            stats.verifier_time += out.seconds
-            stats.verifier_tokens += k + 1
-            verdict = verify_chain(out.logits, draft, params, generator)
+            if not prefill:
+                calls.add(scored.context_length + k, out.seconds)
+            verdict = LOSSLESS.verify(out.logits, draft, params, generator, eos)
             n = verdict.accepted
-            next_token = None if (n == k and k and block[-1] in eos) else verdict.next
-            if k:
-                stats.drafted += k
-                stats.accepted += n
-                stats.tested += verdict.tested
-                stats.sum_expected_acceptance += verdict.expected
-                stats.count_depths(k, verdict.tested, n)
-                stats.discarded += k - verdict.tested
-                if n < k:
-                    stats.rollbacks += 1
-            new = block[:n] + ([] if next_token is None else [next_token])
-            for j, x in enumerate(new):
-                if x in eos:
-                    new = new[: j + 1]
-                    done = True
-                    break
-            if len(new) >= limit - n_seq:
-                new = new[: limit - n_seq]
-                done = True
+            settled = settle_block(stats, draft, verdict, eos, limit - n_seq)
+            new, done = settled.tokens, settled.done
             with shared.cond:
-                rest, rest_q = shared.drafts[k:], shared.qs[k:]
                 seq.extend(new)
-                extra = new[n:]  # the verifier's own token, if kept
-                if n < k or done:
-                    stats.discarded += len(rest)
-                    shared.drafts, shared.qs = [], []
-                    shared.epoch += 1
-                elif extra and rest and rest[0] == extra[0]:
-                    shared.drafts, shared.qs = (
-                        rest[1:],
-                        rest_q[1:],
-                    )  # the drafter had guessed it: keep the rest
-                elif rest:
-                    stats.discarded += len(rest)
-                    shared.drafts, shared.qs = [], []
-                    shared.epoch += 1
-                else:
-                    shared.drafts, shared.qs = [], []
-                if done:
-                    shared.stop = True
+                stats.discarded += _republish(shared, k, n, new[n:], done)
                 shared.cond.notify_all()
-            keep = n_seq + n
-            if not done and v_len > keep:
-                crop_cache(v_cache, keep, v_len)
-                v_len = keep
+            if not done:
+                scored.keep(n_seq, draft, verdict.path)
     finally:
         with shared.cond:
             shared.stop = True

@@ -18,7 +18,8 @@ from train.decoding.metrics import DecodeResult
 from train.decoding.model_call import TimedModel
 from train.decoding.proposers.lookup_proposer import PromptLookupProposer, lookup_first
 from train.decoding.proposers.protocol import Proposer
-from train.decoding.rules.typical import TypicalAcceptance
+from train.decoding.rules.rejection import LOSSLESS
+from train.decoding.rules.verdict import VerificationRule
 from train.decoding.sampling import SamplingParams
 
 
@@ -129,15 +130,15 @@ class Decoder:
 
 class DraftTreeDecoder(Decoder):
     """A decoder whose proposer drafts up to ``depth`` tokens a block (a tree, or a chain as a one-child
-    tree) under the synchronous schedule, verified by the loop's rules (``_typical``: Medusa's lossy
-    rule instead). Subclasses set ``_verifier``, ``_proposer`` and ``depth``, and ``_lookup`` for prompt
-    lookup first (:func:`~train.decoding.proposers.lookup_proposer.prompt_lookup`; the proposer drafts
-    where the context offers nothing to copy)."""
+    tree) under the synchronous schedule, verified by ``_rule`` (lossless rejection sampling unless a
+    subclass sets Medusa's lossy rule). Subclasses set ``_verifier``, ``_proposer`` and ``depth``, and
+    ``_lookup`` for prompt lookup first (:func:`~train.decoding.proposers.lookup_proposer.prompt_lookup`;
+    the proposer drafts where the context offers nothing to copy)."""
 
     _verifier: TimedModel
     _proposer: Proposer
     depth: int
-    _typical: TypicalAcceptance | None = None
+    _rule: VerificationRule = LOSSLESS
     _lookup: PromptLookupProposer | None = None
 
     def decode(
@@ -158,7 +159,7 @@ class DraftTreeDecoder(Decoder):
             params,
             eos,
             generator,
-            typical=self._typical,
+            self._rule,
         )
 
 

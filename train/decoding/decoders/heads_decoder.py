@@ -17,7 +17,9 @@ from train.decoding.decoders.base import DraftTreeDecoder
 from train.decoding.model_call import TimedModel
 from train.decoding.proposers.heads_proposer import DEFAULT_CHOICES, HeadsProposer, tree_from_accuracies
 from train.decoding.refine import Refiner
+from train.decoding.rules.rejection import LOSSLESS
 from train.decoding.rules.typical import TypicalAcceptance
+from train.decoding.rules.verdict import VerificationRule
 
 __all__ = ["ACCEPTANCES", "HeadsDecoder", "check_heads"]
 
@@ -82,14 +84,14 @@ class HeadsDecoder(DraftTreeDecoder):
         self.tree = self._proposer.paths
         self.depth = self._proposer.depth
         self.acceptance = acceptance
-        self._typical = (
-            TypicalAcceptance(posterior_threshold, posterior_alpha) if acceptance == "typical" else None
+        self._rule: VerificationRule = (
+            TypicalAcceptance(posterior_threshold, posterior_alpha) if acceptance == "typical" else LOSSLESS
         )
 
     @property
     def lossless(self) -> bool:
         """Whether the output follows the verifier's distribution exactly (always so at T = 0)."""
-        return self._typical is None
+        return self._rule.lossless
 
     def models(self) -> tuple[torch.nn.Module, ...]:
         return (self.verifier,)

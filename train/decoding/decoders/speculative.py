@@ -24,7 +24,8 @@ from train.decoding.model_call import TimedModel
 from train.decoding.proposers.lookup_proposer import lookup_first, prompt_lookup
 from train.decoding.proposers.model_proposer import ModelProposer
 from train.decoding.proposers.steered_proposer import SteeredProposer
-from train.decoding.sampling import LENIENCES, SamplingParams
+from train.decoding.rules.rejection import RejectionRule
+from train.decoding.sampling import SamplingParams
 
 
 class SpeculativeDecoder(Decoder):
@@ -84,15 +85,11 @@ class SpeculativeDecoder(Decoder):
             drafter, steering = drafter.drafter, drafter.steering  # type: ignore[assignment]
         if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
             raise ValueError(f"gamma must be an integer >= 1, got {gamma!r}")
-        if lenience is not None and lenience not in LENIENCES:
-            raise ValueError(f"lenience must be one of {sorted(LENIENCES)} or None, got {lenience!r}")
-        if not 0.0 < eps <= 1.0:
-            raise ValueError(f"eps must be in the range (0, 1] (1 = lossless), got {eps!r}")
+        #: The verification rule, with the lenience and eps it was given (validated there).
+        self.rule = RejectionRule(lenience, float(eps))
         self.verifier = verifier
         self.drafter = drafter
         self.gamma = gamma
-        self.lenience = lenience if eps != 1.0 else None
-        self.eps = float(eps)
         if draft_length not in ("fixed", "cost"):
             raise ValueError(f"draft_length must be 'fixed' or 'cost', got {draft_length!r}")
         self._verifier = TimedModel(verifier)
@@ -114,7 +111,7 @@ class SpeculativeDecoder(Decoder):
     @property
     def lossless(self) -> bool:
         """False with a lenient (lossy) acceptance test at T > 0; T = 0 is greedy either way."""
-        return self.lenience is None
+        return self.rule.lossless
 
     def models(self) -> tuple[torch.nn.Module, ...]:
         return (self.verifier, self.drafter)
@@ -155,8 +152,7 @@ class SpeculativeDecoder(Decoder):
                 params,
                 eos,
                 generator,
-                self.lenience,
-                self.eps,
+                self.rule,
             )
         if steered is not None:
             result.stats.guide_time += steered.guide_time

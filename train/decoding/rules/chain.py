@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from train.decoding.draft import Draft
+from train.decoding.rules.verdict import Verdict
 from train.decoding.sampling import (
     SamplingParams,
     apply_lenience,
@@ -37,7 +38,6 @@ from train.decoding.sampling import (
 )
 
 __all__ = [
-    "ChainVerdict",
     "accepted_length",
     "chain_rejection",
     "correction",
@@ -119,16 +119,6 @@ def chain_rejection(
     return n, correction(p_n, q_n, u_next)
 
 
-class ChainVerdict:
-    """The outcome of verifying one chain: ``accepted`` drafts, the ``next`` token, ``tested``
-    positions and the sum of their expected acceptance."""
-
-    __slots__ = ("accepted", "expected", "next", "tested")
-
-    def __init__(self, accepted: int, next_token: int, tested: int, expected: float) -> None:
-        self.accepted, self.next, self.tested, self.expected = accepted, next_token, tested, expected
-
-
 def verify_chain(
     logits: torch.Tensor,
     draft: Draft,
@@ -136,7 +126,7 @@ def verify_chain(
     generator: torch.Generator | None,
     lenience: str | None = None,
     eps: float = 1.0,
-) -> ChainVerdict:
+) -> Verdict:
     """Apply the chain rule to the verifier's logits (k + 1, V) over a chain draft of k tokens.
 
     Greedy (T = 0): :func:`greedy_chain` on the argmaxes. Sampling: the decisions of
@@ -154,10 +144,10 @@ def verify_chain(
     if params.greedy:
         n, nxt = greedy_chain(draft.tokens, greedy_ids(logits).tolist())
         # one-hot p and q: expected acceptance is 1 where the argmaxes agree (all accepted positions)
-        return ChainVerdict(n, nxt, min(n + 1, k), float(n))
+        return Verdict(list(range(n)), nxt, min(n + 1, k), float(n))
     u = uniforms(k + 1, generator).tolist()
     if k == 0:
-        return ChainVerdict(0, draw_index(warp(logits[0], params), u[0]), 0, 0.0)
+        return Verdict([], draw_index(warp(logits[0], params), u[0]), 0, 0.0)
     tokens = draft.tokens
     if draft.q is None:  # a deterministic draft (prompt lookup): point masses, no (k, V) rows built
         return _verify_point_masses(logits, tokens, params, u, lenience, eps)
@@ -179,11 +169,11 @@ def verify_chain(
         for i in range(tested)
     )
     if n == k:
-        return ChainVerdict(n, draw_index(p_rows[k], u[k]), tested, expected)
+        return Verdict(list(range(n)), draw_index(p_rows[k], u[k]), tested, expected)
     rest = (
         residual_mass(p_rows[n], q[n]) if support is None else compact_residual_mass(p_rows[n], q[n], support)
     )
-    return ChainVerdict(n, draw_index(rest, u[k]), tested, expected)
+    return Verdict(list(range(n)), draw_index(rest, u[k]), tested, expected)
 
 
 def _on(p_row: torch.Tensor, support: torch.Tensor | None) -> torch.Tensor:
@@ -207,7 +197,7 @@ def _verify_point_masses(
     u: list[float],
     lenience: str | None,
     eps: float,
-) -> ChainVerdict:
+) -> Verdict:
     """:func:`verify_chain` for a chain drafted with q = one-hot on each token, without forming q: the
     test is ``u < f(p(x))``, the expected acceptance ``min(1, f(p(x)))``, and the residual after a
     rejection ``max(0, p - onehot(x))``, i.e. p with x's mass removed (bit for bit what the dense rule
@@ -217,7 +207,7 @@ def _verify_point_masses(
     while True:
         p_row = warp(logits[n], params)
         if n == k:  # every draft passed: the bonus token from p_k
-            return ChainVerdict(k, draw_index(p_row, u[k]), k, expected)
+            return Verdict(list(range(k)), draw_index(p_row, u[k]), k, expected)
         p_x = float(p_row[tokens[n]])
         f_p = (
             p_x
@@ -228,5 +218,7 @@ def _verify_point_masses(
         if not _passes_one(u[n], 1.0, p_x, lenience, eps):
             rest = p_row.clone()
             rest[tokens[n]] = 0.0
-            return ChainVerdict(n, draw_index(rest if bool(rest.sum() > 0) else p_row, u[k]), n + 1, expected)
+            return Verdict(
+                list(range(n)), draw_index(rest if bool(rest.sum() > 0) else p_row, u[k]), n + 1, expected
+            )
         n += 1

@@ -13,6 +13,7 @@ import torch
 
 from train.decoding.draft import Draft
 from train.decoding.rules.recursive import recursive_rejection
+from train.decoding.rules.verdict import Verdict
 from train.decoding.sampling import (
     SamplingParams,
     expected_acceptance_per_position,
@@ -23,24 +24,13 @@ from train.decoding.sampling import (
 )
 
 
-class TreeVerdict:
-    """The outcome of verifying one tree: the accepted ``path`` (node indices from the top), the
-    ``next`` token (correction or bonus; None after an accepted EOS), ``tested`` depths and the sum of
-    the expected acceptance of the first candidate at each tested node."""
-
-    __slots__ = ("expected", "next", "path", "tested")
-
-    def __init__(self, path: list[int], next_token: int | None, tested: int, expected: float) -> None:
-        self.path, self.next, self.tested, self.expected = path, next_token, tested, expected
-
-
 def verify_tree(
     logits: torch.Tensor,
     draft: Draft,
     params: SamplingParams,
     generator: torch.Generator | None,
     eos: frozenset[int],
-) -> TreeVerdict:
+) -> Verdict:
     """Verify ``draft`` against the verifier's logits (n + 1, V): row 0 after the context, row i + 1
     after node i. Siblings are checked as ``draft.kind`` says they were drawn (point masses when
     ``draft.q`` is None; ignored at T = 0). Uniforms come from ``generator`` on its own device."""
@@ -58,13 +48,13 @@ def verify_tree(
             target = int(greedy_ids(row))
             match = next((c for c in kids if draft.tokens[c] == target), None)
             if match is None:
-                return TreeVerdict(path, target, len(path) + (1 if kids else 0), expected)
+                return Verdict(path, target, len(path) + (1 if kids else 0), expected)
             path.append(match)
             expected += 1.0
         else:
             p = warp(row, params)
             if not kids:
-                return TreeVerdict(
+                return Verdict(
                     path, int(sample_with_uniform(p, uniforms((), generator, p.device))), len(path), expected
                 )
             u = uniforms(len(kids) + 1, generator, p.device)
@@ -77,8 +67,8 @@ def verify_tree(
                 expected += float(p[candidates[0]])
             choice, token = recursive_rejection(p, candidates, q, rule, u[: len(kids)], u[len(kids)])
             if int(choice) < 0:
-                return TreeVerdict(path, int(token), len(path) + 1, expected)
+                return Verdict(path, int(token), len(path) + 1, expected)
             path.append(kids[int(choice)])
         node = path[-1]
         if draft.tokens[node] in eos:
-            return TreeVerdict(path, None, len(path), expected)
+            return Verdict(path, None, len(path), expected)

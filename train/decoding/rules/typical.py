@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from train.decoding.draft import Draft
-from train.decoding.rules.tree_walk import TreeVerdict
+from train.decoding.rules.rejection import LOSSLESS
+from train.decoding.rules.verdict import Verdict
 from train.decoding.sampling import SamplingParams, sample_with_uniform, uniforms, warp
 
 __all__ = ["TypicalAcceptance", "typical_bound", "verify_typical"]
@@ -23,7 +24,7 @@ __all__ = ["TypicalAcceptance", "typical_bound", "verify_typical"]
 
 @dataclass(frozen=True)
 class TypicalAcceptance:
-    """The lossy rule's settings: ``threshold`` (epsilon) and ``alpha`` (delta)."""
+    """The lossy rule with its settings: ``threshold`` (epsilon) and ``alpha`` (delta)."""
 
     threshold: float = 0.09
     alpha: float = 0.3
@@ -33,6 +34,24 @@ class TypicalAcceptance:
             raise ValueError(f"posterior_threshold must be in (0, 1], got {self.threshold!r}")
         if not 0.0 < self.alpha < 1.0:
             raise ValueError(f"posterior_alpha must be in (0, 1), got {self.alpha!r}")
+
+    @property
+    def lossless(self) -> bool:
+        return False
+
+    def verify(
+        self,
+        logits: torch.Tensor,
+        draft: Draft,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        eos: frozenset[int],
+    ) -> Verdict:
+        """The rule as the loops call it: typical acceptance at T > 0 over a non-empty draft; greedy
+        verification and a block without drafts are the lossless rule's."""
+        if params.greedy or not len(draft):
+            return LOSSLESS.verify(logits, draft, params, generator, eos)
+        return verify_typical(logits, draft, params, generator, eos, self)
 
 
 def typical_bound(p: torch.Tensor, threshold: float, alpha: float) -> torch.Tensor:
@@ -50,7 +69,7 @@ def verify_typical(
     generator: torch.Generator | None,
     eos: frozenset[int],
     rule: TypicalAcceptance,
-) -> TreeVerdict:
+) -> Verdict:
     """The typical rule over a chain or tree ``draft`` against the verifier's logits (n + 1, V): row 0
     after the context, row i + 1 after node i. ``tested`` counts the depths examined along the chosen
     path; ``expected`` sums p of the kept tokens (a lossy rule has no acceptance probability to report)."""
@@ -81,10 +100,8 @@ def verify_typical(
     has_children = set(draft.parents)
     tested = len(path) + (1 if (path[-1] if path else -1) in has_children else 0)
     expected = float(sum(float(p[draft.parents[i] + 1, draft.tokens[i]]) for i in path))
-    if path and draft.tokens[path[-1]] in eos:
-        return TreeVerdict(path, None, len(path), expected)
     row = p[path[-1] + 1] if path else p[0]
     truncated = torch.where(row > typical_bound(row, rule.threshold, rule.alpha), row, torch.zeros_like(row))
     truncated = truncated / truncated.sum()
     token = int(sample_with_uniform(truncated, uniforms((), generator, p.device)))
-    return TreeVerdict(path, token, tested, expected)
+    return Verdict(path, token, tested, expected)
