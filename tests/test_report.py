@@ -14,7 +14,7 @@ from tests.conftest import make_tokenizer, tiny_llama
 from train.evaluation import EvalConfig
 from train.methods.distillspec.config import DistillSpecConfig
 from train.methods.distillspec.module import DistillSpecModule
-from train.report import EvaluationError, Finishable, build_report, finish, report_markdown
+from train.report import EvaluationError, Finishable, RunContext, build_report, finish, report_markdown
 
 PROMPTS = [torch.tensor([[256, 10, 20, 30, 40]]), torch.tensor([[256, 50, 60, 70]])]
 
@@ -41,10 +41,7 @@ def _run(module: DistillSpecModule, run_dir: Path, eval_cfg: EvalConfig | None) 
         module,
         module.teacher,
         module.tokenizer,
-        run_dir,
-        eval_cfg,
-        name="unit",
-        config={"name": "unit", "method": {"divergence": "fkl"}},
+        RunContext(run_dir, eval_cfg, name="unit", config={"name": "unit", "method": {"divergence": "fkl"}}),
     )
 
 
@@ -86,7 +83,7 @@ class _Heads(torch.nn.Linear):
 def test_the_evaluation_runs_on_the_device_it_is_given(
     module, tmp_path, monkeypatch, device, drafter_device, expected
 ):
-    """finish(device=, drafter_device=): the verifier and the drafters it evaluates (reloaded or merged
+    """finish with RunContext(device=, drafter_device=): the verifier and the drafters it evaluates (reloaded or merged
     copies, made on the CPU) are placed there before the evaluation."""
     seen: dict[str, str] = {}
 
@@ -106,10 +103,12 @@ def test_the_evaluation_runs_on_the_device_it_is_given(
             module,
             module.teacher,
             module.tokenizer,
-            tmp_path / "run",
-            EvalConfig(temperatures=[0.0], seeds=[0], progress=False),
-            device=device,
-            drafter_device=drafter_device,
+            RunContext(
+                tmp_path / "run",
+                EvalConfig(temperatures=[0.0], seeds=[0], progress=False),
+                device=device,
+                drafter_device=drafter_device,
+            ),
         )
     assert seen == expected
 

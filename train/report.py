@@ -28,6 +28,7 @@ import logging
 import math
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -53,6 +54,7 @@ __all__ = [
     "REPORT_SCHEMA",
     "EvaluationError",
     "Finishable",
+    "RunContext",
     "build_report",
     "finish",
     "report_markdown",
@@ -105,32 +107,38 @@ class Finishable(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class RunContext:
+    """The run being finished, as the finish step needs it: ``run_dir`` (where the artifact, the
+    evaluation and the report go), ``eval`` (the run's ``eval`` config; None: no evaluation), ``data`` and
+    ``seed`` (the run's data config and the prompt cut's seed, for :func:`train.evaluation.build_prompts`),
+    ``name`` (the report's title), ``config`` (the resolved run config, for the model card), ``loggers``
+    and ``step`` (the evaluation logs ``eval/...`` scalars there), ``device`` (where the evaluation runs;
+    None: where the verifier is) and ``drafter_device`` (where drafter models run; None: the same device;
+    prediction heads always sit with the verifier, whose states they read)."""
+
+    run_dir: str | os.PathLike[str]
+    eval: EvalConfig | None = None
+    data: Any = None
+    seed: int = 0
+    name: str = "run"
+    config: Mapping[str, Any] | None = None
+    loggers: Sequence[Any] | None = None
+    step: int | None = None
+    device: torch.device | str | None = None
+    drafter_device: torch.device | str | None = None
+
+
 def finish(
-    module: Finishable,
-    verifier: torch.nn.Module,
-    tokenizer: Any,
-    run_dir: str | os.PathLike[str],
-    eval_cfg: EvalConfig | None,
-    data: Any = None,
-    seed: int = 0,
-    name: str = "run",
-    config: Mapping[str, Any] | None = None,
-    loggers: Sequence[Any] | None = None,
-    step: int | None = None,
-    device: torch.device | str | None = None,
-    drafter_device: torch.device | str | None = None,
+    module: Finishable, verifier: torch.nn.Module, tokenizer: Any, context: RunContext
 ) -> dict[str, Any]:
     """Export, evaluate and report one finished run (call it on rank 0 only); return the report.
 
-    verifier / tokenizer: the run's pair. eval_cfg: the run's ``eval`` config (None: no evaluation).
-    data: the run's data config, for :func:`train.evaluation.build_prompts`; seed: the prompt cut's
-    seed. name: the run's name (report title). config: the resolved run config, for the model card.
-    loggers / step: passed to the evaluation, which logs ``eval/...`` scalars. device: where the
-    evaluation runs (None: where the verifier is); drafter_device: where the drafter models run (None: the
-    same device; prediction heads always sit with the verifier, whose states they read).
-    Raises :class:`EvaluationError` (chained to the cause) when the evaluation fails; the drafter is
-    exported by then and ``report.json`` records the error.
+    verifier / tokenizer: the run's pair; context: the run (:class:`RunContext`). Raises
+    :class:`EvaluationError` (chained to the cause) when the evaluation fails; the drafter is exported by
+    then and ``report.json`` records the error.
     """
+    run_dir, eval_cfg, config = context.run_dir, context.eval, context.config
     run = Path(run_dir)
     run.mkdir(parents=True, exist_ok=True)
     drafter_dir = Path(module.export(str(run / module.artifact_dir)))
@@ -140,7 +148,7 @@ def finish(
     log.info("Exported the trained %s to %s", module.artifact_dir, drafter_dir)
     report: dict[str, Any] = {
         "schema": REPORT_SCHEMA,
-        "name": name,
+        "name": context.name,
         "method": module.report_summary(),
         "drafter_dir": str(drafter_dir),
     }
@@ -151,9 +159,7 @@ def finish(
         assert eval_cfg is not None
         try:
             target = module.evaluation_verifier(verifier)
-            results = _evaluate(
-                target, tokenizer, drafters, eval_cfg, data, seed, run, loggers, step, device, drafter_device
-            )
+            results = _evaluate(target, tokenizer, drafters, eval_cfg, context)
         except Exception as err:
             report["evaluation_error"] = f"{type(err).__name__}: {err}"
             _write_json(run / "report.json", report)
@@ -177,29 +183,24 @@ def _evaluate(
     tokenizer: Any,
     drafters: dict[str, torch.nn.Module],
     cfg: EvalConfig,
-    data: Any,
-    seed: int,
-    run: Path,
-    loggers: Sequence[Any] | None,
-    step: int | None,
-    device: torch.device | str | None = None,
-    drafter_device: torch.device | str | None = None,
+    context: RunContext,
 ) -> dict[str, Any]:
+    device, drafter_device = context.device, context.drafter_device
     if device is not None:
         verifier.to(device)
     device = next(verifier.parameters()).device
     for drafter in drafters.values():  # reloaded or merged copies are on the CPU until placed here
         drafter.to(device if drafter_kind(drafter) == "heads" else (drafter_device or device))
-    prompts = build_prompts(tokenizer, data, cfg.num_prompts, cfg.prompt_len, seed=seed)
+    prompts = build_prompts(tokenizer, context.data, cfg.num_prompts, cfg.prompt_len, seed=context.seed)
     return evaluate_drafters(
         verifier,
         drafters,
         prompts,
         cfg,
         eos_token_id=eos_token_ids(tokenizer, verifier, *drafters.values()),
-        out_dir=run / "eval",
-        loggers=loggers,
-        step=step,
+        out_dir=Path(context.run_dir) / "eval",
+        loggers=context.loggers,
+        step=context.step,
     )
 
 

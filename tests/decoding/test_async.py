@@ -13,7 +13,7 @@ import torch
 
 import train.decoding.rules.chain as loop_module
 from train.decoding import AsyncSpeculativeDecoder, SamplingParams, warp
-from train.decoding.async_loop import interval_overlap, run_asynchronous
+from train.decoding.async_loop import AsyncSchedule, interval_overlap, run_asynchronous
 from train.decoding.model_call import TimedModel
 from train.decoding.proposers.model_proposer import ModelProposer
 
@@ -266,11 +266,7 @@ def test_auto_min_ahead_waits_longer_for_a_better_drafter(tiny_pairs):
         SamplingParams(),
         frozenset(),
         None,
-        max_block=6,
-        max_ahead=6,
-        min_ahead="auto",
-        idle="wait",
-        on_block=blocks.append,
+        AsyncSchedule(max_block=6, max_ahead=6, min_ahead="auto", idle="wait", on_block=blocks.append),
     )
     assert result.tokens.tolist() == reference
     assert blocks[0] == 1  # nothing measured yet

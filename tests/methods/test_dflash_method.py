@@ -21,7 +21,7 @@ from train.methods.dflash.module import DFlashModule
 from train.models.dflash_drafter import DFlashDrafter, block_inputs
 from train.models.dflash_loss import block_loss, block_mask, sample_anchors, slot_weights
 from train.models.eagle3_ttt import verifier_targets
-from train.report import Finishable, finish
+from train.report import Finishable, RunContext, finish
 from train.training.answer_data import AnswerDataModule
 
 from .test_eagle3_method import ADAMW, AUX, PAD, _generated, _trainer, _validator, _verifier
@@ -257,7 +257,7 @@ def test_finish_without_evaluation_exports_and_reports_the_validation(tmp_path):
     assert isinstance(module, Finishable)
     _trainer(tmp_path, 2).fit(module, datamodule=data)
     _validator(tmp_path).validate(module, datamodule=data, verbose=False)
-    report = finish(module, module.verifier, module.tokenizer, tmp_path / "run", None, name="unit")
+    report = finish(module, module.verifier, module.tokenizer, RunContext(tmp_path / "run", name="unit"))
     assert report["drafter_dir"] == str(tmp_path / "run" / "dflash")
     summary = report["method"]
     assert summary["method"] == "dflash" and summary["block_size"] == BLOCK and summary["aux_layers"] == AUX

@@ -24,7 +24,7 @@ from train.methods.eagle3.module import Eagle3Module
 from train.models.answers import Answer, generate_answers
 from train.models.eagle3_drafter import Eagle3Drafter
 from train.models.eagle3_ttt import chain_counts
-from train.report import Finishable, finish
+from train.report import Finishable, RunContext, finish
 from train.training.answer_data import AnswerDataModule
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2)
@@ -322,7 +322,7 @@ def test_finish_without_evaluation_exports_and_reports_the_validation(tmp_path):
     assert isinstance(module, Finishable)
     _trainer(tmp_path, 2).fit(module, datamodule=data)
     _validator(tmp_path).validate(module, datamodule=data, verbose=False)
-    report = finish(module, module.verifier, module.tokenizer, tmp_path / "run", None, name="unit")
+    report = finish(module, module.verifier, module.tokenizer, RunContext(tmp_path / "run", name="unit"))
     assert report["drafter_dir"] == str(tmp_path / "run" / "eagle3")
     assert (tmp_path / "run" / "eagle3_speculators" / "model.safetensors").is_file()
     summary = report["method"]

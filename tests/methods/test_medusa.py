@@ -301,7 +301,7 @@ def test_soft_targets_are_the_verifiers_shifted_distributions():
 def test_finish_exports_heads_with_their_tree_and_evaluates_medusa(tmp_path, monkeypatch):
     from train import report as report_module
     from train.evaluation import EvalConfig
-    from train.report import Finishable, finish
+    from train.report import Finishable, RunContext, finish
 
     verifier = tiny_llama(hidden=32, seed=0)
     cfg = MedusaConfig(optimizer=ADAMW, num_heads=2, seq_len=24, batch_size=4, tree_nodes=3, tree_top=3)
@@ -331,10 +331,12 @@ def test_finish_exports_heads_with_their_tree_and_evaluates_medusa(tmp_path, mon
         module,
         verifier,
         make_tokenizer(),
-        run,
-        eval_cfg,
-        name="unit",
-        config={"name": "unit", "model": {"verifier": "org/verifier", "drafter": "org/drafter"}},
+        RunContext(
+            run,
+            eval_cfg,
+            name="unit",
+            config={"name": "unit", "model": {"verifier": "org/verifier", "drafter": "org/drafter"}},
+        ),
     )
     assert MedusaHeads.from_pretrained(run / "heads").tree == tree
     assert load_vllm_medusa(run / "heads_vllm").num_heads == 2

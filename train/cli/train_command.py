@@ -44,7 +44,7 @@ from train.methods.run_spec import RunSpec
 from train.models.loading import load_pair, resolve_device
 from train.pairs.built import ensure_built_pair
 from train.pairs.tiny import build_tiny_pair, format_report
-from train.report import Finishable, finish
+from train.report import Finishable, RunContext, finish
 from train.rundir import RunDirLock, RunDirLocked, remove_if_unused
 from train.training.callbacks import GracefulStop, requeue_slurm_job, slurm_job_id
 from train.training.trainer import (
@@ -276,10 +276,7 @@ def finish_run(module: Any, trainer: L.Trainer, spec: RunSpec, pair: Any, config
             return None
         device = spec.devices[0] or trainer.strategy.root_device
         on_training_device(module, pair.verifier, trainer, device)
-        return finish(
-            module,
-            pair.verifier,
-            pair.tokenizer,
+        context = RunContext(
             spec.run_dir,
             spec.eval,
             data=spec.data,
@@ -291,6 +288,7 @@ def finish_run(module: Any, trainer: L.Trainer, spec: RunSpec, pair: Any, config
             device=device,
             drafter_device=spec.devices[1],
         )
+        return finish(module, pair.verifier, pair.tokenizer, context)
     save_trained = getattr(module, "save_trained", None)
     return save_trained(trainer, spec) if save_trained is not None else None
 

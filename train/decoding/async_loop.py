@@ -35,7 +35,8 @@ import functools
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -49,7 +50,7 @@ from train.decoding.proposers.model_proposer import ModelProposer
 from train.decoding.rules.rejection import LOSSLESS
 from train.decoding.sampling import SamplingParams
 
-__all__ = ["IDLE_POLICIES", "auto_block", "interval_overlap", "run_asynchronous"]
+__all__ = ["IDLE_POLICIES", "AsyncSchedule", "auto_block", "interval_overlap", "run_asynchronous"]
 
 #: What the verifier does when no draft is ready: ``step`` (an autoregressive step) or ``wait``.
 IDLE_POLICIES: tuple[str, ...] = ("step", "wait")
@@ -214,6 +215,114 @@ def _republish(shared: _Shared, k: int, accepted: int, extra: list[int], done: b
     return len(rest)
 
 
+@dataclass(frozen=True)
+class AsyncSchedule:
+    """The asynchronous schedule's settings. ``max_block``: most drafts one verification takes;
+    ``max_ahead``: most drafts published ahead of the verified sequence; ``min_ahead``: drafts needed before
+    verifying them, or ``"auto"`` (each verification takes :func:`auto_block` drafts, waiting for them with
+    ``idle="wait"``; with ``idle="step"`` at most those ready, none to step alone); ``idle``: ``step`` (a
+    plain verifier step when fewer are ready) or ``wait``; ``pin_cores``: (verifier core, drafter core) on
+    a CPU; ``on_block``: called with each block's length (tests)."""
+
+    max_block: int = 8
+    max_ahead: int = 8
+    min_ahead: int | str = 1
+    idle: str = "step"
+    pin_cores: tuple[int, int] | None = None
+    on_block: Callable[[int], None] | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        _check_count("max_block", self.max_block)
+        _check_count("max_ahead", self.max_ahead)
+        if self.min_ahead != "auto":
+            _check_count("min_ahead", self.min_ahead, " or 'auto'")
+        if self.idle not in IDLE_POLICIES:
+            raise ValueError(f"idle must be one of {list(IDLE_POLICIES)}, got {self.idle!r}")
+        if isinstance(self.min_ahead, int) and self.min_ahead > self.max_ahead:
+            raise ValueError(f"min_ahead ({self.min_ahead}) cannot exceed max_ahead ({self.max_ahead})")
+        if self.pin_cores is not None:
+            if len(self.pin_cores) != 2:
+                raise ValueError(f"pin_cores must be (verifier core, drafter core), got {self.pin_cores!r}")
+            object.__setattr__(self, "pin_cores", (int(self.pin_cores[0]), int(self.pin_cores[1])))
+
+    @property
+    def waits(self) -> bool:
+        return self.idle == "wait"
+
+
+def _check_count(name: str, value: object, alternative: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1{alternative}, got {value!r}")
+
+
+@contextlib.contextmanager
+def _drafter_running(
+    shared: _Shared,
+    drafting: Callable[[], None],
+    verifier: TimedModel,
+    drafter_device: torch.device,
+    pin_cores: tuple[int, int] | None,
+) -> Iterator[None]:
+    """The drafter thread running ``drafting`` for the duration of the block: on a CPU both models share
+    its intra-op threads (one each on two cores; each pinned to its core with ``pin_cores``); on leaving,
+    the thread is stopped and joined and this thread's settings restored."""
+    threads_before = torch.get_num_threads()
+    split = None
+    if verifier.device.type == "cpu" and drafter_device.type == "cpu":
+        split = 1 if pin_cores is not None else max(1, threads_before // 2)
+    thread = threading.Thread(
+        target=_draft_loop,
+        args=(shared, drafting, None if pin_cores is None else pin_cores[1], split, drafter_device),
+        name="draftsmith-drafter",
+        daemon=True,
+    )
+    previous_affinity: Any = None
+    if pin_cores is not None:
+        previous_affinity = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, {pin_cores[0]})
+    if split is not None:
+        torch.set_num_threads(split)
+    thread.start()
+    try:
+        yield
+    finally:
+        with shared.cond:
+            shared.stop = True
+            shared.cond.notify_all()
+        thread.join()
+        if previous_affinity is not None:
+            os.sched_setaffinity(0, previous_affinity)
+        torch.set_num_threads(threads_before)
+
+
+def _take_block(
+    shared: _Shared, schedule: AsyncSchedule, auto: Callable[..., int], eos: frozenset[int], limit: int
+) -> Draft:
+    """The drafts the next verification takes (waiting for them under ``idle="wait"``), as a chain with
+    the q rows they were drawn from. Raises the drafter thread's error, if any."""
+    min_ahead = schedule.min_ahead
+    seq = shared.verified
+    with shared.cond:
+        target = min_ahead if isinstance(min_ahead, int) else auto(ready=len(shared.drafts))
+        while not shared.stop and schedule.waits and len(shared.drafts) < target:
+            if shared.drafts and shared.drafts[-1] in eos:
+                break  # the drafter stops after an EOS
+            if len(seq) + len(shared.drafts) >= limit - 1:
+                break  # nor does it draft past the limit
+            shared.cond.wait(_WAIT)
+        if shared.error is not None:
+            raise shared.error
+        k = min(len(shared.drafts), schedule.max_block, limit - len(seq) - 1)
+        if not isinstance(min_ahead, int):
+            k = min(k, auto(ready=len(shared.drafts)))
+        elif k and len(shared.drafts) < target and not schedule.waits:
+            k = 0
+        block, qs = shared.drafts[:k], shared.qs[:k]
+    if schedule.on_block is not None:
+        schedule.on_block(k)
+    return Draft.chain(block, None if k == 0 or qs[0] is None else torch.stack(qs))  # type: ignore[arg-type]
+
+
 def run_asynchronous(
     verifier: TimedModel,
     proposer: ModelProposer,
@@ -222,20 +331,13 @@ def run_asynchronous(
     params: SamplingParams,
     eos: frozenset[int],
     generator: torch.Generator | None,
-    max_block: int = 8,
-    max_ahead: int = 8,
-    min_ahead: int | str = 1,
-    idle: str = "step",
-    pin_cores: tuple[int, int] | None = None,
-    on_block: Callable[[int], None] | None = None,
+    schedule: AsyncSchedule = AsyncSchedule(),
 ) -> DecodeResult:
     """Decode up to ``max_new_tokens`` after ``prompt`` with the drafter in a second thread (module
-    docstring). ``generator`` drives the verifier's draws; the drafter's generator is seeded from it.
-    ``pin_cores``: (verifier core, drafter core). ``on_block``: called with each block's length (tests).
-    ``min_ahead="auto"``: each verification takes :func:`auto_block` drafts (waiting for them with
-    ``idle="wait"``; with ``idle="step"`` at most those ready, none to step alone)."""
+    docstring; ``schedule``: :class:`AsyncSchedule`). ``generator`` drives the verifier's draws; the
+    drafter's generator is seeded from it."""
     t_start = time.perf_counter()
-    stats = DecodeStats(max_draft=max_block)
+    stats = DecodeStats(max_draft=schedule.max_block)
     drafter_stats = DecodeStats()
     limit = len(prompt) + max_new_tokens
     if max_new_tokens == 0:
@@ -257,60 +359,19 @@ def run_asynchronous(
         eos,
         drafter_stats,
         drafter_busy,
-        max_ahead,
+        schedule.max_ahead,
         limit,
     )
-    pin = None if pin_cores is None else pin_cores[1]
-    # two models computing at once on one CPU share its intra-op threads (1 each on 2 cores)
-    threads_before = torch.get_num_threads()
-    split = None
-    if verifier.device.type == "cpu" and proposer.drafter.device.type == "cpu":
-        split = 1 if pin_cores is not None else max(1, threads_before // 2)
-    thread = threading.Thread(
-        target=_draft_loop,
-        args=(shared, drafting, pin, split, proposer.drafter.device),
-        name="draftsmith-drafter",
-        daemon=True,
-    )
-    previous_affinity: Any = None
-    if pin_cores is not None:
-        previous_affinity = os.sched_getaffinity(0)
-        os.sched_setaffinity(0, {pin_cores[0]})
-    if split is not None:
-        torch.set_num_threads(split)
-    thread.start()
     seq = shared.verified  # only this thread appends to it, under the lock
     scored = VerifierCache(verifier, stats)
     calls = CostLine()  # the verifier's decoding calls: tokens scored, seconds
-    cap = min(max_block, max_ahead)
-    auto = functools.partial(auto_block, stats, drafter_stats, calls, max_block=cap, wait=idle == "wait")
-    try:
+    cap = min(schedule.max_block, schedule.max_ahead)
+    auto = functools.partial(auto_block, stats, drafter_stats, calls, max_block=cap, wait=schedule.waits)
+    with _drafter_running(shared, drafting, verifier, proposer.drafter.device, schedule.pin_cores):
         done = False
         while not done:
-            with shared.cond:
-                target = min_ahead if isinstance(min_ahead, int) else auto(ready=len(shared.drafts))
-                while not shared.stop and idle == "wait" and len(shared.drafts) < target:
-                    if shared.drafts and shared.drafts[-1] in eos:
-                        break  # the drafter stops after an EOS
-                    if len(seq) + len(shared.drafts) >= limit - 1:
-                        break  # nor does it draft past the limit
-                    shared.cond.wait(_WAIT)
-                if shared.error is not None:
-                    raise shared.error
-                n_seq = len(seq)
-                k = min(len(shared.drafts), max_block, limit - n_seq - 1)
-                if not isinstance(min_ahead, int):
-                    k = min(k, auto(ready=len(shared.drafts)))
-                elif k and len(shared.drafts) < target and idle == "step":
-                    k = 0
-                block = shared.drafts[:k]
-                qs = shared.qs[:k]
-            if on_block is not None:
-                on_block(k)
-            draft = Draft.chain(
-                block,
-                None if k == 0 or qs[0] is None else torch.stack(qs),  # type: ignore[arg-type]
-            )
+            draft = _take_block(shared, schedule, auto, eos, limit)
+            n_seq, k = len(seq), len(draft)
             prefill = not scored.prefilled
             out = scored.score(seq, draft)
             end = time.perf_counter()
@@ -318,23 +379,16 @@ def run_asynchronous(
             if not prefill:
                 calls.add(scored.context_length + k, out.seconds)
             verdict = LOSSLESS.verify(out.logits, draft, params, generator, eos)
-            n = verdict.accepted
             settled = settle_block(stats, draft, verdict, eos, limit - n_seq)
-            new, done = settled.tokens, settled.done
+            done = settled.done
             with shared.cond:
-                seq.extend(new)
-                stats.discarded += _republish(shared, k, n, new[n:], done)
+                seq.extend(settled.tokens)
+                stats.discarded += _republish(
+                    shared, k, verdict.accepted, settled.tokens[verdict.accepted :], done
+                )
                 shared.cond.notify_all()
             if not done:
                 scored.keep(n_seq, draft, verdict.path)
-    finally:
-        with shared.cond:
-            shared.stop = True
-            shared.cond.notify_all()
-        thread.join()
-        if previous_affinity is not None:
-            os.sched_setaffinity(0, previous_affinity)
-        torch.set_num_threads(threads_before)
     if shared.error is not None:
         raise shared.error
     stats.drafter_calls = drafter_stats.drafter_calls

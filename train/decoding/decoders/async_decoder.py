@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from train.decoding.async_loop import IDLE_POLICIES, run_asynchronous
+from train.decoding.async_loop import AsyncSchedule, run_asynchronous
 from train.decoding.decoders.base import Decoder
 from train.decoding.metrics import DecodeResult
 from train.decoding.model_call import TimedModel
@@ -37,19 +37,15 @@ class AsyncSpeculativeDecoder(Decoder):
         idle: str = "step",
         pin_cores: tuple[int, int] | list[int] | None = None,
     ) -> None:
-        _check_count("max_block", max_block)
-        _check_count("max_ahead", max_ahead)
-        if min_ahead != "auto":
-            _check_count("min_ahead", min_ahead, " or 'auto'")
-        if idle not in IDLE_POLICIES:
-            raise ValueError(f"idle must be one of {list(IDLE_POLICIES)}, got {idle!r}")
-        if isinstance(min_ahead, int) and min_ahead > max_ahead:
-            raise ValueError(f"min_ahead ({min_ahead}) cannot exceed max_ahead ({max_ahead})")
-        if pin_cores is not None and len(pin_cores) != 2:
-            raise ValueError(f"pin_cores must be (verifier core, drafter core), got {pin_cores!r}")
         self.verifier, self.drafter = verifier, drafter
-        self.max_block, self.max_ahead, self.min_ahead, self.idle = max_block, max_ahead, min_ahead, idle
-        self.pin_cores = None if pin_cores is None else (int(pin_cores[0]), int(pin_cores[1]))
+        #: The schedule's settings, validated there.
+        self.schedule = AsyncSchedule(
+            max_block,
+            max_ahead,
+            min_ahead,
+            idle,
+            None if pin_cores is None else tuple(pin_cores),  # type: ignore[arg-type]
+        )
         self._verifier = TimedModel(verifier)
         self._drafter = TimedModel(drafter)
         self.vocab_size = self._verifier.vocab_size
@@ -67,21 +63,5 @@ class AsyncSpeculativeDecoder(Decoder):
     ) -> DecodeResult:
         proposer = ModelProposer(self._drafter, self.vocab_size)  # one per call: its own cache
         return run_asynchronous(
-            self._verifier,
-            proposer,
-            prompt,
-            max_new_tokens,
-            params,
-            eos,
-            generator,
-            max_block=self.max_block,
-            max_ahead=self.max_ahead,
-            min_ahead=self.min_ahead,
-            idle=self.idle,
-            pin_cores=self.pin_cores,
+            self._verifier, proposer, prompt, max_new_tokens, params, eos, generator, self.schedule
         )
-
-
-def _check_count(name: str, value: object, alternative: str = "") -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1{alternative}, got {value!r}")
