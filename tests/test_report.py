@@ -83,8 +83,8 @@ class _Heads(torch.nn.Linear):
 def test_the_evaluation_runs_on_the_device_it_is_given(
     module, tmp_path, monkeypatch, device, drafter_device, expected
 ):
-    """finish with RunContext(device=, drafter_device=): the verifier and the drafters it evaluates (reloaded or merged
-    copies, made on the CPU) are placed there before the evaluation."""
+    """RunContext(device=, drafter_device=): the verifier and the drafters the finish step evaluates
+    (reloaded or merged copies, made on the CPU) are placed there before the evaluation."""
     seen: dict[str, str] = {}
 
     def record(verifier, drafters, *args, **kwargs):

@@ -89,7 +89,7 @@ def test_a_sampled_tree_stops_at_eos_and_within_the_budget(eagle3_verifiers, mon
     under_eos = [draft for stop, draft in drafted if stop]
     assert under_eos and all(stop == {eos} for stop, _ in drafted if stop)
     assert any(  # not vacuous: some eos was drafted above the last level, where it could have been expanded
-        token == eos and depth < len(decoder.sampled_tree)
+        token == eos and depth < len(decoder.tree.sampled_tree)
         for draft in under_eos
         for token, depth in zip(draft.tokens, draft.depths(), strict=True)
     )

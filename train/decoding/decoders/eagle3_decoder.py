@@ -17,7 +17,7 @@ import torch
 
 from train.decoding.decoders.base import DraftTreeDecoder, check_feature_drafter
 from train.decoding.model_call import TimedModel
-from train.decoding.proposers.eagle3_proposer import Eagle3Proposer
+from train.decoding.proposers.eagle3_proposer import Eagle3Proposer, Eagle3Tree
 from train.decoding.proposers.lookup_proposer import prompt_lookup
 from train.models.eagle3_drafter import Eagle3Drafter
 
@@ -36,6 +36,8 @@ class Eagle3Decoder(DraftTreeDecoder):
 
     accepts: ClassVar[tuple[str, ...]] = ("eagle3",)
 
+    # the keyword settings are conf/decoding/eagle3*.yaml's keys (Hydra instantiates them by name); they
+    # travel on as one Eagle3Tree and one prompt-lookup proposer
     def __init__(
         self,
         verifier: torch.nn.Module,
@@ -54,20 +56,18 @@ class Eagle3Decoder(DraftTreeDecoder):
         self.drafter = drafter
         self._verifier = TimedModel(verifier)
         check_eagle3(verifier, drafter, self._verifier.vocab_size)
-        self._proposer = Eagle3Proposer(
-            drafter,
-            self._verifier.vocab_size,
-            depth,
-            top_k,
-            total_tokens,
-            sampled_chain,
-            draft_temperature,
+        tree = Eagle3Tree.of(
             sampled_tree,
+            depth=depth,
+            top_k=top_k,
+            total_tokens=total_tokens,
+            sampled_chain=sampled_chain,
+            draft_temperature=draft_temperature,
         )
-        self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
-        self.sampled_chain = sampled_chain
-        self.sampled_tree = self._proposer.sampled_tree
-        self.draft_temperature = draft_temperature
+        self._proposer = Eagle3Proposer(drafter, self._verifier.vocab_size, tree)
+        #: The draft's shape (:class:`~train.decoding.proposers.eagle3_proposer.Eagle3Tree`).
+        self.tree = tree
+        self.depth = tree.depth
         self._lookup = prompt_lookup(lookup_tokens, lookup_max_ngram, lookup_min_ngram)
 
     def models(self) -> tuple[torch.nn.Module, ...]:

@@ -42,6 +42,8 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import DynamicCache
@@ -81,41 +83,59 @@ def node_mask(cached: int, width: int, seen: Sequence[Sequence[int]], device: to
     return mask.to(device)  # built on the host, one copy: not a device write per row
 
 
-class Eagle3Proposer:
-    """Deterministic EAGLE-2 draft trees from an EAGLE-3 drafter (see the module docstring)."""
+@dataclass(frozen=True)
+class Eagle3Tree:
+    """The shape of an EAGLE-3 draft, shared by :class:`Eagle3Proposer` and the decoder that holds it
+    (validated here): trees of at most ``total_tokens`` nodes and ``depth`` levels, each expanded level
+    its ``top_k`` best nodes, each node its ``top_k`` best children (``top_k=1``: a chain);
+    ``sampled_chain``: at T > 0 a chain of ``depth`` tokens sampled from the drafter's logits divided by
+    ``draft_temperature``; ``sampled_tree``: children per depth of a tree sampled at T > 0 without
+    replacement (empty: not sampled)."""
 
-    def __init__(
-        self,
-        drafter: Eagle3Drafter,
-        vocab_size: int,
-        depth: int = 5,
-        top_k: int = 8,
-        total_tokens: int = 32,
-        sampled_chain: bool = False,
-        draft_temperature: float = 1.0,
-        sampled_tree: Sequence[int] | None = None,
-    ) -> None:
-        for name, value in (("depth", depth), ("top_k", top_k), ("total_tokens", total_tokens)):
+    depth: int = 5
+    top_k: int = 8
+    total_tokens: int = 32
+    sampled_chain: bool = False
+    draft_temperature: float = 1.0
+    sampled_tree: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("depth", "top_k", "total_tokens"):
+            value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        branching = tuple(sampled_tree) if sampled_tree is not None else ()
-        if sampled_tree is not None and (
-            not branching or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in branching)
+        branching = self.sampled_tree
+        if branching is None or any(
+            isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in branching
         ):
-            raise ValueError(f"sampled_tree must be a non-empty list of integers >= 1, got {sampled_tree!r}")
-        if branching and sampled_chain:
+            raise ValueError(f"sampled_tree must be a non-empty list of integers >= 1, got {branching!r}")
+        object.__setattr__(self, "sampled_tree", tuple(branching))
+        if branching and self.sampled_chain:
             raise ValueError(
                 "sampled_chain and sampled_tree exclude each other (a chain is sampled_tree [1, 1, ...])"
             )
-        if isinstance(draft_temperature, bool) or not draft_temperature > 0:
-            raise ValueError(f"draft_temperature must be > 0, got {draft_temperature!r}")
+        if isinstance(self.draft_temperature, bool) or not self.draft_temperature > 0:
+            raise ValueError(f"draft_temperature must be > 0, got {self.draft_temperature!r}")
+        object.__setattr__(self, "sampled_chain", bool(self.sampled_chain))
+        object.__setattr__(self, "draft_temperature", float(self.draft_temperature))
+
+    @classmethod
+    def of(cls, sampled_tree: Sequence[int] | None, **settings: Any) -> Eagle3Tree:
+        """The settings as a decoder config gives them (``sampled_tree`` None: not sampled; an empty
+        list is refused)."""
+        if sampled_tree is not None and not list(sampled_tree):
+            raise ValueError(f"sampled_tree must be a non-empty list of integers >= 1, got {sampled_tree!r}")
+        return cls(sampled_tree=tuple(sampled_tree or ()), **settings)
+
+
+class Eagle3Proposer:
+    """Deterministic EAGLE-2 draft trees from an EAGLE-3 drafter (see the module docstring)."""
+
+    def __init__(self, drafter: Eagle3Drafter, vocab_size: int, tree: Eagle3Tree | None = None) -> None:
         self.drafter = drafter
         self.vocab_size = vocab_size
-        self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
-        self.sampled_chain = bool(sampled_chain)
-        #: Children per node at each depth of the tree sampled at T > 0 (empty: not sampled).
-        self.sampled_tree: tuple[int, ...] = branching
-        self.draft_temperature = float(draft_temperature)
+        #: The draft's shape (:class:`Eagle3Tree`).
+        self.tree = tree or Eagle3Tree()
         self.hidden_layers: tuple[int, ...] = tuple(int(i) for i in drafter.aux_layers)
         param = drafter.fc.weight
         self._device, self._dtype = param.device, param.dtype
@@ -180,12 +200,12 @@ class Eagle3Proposer:
             self._synchronize()
             stats.drafter_prefill_calls += 1
             stats.drafter_prefill_time += time.perf_counter() - start
-        depth = min(self.depth, budget)
-        if self.sampled_tree and not params.greedy:
+        depth = min(self.tree.depth, budget)
+        if self.tree.sampled_tree and not params.greedy:
             draft, forwards = self._sample_tree(
-                out.logits[0, -1], out.hidden[0, -1], self.sampled_tree[:budget], params, generator, eos
+                out.logits[0, -1], out.hidden[0, -1], self.tree.sampled_tree[:budget], params, generator, eos
             )
-        elif self.sampled_chain and not params.greedy:
+        elif self.tree.sampled_chain and not params.greedy:
             draft, forwards = self._sample_chain(
                 out.logits[0, -1], out.hidden[0, -1], depth, params, generator, eos
             )
@@ -205,7 +225,7 @@ class Eagle3Proposer:
     def _compact_distribution(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         """q over the draft vocabulary (N,): the drafter's logits (N,) divided by ``draft_temperature``,
         warped by ``params`` (zero at every other verifier id)."""
-        return warp(logits.float() / self.draft_temperature, params)
+        return warp(logits.float() / self.tree.draft_temperature, params)
 
     def _distribution(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         """q over the verifier's vocabulary (V,): :meth:`_compact_distribution` placed at the target ids."""
@@ -320,7 +340,7 @@ class Eagle3Proposer:
 
         Node lists grow level by level (parents before children); the drafter's cache gains one entry
         per expanded node, at slots ``self._fed + j`` in the order they were expanded."""
-        k = min(self.top_k, root_logits.shape[-1])
+        k = min(self.tree.top_k, root_logits.shape[-1])
         logp = root_logits.float().log_softmax(-1).clamp(max=0.0)
         top = logp.topk(k)
         ids: list[int] = top.indices.tolist()  # draft-vocabulary indices
@@ -332,7 +352,7 @@ class Eagle3Proposer:
         ancestors: dict[int, list[int]] = {i: [] for i in level}
         base = self._fed
         for d in range(1, depth):
-            frontier = sorted(level, key=lambda i: (-scores[i], i))[: self.top_k]
+            frontier = sorted(level, key=lambda i: (-scores[i], i))[: self.tree.top_k]
             for i in frontier:
                 slot[i] = len(slot)
             seen = [[slot[a] for a in (*ancestors[i], i)] for i in frontier]
@@ -357,7 +377,7 @@ class Eagle3Proposer:
                     parents.append(i)
                     ancestors[node] = [*ancestors[i], i]
                     level.append(node)
-        kept = select_nodes(scores, parents, self.total_tokens)
+        kept = select_nodes(scores, parents, self.tree.total_tokens)
         index = {old: new for new, old in enumerate(kept)}
         draft_ids = torch.tensor([ids[i] for i in kept], device=self._device)
         target = self._targets[draft_ids].tolist()
