@@ -3,6 +3,7 @@ import cycles, a file map that names every module."""
 
 from __future__ import annotations
 
+import ast
 import re
 import sys
 from collections import defaultdict
@@ -133,3 +134,58 @@ def test_the_file_map_names_every_module_outside_the_package():
         if path.name != "__init__.py" and not ({path.name, path.stem} & names)
     ]
     assert not unnamed, f"docs/architecture.md's file map does not name: {unnamed}"
+
+
+MAX_PARAMETERS, MAX_FUNCTION_LINES = 8, 80
+
+
+def _comments_beside(lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
+    """The comment lines right above a function (above its decorators) and its ``def`` line."""
+    first = (node.decorator_list[0].lineno if node.decorator_list else node.lineno) - 1
+    above = []
+    i = first - 1
+    while i >= 0 and lines[i].strip().startswith("#"):
+        above.append(lines[i])
+        i -= 1
+    return " ".join([*above, lines[node.lineno - 1]])
+
+
+def long_functions_without_a_reason(root: Path, relative_to: Path = ROOT) -> list[str]:
+    """Functions under ``root`` with more than MAX_PARAMETERS parameters (self and cls aside) or more than
+    MAX_FUNCTION_LINES lines whose comment beside them does not say why ("more than 8 parameters: ...",
+    "more than 80 lines: ...")."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        lines = path.read_text().splitlines()
+        for node in ast.walk(ast.parse("\n".join(lines))):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            args = node.args
+            names = [
+                a.arg
+                for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)
+                if a.arg not in ("self", "cls")
+            ]
+            length = (node.end_lineno or node.lineno) - node.lineno + 1
+            comments = _comments_beside(lines, node)
+            where = f"{path.relative_to(relative_to)}:{node.lineno} {node.name}"
+            if len(names) > MAX_PARAMETERS and f"more than {MAX_PARAMETERS} parameters:" not in comments:
+                found.append(f"{where} ({len(names)} parameters)")
+            if length > MAX_FUNCTION_LINES and f"more than {MAX_FUNCTION_LINES} lines:" not in comments:
+                found.append(f"{where} ({length} lines)")
+    return found
+
+
+def test_no_long_function_in_train_without_a_reason_beside_it():
+    """docs/architecture.md: a function over 80 lines or 8 parameters says why beside its ``def``."""
+    assert not long_functions_without_a_reason(ROOT / "train"), long_functions_without_a_reason(
+        ROOT / "train"
+    )
+
+
+def test_the_long_function_check_sees_one(tmp_path):
+    (tmp_path / "m.py").write_text(
+        "def many(a, b, c, d, e, f, g, h, i):\n    pass\n\n\n"
+        "# more than 8 parameters: a test\ndef excused(a, b, c, d, e, f, g, h, i):\n    pass\n"
+    )
+    assert long_functions_without_a_reason(tmp_path, tmp_path) == ["m.py:1 many (9 parameters)"]

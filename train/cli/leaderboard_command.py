@@ -170,6 +170,7 @@ def validate(cfg: DictConfig) -> tuple[Any, Any, Any]:
     return paths, model_cfg, data_cfg
 
 
+# more than 80 lines: the leaderboard's recipe (artifacts, evaluations, table) read top to bottom
 def main(cfg: DictConfig) -> dict[str, Any]:
     """``scripts/leaderboard.py``: artifacts, evaluations, the table."""
     if "hydra" in cfg:

@@ -117,6 +117,7 @@ class _SplitDataModule(L.LightningDataModule):
 class LMDataModule(_SplitDataModule):
     """Packed ``seq_len`` blocks: batches are ``{"input_ids": LongTensor [B, seq_len]}``."""
 
+    # more than 8 parameters: the data config's keys (conf/data), passed by name by one builder
     def __init__(
         self,
         splits: SplitsArg,
@@ -180,6 +181,7 @@ class PromptDataModule(_SplitDataModule):
     (``input_ids``/``attention_mask`` left-padded ``[B, T]``, ``continuation_ids``/``continuation_mask``
     right-padded ``[B, C]``)."""
 
+    # more than 8 parameters: the data config's keys (conf/data), passed by name by one builder
     def __init__(
         self,
         splits: SplitsArg,

@@ -85,6 +85,8 @@ def pack_sequences(
     return packed
 
 
+# more than 8 parameters: the prompt cut's settings (conf/data keys); more than 80 lines: two source shapes
+# (chat rows, plain text) in one cut
 def make_prompts(
     dataset_split: Dataset,
     tokenizer: Any,

@@ -36,12 +36,11 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from train.decoding.async_policy import CostLine, acceptance_estimate, best_wait
+from train.decoding.async_policy import IDLE_POLICIES, AsyncSchedule, CostLine, acceptance_estimate, best_wait
 from train.decoding.block_step import VerifierCache, settle_block
 from train.decoding.draft import Draft
 from train.decoding.metrics import DecodeResult, DecodeStats
@@ -52,8 +51,6 @@ from train.decoding.sampling import SamplingParams
 
 __all__ = ["IDLE_POLICIES", "AsyncSchedule", "auto_block", "interval_overlap", "run_asynchronous"]
 
-#: What the verifier does when no draft is ready: ``step`` (an autoregressive step) or ``wait``.
-IDLE_POLICIES: tuple[str, ...] = ("step", "wait")
 
 #: The longest a thread waits on the condition before re-checking (seconds); a bound, not a poll rate.
 _WAIT = 0.5
@@ -148,6 +145,7 @@ def _draft_loop(
             shared.cond.notify_all()
 
 
+# more than 8 parameters: the drafter thread's state, bound once with functools.partial
 def _draft(
     shared: _Shared,
     proposer: ModelProposer,
@@ -213,46 +211,6 @@ def _republish(shared: _Shared, k: int, accepted: int, extra: list[int], done: b
     if accepted < k or done or rest:
         shared.epoch += 1
     return len(rest)
-
-
-@dataclass(frozen=True)
-class AsyncSchedule:
-    """The asynchronous schedule's settings. ``max_block``: most drafts one verification takes;
-    ``max_ahead``: most drafts published ahead of the verified sequence; ``min_ahead``: drafts needed before
-    verifying them, or ``"auto"`` (each verification takes :func:`auto_block` drafts, waiting for them with
-    ``idle="wait"``; with ``idle="step"`` at most those ready, none to step alone); ``idle``: ``step`` (a
-    plain verifier step when fewer are ready) or ``wait``; ``pin_cores``: (verifier core, drafter core) on
-    a CPU; ``on_block``: called with each block's length (tests)."""
-
-    max_block: int = 8
-    max_ahead: int = 8
-    min_ahead: int | str = 1
-    idle: str = "step"
-    pin_cores: tuple[int, int] | None = None
-    on_block: Callable[[int], None] | None = field(default=None, compare=False, repr=False)
-
-    def __post_init__(self) -> None:
-        _check_count("max_block", self.max_block)
-        _check_count("max_ahead", self.max_ahead)
-        if self.min_ahead != "auto":
-            _check_count("min_ahead", self.min_ahead, " or 'auto'")
-        if self.idle not in IDLE_POLICIES:
-            raise ValueError(f"idle must be one of {list(IDLE_POLICIES)}, got {self.idle!r}")
-        if isinstance(self.min_ahead, int) and self.min_ahead > self.max_ahead:
-            raise ValueError(f"min_ahead ({self.min_ahead}) cannot exceed max_ahead ({self.max_ahead})")
-        if self.pin_cores is not None:
-            if len(self.pin_cores) != 2:
-                raise ValueError(f"pin_cores must be (verifier core, drafter core), got {self.pin_cores!r}")
-            object.__setattr__(self, "pin_cores", (int(self.pin_cores[0]), int(self.pin_cores[1])))
-
-    @property
-    def waits(self) -> bool:
-        return self.idle == "wait"
-
-
-def _check_count(name: str, value: object, alternative: str = "") -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1{alternative}, got {value!r}")
 
 
 @contextlib.contextmanager
@@ -331,11 +289,12 @@ def run_asynchronous(
     params: SamplingParams,
     eos: frozenset[int],
     generator: torch.Generator | None,
-    schedule: AsyncSchedule = AsyncSchedule(),
+    schedule: AsyncSchedule | None = None,
 ) -> DecodeResult:
     """Decode up to ``max_new_tokens`` after ``prompt`` with the drafter in a second thread (module
     docstring; ``schedule``: :class:`AsyncSchedule`). ``generator`` drives the verifier's draws; the
     drafter's generator is seeded from it."""
+    schedule = schedule or AsyncSchedule()
     t_start = time.perf_counter()
     stats = DecodeStats(max_draft=schedule.max_block)
     drafter_stats = DecodeStats()

@@ -9,12 +9,23 @@ waiting for ``k`` costs ``max(0, k - ready)`` more drafter steps first. The poli
 maximises tokens per second, :func:`best_wait`, with ``a`` (:func:`acceptance_estimate`), the drafter's
 step and the verifier's cost line (:class:`CostLine`) measured during the same generation.
 Only the schedule changes: which drafts a block holds never depends on the random draws, so the
-decoder stays lossless.
+decoder stays lossless. :class:`AsyncSchedule` holds the schedule's settings.
 """
 
 from __future__ import annotations
 
-__all__ = ["CostLine", "acceptance_estimate", "best_wait", "expected_block_tokens", "verify_cost_line"]
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+__all__ = [
+    "IDLE_POLICIES",
+    "AsyncSchedule",
+    "CostLine",
+    "acceptance_estimate",
+    "best_wait",
+    "expected_block_tokens",
+    "verify_cost_line",
+]
 
 
 def expected_block_tokens(acceptance: float, drafts: int) -> float:
@@ -90,3 +101,47 @@ def acceptance_estimate(accepted: int, tested: int, prior: float = 0.5, prior_we
     """Per-token acceptance: accepted / tested drafts so far, shrunk towards ``prior`` by
     ``prior_weight`` pseudo-drafts (so the first blocks of a generation do not swing the policy)."""
     return (accepted + prior * prior_weight) / (tested + prior_weight)
+
+
+#: What the verifier does when no draft is ready: ``step`` (an autoregressive step) or ``wait``.
+IDLE_POLICIES: tuple[str, ...] = ("step", "wait")
+
+
+@dataclass(frozen=True)
+class AsyncSchedule:
+    """The asynchronous schedule's settings. ``max_block``: most drafts one verification takes;
+    ``max_ahead``: most drafts published ahead of the verified sequence; ``min_ahead``: drafts needed before
+    verifying them, or ``"auto"`` (each verification takes :func:`auto_block` drafts, waiting for them with
+    ``idle="wait"``; with ``idle="step"`` at most those ready, none to step alone); ``idle``: ``step`` (a
+    plain verifier step when fewer are ready) or ``wait``; ``pin_cores``: (verifier core, drafter core) on
+    a CPU; ``on_block``: called with each block's length (tests)."""
+
+    max_block: int = 8
+    max_ahead: int = 8
+    min_ahead: int | str = 1
+    idle: str = "step"
+    pin_cores: tuple[int, int] | None = None
+    on_block: Callable[[int], None] | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        _check_count("max_block", self.max_block)
+        _check_count("max_ahead", self.max_ahead)
+        if self.min_ahead != "auto":
+            _check_count("min_ahead", self.min_ahead, " or 'auto'")
+        if self.idle not in IDLE_POLICIES:
+            raise ValueError(f"idle must be one of {list(IDLE_POLICIES)}, got {self.idle!r}")
+        if isinstance(self.min_ahead, int) and self.min_ahead > self.max_ahead:
+            raise ValueError(f"min_ahead ({self.min_ahead}) cannot exceed max_ahead ({self.max_ahead})")
+        if self.pin_cores is not None:
+            if len(self.pin_cores) != 2:
+                raise ValueError(f"pin_cores must be (verifier core, drafter core), got {self.pin_cores!r}")
+            object.__setattr__(self, "pin_cores", (int(self.pin_cores[0]), int(self.pin_cores[1])))
+
+    @property
+    def waits(self) -> bool:
+        return self.idle == "wait"
+
+
+def _check_count(name: str, value: object, alternative: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1{alternative}, got {value!r}")

@@ -48,6 +48,8 @@ __all__ = ["run_synchronous"]
 _EMPTY = Draft()
 
 
+# more than 8 parameters: a decode request (prompt, max_new_tokens, params, eos, generator) and the
+# schedule's parts
 def run_synchronous(
     verifier: TimedModel,
     proposer: Proposer | None,

@@ -129,6 +129,7 @@ def classify_difference(
     return record
 
 
+# more than 8 parameters: one entry's outputs against the baseline's, and the two lists it records into
 def check_greedy(
     verifier: torch.nn.Module,
     entry: TimedEntry,

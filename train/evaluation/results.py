@@ -99,6 +99,7 @@ def pool(stats: Sequence[DecodeStats]) -> DecodeStats:
     return pooled
 
 
+# more than 8 parameters: the fields of one results entry, each passed by name
 def run_entry(
     drafter: str,
     decoder: str,

@@ -116,6 +116,7 @@ def slower_than_baseline(results: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+# more than 80 lines: the results' sections in the order they print
 def results_table(results: Mapping[str, Any]) -> str:
     """The Markdown rendering of a results dictionary (results.md).
 

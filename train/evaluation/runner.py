@@ -109,6 +109,8 @@ def _check_context(models: Mapping[str, torch.nn.Module], longest: int, max_new_
             )
 
 
+# more than 8 parameters: the evaluator's public entry: the pair, the prompts, the settings, where results
+# go
 def evaluate_drafters(
     verifier: torch.nn.Module,
     drafters: Mapping[str, torch.nn.Module],
@@ -204,6 +206,7 @@ def _prompt_speedup(stats: DecodeStats, ar: DecodeStats) -> float:
     return speedup(tps, ar_tps)
 
 
+# more than 80 lines: the paired timing loop (interleaved entries per prompt and seed) read top to bottom
 def _evaluate(
     verifier: torch.nn.Module,
     drafters: dict[str, torch.nn.Module],

@@ -250,6 +250,7 @@ def usage_section(kind: str, verifier_ref: str, folder: str, layout: Mapping[str
     return _assistant_usage(verifier_ref)
 
 
+# more than 8 parameters: the card's optional fields, each passed by name
 def model_card(
     name: str,
     config: Mapping[str, Any] | None = None,

@@ -68,6 +68,7 @@ def answer_length(tokens: torch.Tensor, eos_ids: Sequence[int]) -> int:
     return int(hits[0, 0]) + 1 if len(hits) else int(tokens.numel())
 
 
+# more than 8 parameters: a generation request as transformers' generate takes it
 @torch.inference_mode()
 def generate_answers(
     verifier: Any,

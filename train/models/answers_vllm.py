@@ -69,6 +69,7 @@ def _device_env(device: torch.device) -> dict[str, Any]:
     return {"gpu_memory_utilization": 0.4, "cuda_device": device.index or 0}
 
 
+# more than 8 parameters: generate_answers' own, then timing and the device
 def answers_through_vllm(
     verifier: Any,
     prompts: Sequence[Sequence[int]],
@@ -136,6 +137,7 @@ def answers_through_vllm(
     return answers
 
 
+# more than 8 parameters: generate_answers' own, then the engine and the device
 def answer_prompts(
     engine: str,
     verifier: Any,

@@ -212,6 +212,7 @@ class Eagle3Drafter(
     drafter_kind: ClassVar[str] = "eagle3"
     """What decoders take this drafter (:class:`train.decoding.Eagle3Decoder`)."""
 
+    # more than 8 parameters: PyTorchModelHubMixin saves them as the config.json it reloads
     def __init__(
         self,
         hidden_size: int,

@@ -297,6 +297,7 @@ class TTTResult:
     hits: list[torch.Tensor] = field(default_factory=list)
 
 
+# more than 8 parameters: the training-time test's inputs and the authors' settings
 def ttt_loss(
     drafter: Eagle3Drafter,
     aux_states: torch.Tensor,

@@ -169,6 +169,7 @@ def equality_cell(equality: dict[str, Any]) -> str:
     return cell
 
 
+# more than 80 lines: serve, compare with our engine, write: one recipe read top to bottom
 def serve_run(
     run_dir: str | os.PathLike[str],
     folders: Sequence[str | os.PathLike[str]] = (),

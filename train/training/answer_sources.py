@@ -79,6 +79,7 @@ def method_answers(cfg: Any, pair: Any, spec: Any, prompt_len: int) -> dict[str,
     )
 
 
+# more than 8 parameters: the answers' recipe, every part of it in the cache key
 def generated_answers(
     verifier: Any,
     tokenizer: Any,
@@ -107,6 +108,7 @@ def generated_answers(
     return out
 
 
+# more than 8 parameters: the answers' recipe, every part of it in the cache key
 def greedy_answers(
     verifier: Any,
     eos: Sequence[int],
@@ -192,6 +194,7 @@ def run_answers(
     )
 
 
+# more than 8 parameters: the answers' recipe, every part of it in the cache key
 def sampled_answers(
     verifier: Any,
     eos: Sequence[int],

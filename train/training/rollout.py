@@ -55,6 +55,8 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
 
 
+# more than 8 parameters: a generation request as transformers' generate takes it; more than 80 lines: one
+# batched sampling loop, read top to bottom
 @torch.no_grad()
 def rollout(
     model: torch.nn.Module,

@@ -38,6 +38,7 @@ class Eagle3Decoder(DraftTreeDecoder):
 
     # the keyword settings are conf/decoding/eagle3*.yaml's keys (Hydra instantiates them by name); they
     # travel on as one Eagle3Tree and one prompt-lookup proposer
+    # more than 8 parameters: each is a key of the decoder configs Hydra instantiates
     def __init__(
         self,
         verifier: torch.nn.Module,

@@ -64,6 +64,7 @@ class SpeculativeDecoder(Decoder):
 
     accepts: ClassVar[tuple[str, ...]] = ("model", "steered")
 
+    # more than 8 parameters: each is a key of the decoder configs Hydra instantiates
     def __init__(
         self,
         verifier: torch.nn.Module,

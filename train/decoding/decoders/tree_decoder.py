@@ -42,6 +42,7 @@ class TreeSpeculativeDecoder(DraftTreeDecoder):
     interface and result as :class:`~train.decoding.decoders.speculative.SpeculativeDecoder`.
     """
 
+    # more than 8 parameters: each is a key of the decoder configs Hydra instantiates
     def __init__(
         self,
         verifier: torch.nn.Module,
