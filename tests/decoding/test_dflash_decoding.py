@@ -5,6 +5,8 @@ cost), and broken-on-purpose checks (a q the tokens were not drawn from; a conte
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -181,6 +183,77 @@ def test_sampled_q_rows_are_the_warped_block(params, draft_temperature, eagle3_v
             assert draft.q[i, draft.columns[i]] > 0 and int(drafter.draft_ids[draft.columns[i]]) == token
 
 
+# ------------------------------------------------------------------------ a tree of the slots' candidates
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("vocab", ["full", "reduced"])
+@pytest.mark.parametrize(("block_size", "tree_nodes"), [(4, 6), (8, 12), (3, 1)])
+def test_a_tree_of_the_slots_candidates_keeps_greedy_output(
+    arch, vocab, block_size, tree_nodes, eagle3_verifiers
+):
+    verifier = eagle3_verifiers[arch]
+    decoder = DFlashDecoder(
+        verifier, drafter_for(verifier, vocab, block_size=block_size), tree_nodes=tree_nodes
+    )
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        reference = hf_greedy(verifier, ids, 17)
+        for n in (1, 2, 17):
+            assert decoder.generate(ids, n).tokens.tolist() == reference[:n], (prompt, n)
+        for eos in reference[2:5]:
+            out = decoder.generate(ids, 17, eos_token_id=eos).tokens.tolist()
+            assert out == reference[: reference.index(eos) + 1]
+
+
+def test_the_tree_is_the_likeliest_paths_of_the_slots_candidates(eagle3_verifiers, monkeypatch):
+    """Each block's tree: ``tree_nodes`` nodes (deterministic candidates), every node a top candidate of
+    its depth's slot in the cache-free reference, the paths those of the largest product of the slots'
+    probabilities, and nothing under an eos."""
+    from train.decoding.proposers.heads_proposer import tree_from_accuracies
+
+    verifier = eagle3_verifiers["llama"]
+    drafter = drafter_for(verifier, "reduced", seed=2, block_size=5)
+    spy = Spy(monkeypatch)
+    ids = torch.tensor([PROMPTS[0]])
+    DFlashDecoder(verifier, drafter, tree_nodes=7).generate(ids, 20)
+    assert len(spy.records) > 3
+    for sequence, draft, _ in spy.records:
+        assert draft.q is None and len(draft) == 7 and not draft.is_chain
+        q = reference_block_logits(verifier, drafter, sequence).float().softmax(-1)
+        top = q.topk(7, dim=-1)
+        slots = min(4, len(PROMPTS[0]) + 20 - len(sequence) - 1)  # the block's budget near the limit
+        chances = top.values[:slots].tolist()
+        depths = draft.depths()
+        for node, (token, depth, rank) in enumerate(zip(draft.tokens, depths, draft.rank, strict=True)):
+            assert int(drafter.draft_ids[top.indices[depth - 1, rank]]) == token, node
+        # the drafted tree's expected accepted length is the best tree's (paths of equal chance may swap)
+        path_chance = []
+        for node in range(len(draft)):
+            chance, at = 1.0, node
+            while at >= 0:
+                chance *= chances[depths[at] - 1][draft.rank[at]]
+                at = draft.parents[at]
+            path_chance.append(chance)
+        best = sum(
+            math.prod(chances[d][r] for d, r in enumerate(p)) for p in tree_from_accuracies(chances, 7)
+        )
+        assert sum(path_chance) == pytest.approx(best, rel=1e-4)
+    eos = spy.records[0][1].tokens[0]  # the first block's best first candidate, as an eos
+    spy.records.clear()
+    DFlashDecoder(verifier, drafter, tree_nodes=7).generate(ids, 20, eos_token_id=eos)
+    for _, draft, _ in spy.records:
+        assert all(draft.tokens[parent] != eos for parent in draft.parents if parent >= 0)
+
+
+def test_a_tree_is_not_cut_by_cost(eagle3_verifiers):
+    verifier = eagle3_verifiers["llama"]
+    with pytest.raises(ValueError, match="not cut by cost"):
+        DFlashDecoder(verifier, drafter_for(verifier), draft_length="cost", tree_nodes=4)
+    with pytest.raises(ValueError, match="tree_nodes"):
+        DFlashDecoder(verifier, drafter_for(verifier), tree_nodes=-1)
+
+
 # ----------------------------------------------------------------------------- the cost-aware cut
 
 
@@ -235,6 +308,7 @@ def law_statistic(verifier, params: SamplingParams, **decoder_kw) -> tuple[float
             id="T0.7-top_k4-sharper-q",
             marks=pytest.mark.slow,
         ),
+        pytest.param(SamplingParams(1.0), {"tree_nodes": 5}, id="T1-tree", marks=pytest.mark.slow),
     ],
 )
 def test_sampled_output_law_is_the_verifiers(eagle3_law_verifier, params, decoder_kw):
@@ -277,3 +351,21 @@ def test_a_missing_context_row_is_caught(eagle3_verifiers, monkeypatch):
     verifier = eagle3_verifiers["llama"]
     with pytest.raises(RuntimeError, match="context rows"):
         DFlashDecoder(verifier, drafter_for(verifier)).generate(torch.tensor([PROMPTS[0]]), 10)
+
+
+@pytest.mark.slow
+def test_law_test_catches_a_tree_verified_as_if_sampled(eagle3_law_verifier, monkeypatch):
+    """Broken on purpose: the tree's candidates are the slots' top tokens (deterministic), but the rule is
+    told they were drawn i.i.d. from a uniform q, so it accepts them far too often."""
+    original = DFlashProposer._tree
+
+    def claimed_sampled(self, logits, params, eos):
+        draft = original(self, logits, params, eos)
+        if len(draft):
+            vocab = self.vocab_size
+            draft.q = torch.full((len(draft), vocab), 1.0 / vocab)
+        return draft
+
+    monkeypatch.setattr(DFlashProposer, "_tree", claimed_sampled)
+    stat, df, _ = law_statistic(eagle3_law_verifier, SamplingParams(1.0), tree_nodes=5)
+    assert stat > chi2_critical(df), (stat, df)

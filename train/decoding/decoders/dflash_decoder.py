@@ -33,7 +33,10 @@ class DFlashDecoder(DraftTreeDecoder):
     ``max_draft`` tokens (None: the block's ``block_size - 1``) from one drafter forward per block;
     ``draft_temperature`` divides the drafter's logits at T > 0 (any value stays lossless: q is what the
     tokens are drawn from); ``draft_length``: ``"fixed"`` (the whole chain) or ``"cost"`` (the prefix
-    that pays, ``costs`` or measured at the first call). Same ``generate`` as the other decoders."""
+    that pays, ``costs`` or measured at the first call); ``tree_nodes`` N > 0: instead of the chain, a tree
+    of N candidates from the slots' top tokens, the paths with the largest product of the slots'
+    probabilities (deterministic candidates, verified by the tree walk: lossless at every temperature).
+    Same ``generate`` as the other decoders."""
 
     accepts: ClassVar[tuple[str, ...]] = ("dflash",)
 
@@ -48,6 +51,7 @@ class DFlashDecoder(DraftTreeDecoder):
         lookup_tokens: int = 0,
         lookup_max_ngram: int = 3,
         lookup_min_ngram: int = 2,
+        tree_nodes: int = 0,
     ) -> None:
         if draft_length not in ("fixed", "cost"):
             raise ValueError(f"draft_length must be 'fixed' or 'cost', got {draft_length!r}")
@@ -59,7 +63,7 @@ class DFlashDecoder(DraftTreeDecoder):
         self.length = CostAwareLength(costs) if draft_length == "cost" else None
         self.draft_length = draft_length
         self._proposer = DFlashProposer(
-            drafter, self._verifier.vocab_size, max_draft, draft_temperature, self.length
+            drafter, self._verifier.vocab_size, max_draft, draft_temperature, self.length, tree_nodes
         )
         self.depth = self._proposer.max_draft
         self.draft_temperature = self._proposer.draft_temperature

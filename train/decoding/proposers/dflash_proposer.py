@@ -36,6 +36,7 @@ from train.decoding.costs import best_length
 from train.decoding.draft import Draft
 from train.decoding.length_policy import CostAwareLength, regime
 from train.decoding.metrics import DecodeStats
+from train.decoding.proposers.heads_proposer import choices_draft, tree_from_accuracies
 from train.decoding.sampling import SamplingParams, draw_index, uniforms, warp
 from train.models.dflash_drafter import ContextKV, DFlashDrafter, block_inputs
 
@@ -53,18 +54,25 @@ class DFlashProposer:
         max_draft: int | None = None,
         draft_temperature: float = 1.0,
         length: CostAwareLength | None = None,
+        tree_nodes: int = 0,
     ) -> None:
         slots = drafter.block_size - 1
         if max_draft is not None and (isinstance(max_draft, bool) or not 1 <= int(max_draft) <= slots):
             raise ValueError(f"max_draft must be in [1, block_size - 1 = {slots}], got {max_draft!r}")
         if isinstance(draft_temperature, bool) or not draft_temperature > 0:
             raise ValueError(f"draft_temperature must be > 0, got {draft_temperature!r}")
+        if isinstance(tree_nodes, bool) or not isinstance(tree_nodes, int) or tree_nodes < 0:
+            raise ValueError(f"tree_nodes must be an integer >= 0 (0: a chain), got {tree_nodes!r}")
+        if tree_nodes and length is not None:
+            raise ValueError("a tree (tree_nodes > 0) is not cut by cost: use draft_length='fixed' with it")
         self.drafter = drafter
         self.vocab_size = vocab_size
         self.max_draft = int(max_draft) if max_draft is not None else slots
         self.draft_temperature = float(draft_temperature)
         #: The cost-aware cut of the chain (None: the whole chain).
         self.length = length
+        #: Nodes of the tree drafted from the slots' top candidates (0: a chain).
+        self.tree_nodes = tree_nodes
         self.hidden_layers: tuple[int, ...] = tuple(int(i) for i in drafter.aux_layers)
         param = drafter.fc.weight
         self._device, self._dtype = param.device, param.dtype
@@ -147,7 +155,10 @@ class DFlashProposer:
         logits = self.drafter(ids, positions, self._context)[0, 1:].float()  # (B - 1, N)
         count = min(self.max_draft, budget)
         spent = time.perf_counter() - block_start
-        draft = self._chain(logits[:count], params, generator, eos, spent, len(sequence))
+        if self.tree_nodes:
+            draft = self._tree(logits[:count], params, eos)
+        else:
+            draft = self._chain(logits[:count], params, generator, eos, spent, len(sequence))
         self._synchronize()
         end = time.perf_counter()
         self._forwards += 1  # the drafter's time per block, which the cost-aware cut weighs as spent
@@ -198,3 +209,21 @@ class DFlashProposer:
         if q is None:
             return Draft.chain(tokens)
         return Draft.chain(tokens, q[:n], support=self._targets, columns=columns[:n])
+
+    def _tree(self, logits: torch.Tensor, params: SamplingParams, eos: frozenset[int]) -> Draft:
+        """A tree of ``tree_nodes`` deterministic candidates from the block's logits (n, N): each slot's
+        top candidates (the drafter's distribution, warped at T > 0 as for a chain), the paths chosen by
+        :func:`~train.decoding.proposers.heads_proposer.tree_from_accuracies` with this block's
+        probabilities as the chance of each candidate, nothing under an eos and no candidate of
+        probability 0."""
+        q = logits.softmax(-1) if params.greedy else warp(logits / self.draft_temperature, params)
+        top = q.topk(min(self.tree_nodes, q.shape[-1]), dim=-1)
+        chances = top.values.clamp(0.0, 1.0).tolist()
+        candidates = [[self._target_ids[c] for c in row] for row in top.indices.tolist()]
+        paths = [
+            path
+            for path in tree_from_accuracies(chances, self.tree_nodes)
+            if chances[len(path) - 1][path[-1]] > 0
+            and not any(candidates[d][r] in eos for d, r in enumerate(path[:-1]))
+        ]
+        return choices_draft(candidates, paths)

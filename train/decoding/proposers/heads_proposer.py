@@ -24,7 +24,14 @@ from train.decoding.metrics import DecodeStats
 from train.decoding.refine import Refiner
 from train.decoding.sampling import SamplingParams
 
-__all__ = ["DEFAULT_CHOICES", "HeadsProposer", "chain_choices", "tree_from_accuracies", "trie_draft"]
+__all__ = [
+    "DEFAULT_CHOICES",
+    "HeadsProposer",
+    "chain_choices",
+    "choices_draft",
+    "tree_from_accuracies",
+    "trie_draft",
+]
 
 #: A small sparse tree (12 nodes, depth 4): the top-3 of head 0, the top-2 of head 1 under its best
 #: two, and a top-1 spine; sized for a 4-head model on a CPU verifier (a tree built from measured per-head
@@ -112,6 +119,26 @@ def trie_draft(paths: Sequence[Sequence[int]]) -> Draft:
     return Draft(tokens, parents, None, ranks)
 
 
+def choices_draft(candidates: Sequence[Sequence[int]], paths: Sequence[tuple[int, ...]]) -> Draft:
+    """A tree of deterministic candidates from per-depth ranked ``candidates`` (``candidates[d][r]``: the
+    rank-r token at depth d + 1, the same whatever the path above it) and ``paths`` of ranks, parents first
+    (Medusa's "choices"). A path whose rank is missing or whose parent was not drafted is skipped."""
+    index: dict[tuple[int, ...], int] = {}
+    tokens: list[int] = []
+    parents: list[int] = []
+    ranks: list[int] = []
+    for p in paths:
+        if len(p) > len(candidates) or p[-1] >= len(candidates[len(p) - 1]):
+            continue
+        if len(p) > 1 and p[:-1] not in index:
+            continue
+        index[p] = len(tokens)
+        tokens.append(int(candidates[len(p) - 1][p[-1]]))
+        parents.append(index[p[:-1]] if len(p) > 1 else -1)
+        ranks.append(p[-1])
+    return Draft(tokens, parents, None, ranks)
+
+
 class HeadsProposer:
     """Deterministic draft trees from prediction heads on the verifier's last hidden state."""
 
@@ -188,18 +215,7 @@ class HeadsProposer:
         stats.drafter_calls += 1  # the heads are the drafter: their forward is its time
         stats.drafter_time += time.perf_counter() - start
         candidates = logits.topk(min(self.top, logits.shape[-1]), dim=-1).indices.tolist()  # (K, top)
-        index: dict[tuple[int, ...], int] = {}
-        tokens: list[int] = []
-        parents: list[int] = []
-        ranks: list[int] = []
-        for p in paths:
-            if p[-1] >= len(candidates[len(p) - 1]) or (len(p) > 1 and p[:-1] not in index):
-                continue
-            index[p] = len(tokens)
-            tokens.append(int(candidates[len(p) - 1][p[-1]]))
-            parents.append(index[p[:-1]] if len(p) > 1 else -1)
-            ranks.append(p[-1])
-        return Draft(tokens, parents, None, ranks)
+        return choices_draft(candidates, paths)
 
     def commit(self, length: int, path: Sequence[int] | None = None) -> None:
         """Nothing cached here: the next draft comes from the state :meth:`observe` receives."""
