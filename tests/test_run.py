@@ -196,12 +196,12 @@ def _finish_on(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, root: str, devic
 
     seen: dict = {}
 
-    def fake_finish(module, verifier, *args, **kwargs):
+    def fake_finish(module, verifier, tokenizer, context):
         seen.update(
             module=module.student.weight.device.type,
             verifier=verifier.weight.device.type,
-            device=str(kwargs.get("device")),
-            drafter_device=str(kwargs.get("drafter_device")),
+            device=str(context.device),
+            drafter_device=str(context.drafter_device),
         )
 
     monkeypatch.setattr(run_module, "finish", fake_finish)
