@@ -26,7 +26,11 @@ def drafter_for(
     """A DFlash drafter for ``verifier`` with every trainable weight perturbed (nothing passes on an
     identity); ``vocab`` reduced: every third id."""
     ids = None if vocab == "full" else list(range(0, verifier.config.vocab_size, 3))
-    drafter = DFlashDrafter.from_verifier(verifier, num_layers=layers, block_size=block_size, draft_ids=ids)
+    with torch.random.fork_rng():  # its fresh layers drawn from a seeded stream: the same whatever ran before
+        torch.manual_seed(seed)
+        drafter = DFlashDrafter.from_verifier(
+            verifier, num_layers=layers, block_size=block_size, draft_ids=ids
+        )
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in drafter.named_parameters():
