@@ -19,6 +19,7 @@ sixth of the vocabulary for 8,192 of 49,152 ids, and no (n, V) rows to fill); an
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -70,6 +71,7 @@ class Draft:
         draft.rank = [0] * len(tokens)
         draft.kind = "iid"
         draft.support, draft.columns = support, columns
+        draft.__dict__["is_chain"] = True  # by construction: nothing to check
         if q is not None and q.shape[0] != len(tokens):
             raise ValueError(f"q has {q.shape[0]} rows for {len(tokens)} draft tokens")
         _check_support(draft)
@@ -85,8 +87,10 @@ class Draft:
     def __len__(self) -> int:
         return len(self.tokens)
 
-    @property
+    @functools.cached_property
     def is_chain(self) -> bool:
+        """Whether node i continues node i - 1 for every i (the block step, the rule and the statistics
+        all ask; the parents never change after construction)."""
         return all(parent == i - 1 for i, parent in enumerate(self.parents))
 
     def depths(self) -> list[int]:

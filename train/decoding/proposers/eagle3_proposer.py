@@ -105,9 +105,7 @@ class Eagle3Tree:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         branching = self.sampled_tree
-        if branching is None or any(
-            isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in branching
-        ):
+        if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in branching):
             raise ValueError(f"sampled_tree must be a non-empty list of integers >= 1, got {branching!r}")
         object.__setattr__(self, "sampled_tree", tuple(branching))
         if branching and self.sampled_chain:
