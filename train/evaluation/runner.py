@@ -21,7 +21,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,6 +36,7 @@ from train.decoding import (
     speedup,
     summarize,
 )
+from train.decoding.costs import StepCosts
 from train.evaluation.decoder_build import TimedEntry, build_decoders, drafter_kind
 from train.evaluation.eval_config import EvalConfig, build_eval_config
 from train.evaluation.eval_progress import EvalProgress
@@ -206,7 +207,127 @@ def _prompt_speedup(stats: DecodeStats, ar: DecodeStats) -> float:
     return speedup(tps, ar_tps)
 
 
-# more than 80 lines: the paired timing loop (interleaved entries per prompt and seed) read top to bottom
+def _timed_entries(
+    verifier: torch.nn.Module, drafters: dict[str, torch.nn.Module], cfg: EvalConfig
+) -> list[TimedEntry]:
+    """The baseline first, then every drafter under every decoder config that takes it."""
+    entries = [TimedEntry(None, "ar", AutoregressiveDecoder(verifier))]
+    for name, drafter in drafters.items():
+        entries += [
+            TimedEntry(name, label, dec) for label, dec in build_decoders(verifier, drafter, cfg).items()
+        ]
+    if len(entries) == 1:
+        kinds = sorted({drafter_kind(d) for d in drafters.values()})
+        raise ConfigError(
+            f"eval.decoders: none of {list(cfg.decoder_configs)} takes the drafters given ({kinds}); "
+            "`heads` (Medusa) need decoding=medusa, a drafter model needs sd or a tree decoder"
+        )
+    return entries
+
+
+def _warm_up(entries: list[TimedEntry], prompt: torch.Tensor, max_new_tokens: int) -> None:
+    warm = prompt[:, : min(prompt.shape[1], 8)]
+    for entry in entries:
+        entry.decoder.generate(warm, max_new_tokens=min(4, max_new_tokens), params=SamplingParams())
+
+
+_Outcome = list[list[tuple[DecodeStats, list[int]]]]
+"""One seed's generations: per prompt, per entry (in entry order), the stats and the new tokens."""
+
+
+def _hand_out(
+    on_output: Callable[[Generation], None],
+    entries: list[TimedEntry],
+    outcome: _Outcome,
+    temperature: float,
+    seed: int,
+) -> None:
+    for i, per_entry in enumerate(outcome):
+        for entry, (_, tokens) in zip(entries, per_entry, strict=True):
+            on_output(Generation(entry.drafter, entry.label, temperature, seed, i, tokens))
+
+
+@dataclass
+class _Tally:
+    """What the timing loop gathers: the baseline's per-seed figures by temperature, and every other
+    entry's per-seed summaries, per-prompt rows and temperature-0 ties and mismatches by
+    (entry index, temperature)."""
+
+    baseline: dict[float, list[dict[str, Any]]]
+    per_seed: dict[tuple[int, float], list[dict[str, Any]]] = field(default_factory=dict)
+    per_prompt: dict[tuple[int, float], list[dict[str, Any]]] = field(default_factory=dict)
+    ties: dict[tuple[int, float], list[dict[str, Any]]] = field(default_factory=dict)
+    mismatches: dict[tuple[int, float], list[dict[str, Any]]] = field(default_factory=dict)
+
+    def add_baseline(self, temperature: float, seed: int, stats: list[DecodeStats]) -> float:
+        """Record the baseline's figures for one seed; return its tokens/s over the prompts."""
+        summary = summarize(pool(stats))
+        self.baseline[temperature].append({"seed": seed, **{k: summary[k] for k in BASELINE_METRICS}})
+        return float(summary["tokens_per_second"])  # type: ignore[arg-type]
+
+    def add_seed(self, key: tuple[int, float], summary: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+        self.per_prompt.setdefault(key, []).extend(rows)
+        self.per_seed.setdefault(key, []).append(summary)
+
+    def greedy_records(self, key: tuple[int, float]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """The lists an entry's temperature-0 ties and mismatches go to."""
+        return self.ties.setdefault(key, []), self.mismatches.setdefault(key, [])
+
+
+def _prompt_row(stats: DecodeStats, ar: DecodeStats, pair: float, seed: int, prompt: int) -> dict[str, Any]:
+    return {
+        **summarize(stats),
+        "speedup": pair,
+        "seed": seed,
+        "prompt": prompt,
+        "ar_new_tokens": float(ar.new_tokens),
+        "ar_wall_time": ar.wall_time,
+    }
+
+
+def _seed_figures(
+    stats: list[DecodeStats],
+    ar_stats: list[DecodeStats],
+    ar_tps: float,
+    c_param: float,
+    costs: StepCosts,
+    seed: int,
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """One entry's figures for one seed: its summary over the prompts (with the prompts' own speedups
+    aggregated) and one row per prompt, each paired with the baseline's run of the same prompt."""
+    pooled = pool(stats)
+    summary = summarize(pooled, c_param)
+    summary["speedup_bound"] = run_bound(pooled, costs)
+    summary["speedup"] = speedup(float(summary["tokens_per_second"]), ar_tps)  # type: ignore[arg-type]
+    pairs = [_prompt_speedup(s, a) for s, a in zip(stats, ar_stats, strict=True)]
+    rows = [
+        _prompt_row(s, a, pair, seed, i)
+        for i, (s, a, pair) in enumerate(zip(stats, ar_stats, pairs, strict=True))
+    ]
+    return {"seed": seed, **summary, "prompt_speedup": _aggregate_one(pairs)}, rows
+
+
+def _runs(
+    tally: _Tally, entries: list[TimedEntry], decoder_configs: Mapping[str, Any], n_prompts: int
+) -> list[dict[str, Any]]:
+    """The ``results["runs"]`` entries, one per (drafter, decoder, temperature) in the order timed."""
+    return [
+        run_entry(
+            str(entries[e].drafter),
+            entries[e].label,
+            decoder_configs[entries[e].label],
+            t,
+            n_prompts,
+            seeds,
+            tally.per_prompt[(e, t)],
+            tally.ties.get((e, t), []),
+            tally.mismatches.get((e, t), []),
+            lossless=t == 0.0 or bool(getattr(entries[e].decoder, "lossless", True)),
+        )
+        for (e, t), seeds in tally.per_seed.items()
+    ]
+
+
 def _evaluate(
     verifier: torch.nn.Module,
     drafters: dict[str, torch.nn.Module],
@@ -217,30 +338,13 @@ def _evaluate(
 ) -> dict[str, Any]:
     v_params = param_count(verifier)
     c_param = {name: param_count(d) / v_params for name, d in drafters.items()}
-    decoder_configs = cfg.decoder_configs
-    entries = [TimedEntry(None, "ar", AutoregressiveDecoder(verifier))]
-    for name, drafter in drafters.items():
-        entries += [
-            TimedEntry(name, label, dec) for label, dec in build_decoders(verifier, drafter, cfg).items()
-        ]
-    if len(entries) == 1:
-        kinds = sorted({drafter_kind(d) for d in drafters.values()})
-        raise ConfigError(
-            f"eval.decoders: none of {list(decoder_configs)} takes the drafters given ({kinds}); "
-            "`heads` (Medusa) need decoding=medusa, a drafter model needs sd or a tree decoder"
-        )
+    entries = _timed_entries(verifier, drafters, cfg)
     # what a check and a drafter step cost here, before anything is timed (cached per machine)
     costs = {name: pair_costs(verifier, drafter) for name, drafter in drafters.items()}
     if cfg.warmup:
-        warm = prompts[0][:, : min(prompts[0].shape[1], 8)]
-        for entry in entries:
-            entry.decoder.generate(warm, max_new_tokens=min(4, cfg.max_new_tokens), params=SamplingParams())
+        _warm_up(entries, prompts[0], cfg.max_new_tokens)
 
-    baseline: dict[float, list[dict[str, Any]]] = {t: [] for t in cfg.temperatures}
-    per_seed: dict[tuple[int, float], list[dict[str, Any]]] = {}
-    per_prompt: dict[tuple[int, float], list[dict[str, Any]]] = {}
-    ties: dict[tuple[int, float], list[dict[str, Any]]] = {}
-    mismatches: dict[tuple[int, float], list[dict[str, Any]]] = {}
+    tally = _Tally({t: [] for t in cfg.temperatures})
     total = len(cfg.temperatures) * len(cfg.seeds) * len(prompts) * len(entries)
     with EvalProgress(total, cfg.progress) as progress:
         for t in cfg.temperatures:
@@ -252,68 +356,24 @@ def _evaluate(
                     for i, p in enumerate(prompts)
                 ]
                 if on_output is not None:
-                    for i, per_entry in enumerate(outcome):
-                        for entry, (_, tokens) in zip(entries, per_entry, strict=True):
-                            on_output(Generation(entry.drafter, entry.label, t, seed, i, tokens))
+                    _hand_out(on_output, entries, outcome, t, seed)
                 ar_stats = [o[0][0] for o in outcome]
                 ar_tokens = [o[0][1] for o in outcome]
-                ar_summary = summarize(pool(ar_stats))
-                baseline[t].append({"seed": seed, **{k: ar_summary[k] for k in BASELINE_METRICS}})
-                ar_tps = float(ar_summary["tokens_per_second"])  # type: ignore[arg-type]
-                for e in range(1, len(entries)):
-                    entry, key = entries[e], (e, t)
-                    stats = [o[e][0] for o in outcome]
-                    pooled = pool(stats)
-                    summary = summarize(pooled, c_param[str(entry.drafter)])
-                    summary["speedup_bound"] = run_bound(pooled, costs[str(entry.drafter)])
-                    summary["speedup"] = speedup(
-                        float(summary["tokens_per_second"]),  # type: ignore[arg-type]
-                        ar_tps,
-                    )
-                    pairs = [_prompt_speedup(s, a) for s, a in zip(stats, ar_stats, strict=True)]
-                    per_prompt.setdefault(key, []).extend(
-                        {
-                            **summarize(s),
-                            "speedup": pair,
-                            "seed": seed,
-                            "prompt": i,
-                            "ar_new_tokens": float(a.new_tokens),
-                            "ar_wall_time": a.wall_time,
-                        }
-                        for i, (s, a, pair) in enumerate(zip(stats, ar_stats, pairs, strict=True))
-                    )
-                    from_prompts = {"prompt_speedup": _aggregate_one(pairs)}
-                    per_seed.setdefault(key, []).append({"seed": seed, **summary, **from_prompts})
+                ar_tps = tally.add_baseline(t, seed, ar_stats)
+                for e, entry in enumerate(entries[1:], start=1):
+                    name, stats = str(entry.drafter), [o[e][0] for o in outcome]
+                    figures = _seed_figures(stats, ar_stats, ar_tps, c_param[name], costs[name], seed)
+                    tally.add_seed((e, t), *figures)
                     if t == 0.0:
+                        outputs = [o[e][1] for o in outcome]
+                        ties, mismatches = tally.greedy_records((e, t))
                         check_greedy(
-                            verifier,
-                            entry,
-                            prompts,
-                            ar_tokens,
-                            [o[e][1] for o in outcome],
-                            seed,
-                            cfg,
-                            ties.setdefault(key, []),
-                            mismatches.setdefault(key, []),
+                            verifier, entry, prompts, ar_tokens, outputs, seed, cfg, ties, mismatches
                         )
 
-    runs = [
-        run_entry(
-            str(entries[e].drafter),
-            entries[e].label,
-            decoder_configs[entries[e].label],
-            t,
-            len(prompts),
-            seeds,
-            per_prompt[(e, t)],
-            ties.get((e, t), []),
-            mismatches.get((e, t), []),
-            lossless=t == 0.0 or bool(getattr(entries[e].decoder, "lossless", True)),
-        )
-        for (e, t), seeds in per_seed.items()
-    ]
+    runs = _runs(tally, entries, cfg.decoder_configs, len(prompts))
     order = [entry.name for entry in entries]
-    document = results_document(verifier, drafters, prompts, cfg, eos, order, baseline, runs)
+    document = results_document(verifier, drafters, prompts, cfg, eos, order, tally.baseline, runs)
     document["step_costs"] = {name: c.to_dict() for name, c in costs.items()}
     return document
 
