@@ -145,6 +145,13 @@ def _decoder_nodes(cfg: DictConfig, names: Sequence[str], heads: str | None) -> 
     return list(holder["decoders"])
 
 
+def _eval_node(cfg: DictConfig) -> dict[Any, Any]:
+    """The ``eval`` node, resolved, as a plain dict."""
+    node = OmegaConf.to_container(cfg.eval, resolve=True)
+    assert isinstance(node, dict)
+    return node
+
+
 def validate(cfg: DictConfig) -> tuple[Any, Any, Any]:
     """Every setting checked (errors name the key) before anything trains: the paths, model and data
     groups, the projection's settings, the experiments and the whole ``eval`` node with its decoders."""
@@ -163,14 +170,11 @@ def validate(cfg: DictConfig) -> tuple[Any, Any, Any]:
     )
     for name in experiment_names(cfg, model_cfg):
         require(name in ARTIFACTS, "experiments", f"auto or a list drawn from {sorted(ARTIFACTS)}", name)
-    eval_node = OmegaConf.to_container(cfg.eval, resolve=True)
-    assert isinstance(eval_node, dict)
-    build_eval_config({**eval_node, "decoders": _decoder_nodes(cfg, list(cfg.eval.decoders), "HEADS")})
+    build_eval_config({**_eval_node(cfg), "decoders": _decoder_nodes(cfg, list(cfg.eval.decoders), "HEADS")})
     resolve_devices(cfg.get("device"), cfg.get("drafter_device"))
     return paths, model_cfg, data_cfg
 
 
-# more than 80 lines: the leaderboard's recipe (artifacts, evaluations, table) read top to bottom
 def main(cfg: DictConfig) -> dict[str, Any]:
     """``scripts/leaderboard.py``: artifacts, evaluations, the table."""
     if "hydra" in cfg:
@@ -188,38 +192,15 @@ def main(cfg: DictConfig) -> dict[str, Any]:
 
     device, drafter_device = resolve_devices(cfg.get("device"), cfg.get("drafter_device"))
     pair = place_pair(load_pair(model_cfg, freeze_drafter=True), device, drafter_device)
-    heads_dir = artifacts.get("medusa") or artifacts.get("medusa_tiny")
+    heads_dir = _artifact(artifacts, "medusa")
     names = list(cfg.eval.decoders)
-    eval_node = OmegaConf.to_container(cfg.eval, resolve=True)
-    assert isinstance(eval_node, dict)
+    eval_node = _eval_node(cfg)
     eval_cfg = build_eval_config({**eval_node, "decoders": _decoder_nodes(cfg, names, heads_dir)})
     prompts = build_prompts(
         pair.tokenizer, data_cfg, eval_cfg.num_prompts, eval_cfg.prompt_len, seed=int(cfg.seed)
     )
-    drafters: dict[str, Any] = {"pretrained": pair.drafter}
-    distilled = artifacts.get("distillspec") or artifacts.get("distillspec_tiny")
-    if distilled:  # the main job's recipe (the real pair) or its tiny-pair twin: one row, "distillspec"
-        drafters["distillspec"] = load_drafter(model_cfg, distilled, pair.tokenizer, pair.verifier)
-    steer_dir = artifacts.get("steering") or artifacts.get("steering_tiny")
-    if steer_dir:
-        steered = load_drafter(
-            model_cfg, os.path.join(os.path.dirname(steer_dir), "drafter"), pair.tokenizer, pair.verifier
-        )
-        drafters["steered"] = SteeredDrafter(steered, SteeringModule.from_pretrained(steer_dir))
-    if heads_dir is not None:
-        drafters["medusa-1"] = MedusaHeads.from_pretrained(heads_dir).eval()
-    eagle3_dir = artifacts.get("eagle3") or artifacts.get("eagle3_tiny")
-    if eagle3_dir:  # the real pair's recipe or its tiny-pair twin: one row, "eagle3"
-        weight = next(pair.verifier.parameters())
-        drafters["eagle3"] = Eagle3Drafter.from_pretrained(eagle3_dir).eval().to(dtype=weight.dtype)
-    dflash_dir = artifacts.get("dflash") or artifacts.get("dflash_tiny")
-    if dflash_dir:  # after EAGLE-3: its recipe reads EAGLE-3's cached features
-        weight = next(pair.verifier.parameters())
-        drafters["dflash"] = DFlashDrafter.from_pretrained(dflash_dir).eval().to(dtype=weight.dtype)
-    on_verifier = MedusaHeads | Eagle3Drafter | DFlashDrafter
-    for model in drafters.values():  # heads, EAGLE-3, DFlash read the verifier's states: on its device
-        placed = device if isinstance(model, on_verifier) else (drafter_device or device)
-        model.to(placed).requires_grad_(False)
+    drafters = _load_drafters(model_cfg, pair, artifacts)
+    _place_drafters(drafters, device, drafter_device)
     eos = eos_token_ids(pair.tokenizer, pair.verifier, pair.drafter)
     evaluations: dict[str, dict[str, Any]] = {}
     print(f"Evaluating {list(drafters)} under {names} ({len(prompts)} prompts)", flush=True)
@@ -231,13 +212,9 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         eos_token_id=eos,
         out_dir=os.path.join(run_dir, "eval_main"),
     )
-    medusa2 = artifacts.get("medusa2") or artifacts.get("medusa2_tiny")
+    medusa2 = _artifact(artifacts, "medusa2")
     if medusa2:
-        verifier2: Any = load_model(
-            os.path.join(os.path.dirname(medusa2), "verifier"), model_cfg.verifier_dtype or model_cfg.dtype
-        )
-        verifier2.to(device)
-        heads2 = MedusaHeads.from_pretrained(medusa2).eval().to(device)
+        verifier2, heads2 = _load_medusa2(model_cfg, medusa2, device)
         cfg2 = build_eval_config({**eval_node, "decoders": _decoder_nodes(cfg, ["medusa"], medusa2)})
         print("Evaluating medusa-2 against its fine-tuned verifier", flush=True)
         evaluations[f"{model_cfg.name} + Medusa-2 LoRA"] = evaluate_drafters(
@@ -248,6 +225,71 @@ def main(cfg: DictConfig) -> dict[str, Any]:
             eos_token_id=eos,
             out_dir=os.path.join(run_dir, "eval_medusa2"),
         )
+    return _write_leaderboard(cfg, str(model_cfg.name), artifacts, evaluations, run_dir, started)
+
+
+def _artifact(artifacts: Mapping[str, str], experiment: str) -> str | None:
+    """The artifact of ``experiment`` (the real pair's recipe) or of its tiny-pair twin: one row either
+    way."""
+    return artifacts.get(experiment) or artifacts.get(f"{experiment}_tiny")
+
+
+def _load_drafters(model_cfg: Any, pair: Any, artifacts: Mapping[str, str]) -> dict[str, Any]:
+    """{row name: drafter} evaluated against the pair's verifier: the pair's own drafter, then each
+    trained one whose artifact was found (the heads as they are, EAGLE-3 and DFlash in the verifier's
+    dtype)."""
+    drafters: dict[str, Any] = {"pretrained": pair.drafter}
+    distilled = _artifact(artifacts, "distillspec")
+    if distilled:
+        drafters["distillspec"] = load_drafter(model_cfg, distilled, pair.tokenizer, pair.verifier)
+    steer_dir = _artifact(artifacts, "steering")
+    if steer_dir:
+        steered = load_drafter(
+            model_cfg, os.path.join(os.path.dirname(steer_dir), "drafter"), pair.tokenizer, pair.verifier
+        )
+        drafters["steered"] = SteeredDrafter(steered, SteeringModule.from_pretrained(steer_dir))
+    heads_dir = _artifact(artifacts, "medusa")
+    if heads_dir is not None:
+        drafters["medusa-1"] = MedusaHeads.from_pretrained(heads_dir).eval()
+    eagle3_dir = _artifact(artifacts, "eagle3")
+    if eagle3_dir:
+        weight = next(pair.verifier.parameters())
+        drafters["eagle3"] = Eagle3Drafter.from_pretrained(eagle3_dir).eval().to(dtype=weight.dtype)
+    dflash_dir = _artifact(artifacts, "dflash")
+    if dflash_dir:  # after EAGLE-3: its recipe reads EAGLE-3's cached features
+        weight = next(pair.verifier.parameters())
+        drafters["dflash"] = DFlashDrafter.from_pretrained(dflash_dir).eval().to(dtype=weight.dtype)
+    return drafters
+
+
+def _place_drafters(drafters: Mapping[str, Any], device: Any, drafter_device: Any) -> None:
+    """Heads, EAGLE-3 and DFlash read the verifier's states: on its device; the other drafters on the
+    drafter's device (the verifier's when none is set). Frozen."""
+    on_verifier = MedusaHeads | Eagle3Drafter | DFlashDrafter
+    for model in drafters.values():
+        placed = device if isinstance(model, on_verifier) else (drafter_device or device)
+        model.to(placed).requires_grad_(False)
+
+
+def _load_medusa2(model_cfg: Any, heads_dir: str, device: Any) -> tuple[Any, MedusaHeads]:
+    """Medusa-2's fine-tuned verifier (saved beside its heads) and its heads, on ``device``."""
+    verifier: Any = load_model(
+        os.path.join(os.path.dirname(heads_dir), "verifier"), model_cfg.verifier_dtype or model_cfg.dtype
+    )
+    verifier.to(device)
+    return verifier, MedusaHeads.from_pretrained(heads_dir).eval().to(device)
+
+
+def _write_leaderboard(
+    cfg: DictConfig,
+    model_name: str,
+    artifacts: Mapping[str, str],
+    evaluations: Mapping[str, dict[str, Any]],
+    run_dir: str,
+    started: float,
+) -> dict[str, Any]:
+    """The leaderboard's rows from the evaluations, written as ``leaderboard.json``, ``leaderboard.md``
+    and the speedup plot under ``run_dir`` and printed; returns leaderboard.json's payload."""
     rows = leaderboard_rows(
         evaluations, costs=list(cfg.costs), kappa=float(cfg.kappa), heads_drafters=("medusa-1", "medusa-2")
     )
@@ -264,7 +306,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     with open(os.path.join(run_dir, "leaderboard.json"), "w", encoding="utf-8") as f:
         json.dump(to_jsonable(payload), f, indent=2, default=str)
     with open(os.path.join(run_dir, "leaderboard.md"), "w", encoding="utf-8") as f:
-        f.write(f"# Leaderboard ({model_cfg.name})\n\n{_artifact_lines(artifacts)}\n\n{table}")
+        f.write(f"# Leaderboard ({model_name})\n\n{_artifact_lines(artifacts)}\n\n{table}")
     plot_speedup_vs_block_efficiency(rows, os.path.join(run_dir, "speedup_vs_block_efficiency.png"))
     print(table)
     print(f"Leaderboard written to {run_dir} ({elapsed:.0f} s)")
