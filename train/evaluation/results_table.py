@@ -116,7 +116,6 @@ def slower_than_baseline(results: Mapping[str, Any]) -> list[str]:
     return lines
 
 
-# more than 80 lines: the results' sections in the order they print
 def results_table(results: Mapping[str, Any]) -> str:
     """The Markdown rendering of a results dictionary (results.md).
 
@@ -125,6 +124,26 @@ def results_table(results: Mapping[str, Any]) -> str:
     acceptance; and any greedy ties or mismatches.
     """
     runs = list(results["runs"])
+    parts = [_main_table(runs), _setup_paragraph(results)]
+    costs = costs_line(results)
+    if costs:
+        parts.append(costs)
+    slower = slower_than_baseline(results)
+    if slower:
+        parts.append("Slower than decoding without a drafter:\n\n" + "\n".join(slower) + "\n")
+    parts.append(METRIC_LEGEND + "\n")
+    parts.append(_spread_table(runs))
+    per_position = _per_position_acceptance(runs)
+    if per_position:
+        parts.append(per_position)
+    greedy = _greedy_differences(runs, results.get("config", {}).get("tie_ulps"))
+    if greedy:
+        parts.append(greedy)
+    return "\n".join(parts)
+
+
+def _main_table(runs: list[Mapping[str, Any]]) -> str:
+    """One row per run: its settings, the :data:`_COLUMNS` metrics as mean ± std over seeds, greedy match."""
     header = ["drafter", "decoder", "gamma", "T", *(k for k, _ in _COLUMNS), "greedy match"]
     rows = [
         [
@@ -137,8 +156,11 @@ def results_table(results: Mapping[str, Any]) -> str:
         ]
         for r in runs
     ]
-    parts = [markdown_table(header, rows, "llrr" + "r" * len(_COLUMNS) + "l")]
+    return markdown_table(header, rows, "llrr" + "r" * len(_COLUMNS) + "l")
 
+
+def _setup_paragraph(results: Mapping[str, Any]) -> str:
+    """How the figures were measured (seeds, prompts, paired timing) and the baseline's tokens/s."""
     config = results.get("config", {})
     seeds = config.get("seeds", [])
     n_prompts = results.get("prompts", {}).get("n", "?")
@@ -147,22 +169,18 @@ def results_table(results: Mapping[str, Any]) -> str:
         f"{format_metric(b['metrics'].get('tokens_per_second'), 0)} tok/s"
         for b in results.get("baseline", [])
     )
-    parts.append(
+    return (
         f"Mean ± std over {len(seeds)} seed{'' if len(seeds) == 1 else 's'} "
         f"({n_prompts} prompts, up to {config.get('max_new_tokens', '?')} new tokens each, one at a time). "
         f"Timing is paired: per prompt the autoregressive baseline and every decoder run back to back, in "
         f"an order rotated per prompt; speedup = decoder tokens/s / baseline tokens/s over the same prompts. "
         f"Autoregressive baseline (verifier alone): {baseline}.\n"
     )
-    costs = costs_line(results)
-    if costs:
-        parts.append(costs)
-    slower = slower_than_baseline(results)
-    if slower:
-        parts.append("Slower than decoding without a drafter:\n\n" + "\n".join(slower) + "\n")
-    parts.append(METRIC_LEGEND + "\n")
 
-    spread_rows = [
+
+def _spread_table(runs: list[Mapping[str, Any]]) -> str:
+    """The spread over prompts, its heading above it."""
+    rows = [
         [
             r["drafter"],
             _decoder_cell(r),
@@ -171,28 +189,34 @@ def results_table(results: Mapping[str, Any]) -> str:
         ]
         for r in runs
     ]
-    parts.append(
+    heading = (
         "Spread over prompts (mean ± std over every prompt and seed; speedup per prompt against the "
         "baseline on the same prompt):\n"
     )
-    parts.append(
-        markdown_table(
-            ["drafter", "decoder", "T", *(k for k, _ in _SPREAD_COLUMNS)],
-            spread_rows,
-            "lll" + "r" * len(_SPREAD_COLUMNS),
-        )
+    table = markdown_table(
+        ["drafter", "decoder", "T", *(k for k, _ in _SPREAD_COLUMNS)],
+        rows,
+        "lll" + "r" * len(_SPREAD_COLUMNS),
     )
+    return f"{heading}\n{table}"
 
+
+def _per_position_acceptance(runs: list[Mapping[str, Any]]) -> str | None:
+    """A line per run that drafted a chain; None when none did."""
     pp = [r for r in runs if r["metrics"].get("per_position_acceptance")]
-    if pp:
-        lines = ["Per-position acceptance P(draft i accepted | earlier accepted), mean over seeds:", ""]
-        lines += [
-            f"- {r['drafter']} ({r['decoder']}, T={temperature_key(r['temperature'])}): "
-            f"{format_metric(r['metrics']['per_position_acceptance'])}"
-            for r in pp
-        ]
-        parts.append("\n".join(lines) + "\n")
+    if not pp:
+        return None
+    lines = ["Per-position acceptance P(draft i accepted | earlier accepted), mean over seeds:", ""]
+    lines += [
+        f"- {r['drafter']} ({r['decoder']}, T={temperature_key(r['temperature'])}): "
+        f"{format_metric(r['metrics']['per_position_acceptance'])}"
+        for r in pp
+    ]
+    return "\n".join(lines) + "\n"
 
+
+def _greedy_differences(runs: list[Mapping[str, Any]], tie_ulps: Any) -> str | None:
+    """A line per temperature-0 tie or mismatch with the verifier's greedy output; None when there is none."""
     notes = []
     for r in runs:
         for kind, records in (
@@ -204,12 +228,11 @@ def results_table(results: Mapping[str, Any]) -> str:
                 notes.append(
                     f"- {kind}: {r['drafter']} ({r['decoder']}), seed {rec['seed']}, prompt {rec['prompt']}, "
                     f"new token {rec['position']}: greedy {a} vs decoder {b}, float32 margin "
-                    f"{format_value(rec.get('margin_ulps'), 1)} ulp (tolerance "
-                    f"{format_value(results.get('config', {}).get('tie_ulps'), 1)})"
+                    f"{format_value(rec.get('margin_ulps'), 1)} ulp (tolerance {format_value(tie_ulps, 1)})"
                 )
-    if notes:
-        parts.append(
-            "Temperature-0 differences from the verifier's greedy output (a tie: both tokens within the "
-            "verifier's precision of the top logit):\n\n" + "\n".join(notes) + "\n"
-        )
-    return "\n".join(parts)
+    if not notes:
+        return None
+    return (
+        "Temperature-0 differences from the verifier's greedy output (a tie: both tokens within the "
+        "verifier's precision of the top logit):\n\n" + "\n".join(notes) + "\n"
+    )
