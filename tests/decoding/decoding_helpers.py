@@ -109,3 +109,11 @@ def random_table_lm(vocab: int, seed: int, scale: float = 1.5, positions: int = 
     return TableLM(
         torch.randn(vocab, vocab, generator=g) * scale, torch.randn(positions, vocab, generator=g) * scale
     )
+
+
+def overlapped(verifier: torch.nn.Module, drafter: torch.nn.Module, **kwargs):
+    """The asynchronous decoder with its schedule always on (``overlap="always"``): the schedule these
+    tests test, whatever the machine's costs would choose."""
+    from train.decoding import AsyncSpeculativeDecoder
+
+    return AsyncSpeculativeDecoder(verifier, drafter, overlap="always", **kwargs)

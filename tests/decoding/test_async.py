@@ -12,12 +12,13 @@ import pytest
 import torch
 
 import train.decoding.rules.chain as loop_module
+import train.decoding.side_thread as side_thread
 from train.decoding import AsyncSpeculativeDecoder, SamplingParams, warp
 from train.decoding.async_loop import AsyncSchedule, interval_overlap, run_asynchronous
 from train.decoding.model_call import TimedModel
 from train.decoding.proposers.model_proposer import ModelProposer
 
-from .decoding_helpers import hf_greedy
+from .decoding_helpers import hf_greedy, overlapped
 from .spec_reference import chi2_critical, chi_square, peaked_table_lm, run_many, table_next, verifier_joint
 
 V, EOS = 4, 3
@@ -52,7 +53,7 @@ def _threads() -> int:
 @pytest.mark.parametrize("idle,min_ahead", [("step", 1), ("wait", 1), ("wait", "auto"), ("step", "auto")])
 def test_greedy_equals_hf_generate(arch, idle, min_ahead, tiny_pairs):
     verifier, drafter = tiny_pairs[arch]
-    decoder = AsyncSpeculativeDecoder(verifier, drafter, max_block=4, idle=idle, min_ahead=min_ahead)
+    decoder = overlapped(verifier, drafter, max_block=4, idle=idle, min_ahead=min_ahead)
     for prompt, n in (([0, 5, 9, 3, 7], 30), ([0, 44], 5), ([1, 2, 3], 1)):
         ids = torch.tensor([prompt])
         assert decoder.generate(ids, n).tokens.tolist() == hf_greedy(verifier, ids, n)
@@ -71,9 +72,9 @@ def test_a_slow_side_changes_nothing_but_the_block_lengths(slow, tiny_pairs):
     ids = torch.tensor([[0, 5, 9, 3, 7]])
     reference = hf_greedy(verifier, ids, 24)
     if slow == "drafter":
-        decoder = AsyncSpeculativeDecoder(verifier, Slow(drafter, 0.02), max_block=6)
+        decoder = overlapped(verifier, Slow(drafter, 0.02), max_block=6)
     else:
-        decoder = AsyncSpeculativeDecoder(Slow(verifier, 0.03), drafter, max_block=6)
+        decoder = overlapped(Slow(verifier, 0.03), drafter, max_block=6)
     result = decoder.generate(ids, 24)
     assert result.tokens.tolist() == reference
     stats = result.stats
@@ -106,7 +107,7 @@ def test_sampled_output_law_is_the_verifiers(delays, min_ahead):
     plain = verifier.model if isinstance(verifier, Slow) else verifier
     law = verifier_joint(table_next(plain, T1), PROMPT, 5, (EOS,))
     # idle="wait": every verification holds drafts, so the rule is exercised on every call
-    decoder = AsyncSpeculativeDecoder(verifier, drafter, max_block=4, idle="wait", min_ahead=min_ahead)
+    decoder = overlapped(verifier, drafter, max_block=4, idle="wait", min_ahead=min_ahead)
     runs = 2000 if delays is None else 3000
     result = run_many(decoder, PROMPT, 5, T1, runs, seed=0, eos=EOS)
     stat, df = chi_square(result.counts, law, runs)
@@ -128,7 +129,7 @@ def test_sampling_law_test_catches_a_biased_acceptance(monkeypatch):
     verifier, drafter = _law_case(None)
     law = verifier_joint(table_next(verifier, T1), PROMPT, 5, (EOS,))
     runs = 2000
-    decoder = AsyncSpeculativeDecoder(verifier, drafter, max_block=4, idle="wait")
+    decoder = overlapped(verifier, drafter, max_block=4, idle="wait")
     result = run_many(decoder, PROMPT, 5, T1, runs, seed=0, eos=EOS)
     stat, df = chi_square(result.counts, law, runs)
     assert stat > chi2_critical(df), (stat, df)
@@ -172,7 +173,7 @@ def test_every_draft_comes_from_a_cache_equal_to_a_fresh_forward(tiny_pairs, mon
         return draft
 
     monkeypatch.setattr(ModelProposer, "propose", checking)
-    decoder = AsyncSpeculativeDecoder(verifier, drafter, max_block=4, idle="wait")
+    decoder = overlapped(verifier, drafter, max_block=4, idle="wait")
     assert _decode_until_rollbacks(decoder) >= 3
     assert checked and all(checked)
 
@@ -192,7 +193,7 @@ def test_skipping_the_crop_is_caught(tiny_pairs, monkeypatch):
         return draft
 
     monkeypatch.setattr(ModelProposer, "propose", checking)
-    decoder = AsyncSpeculativeDecoder(verifier, drafter, max_block=4, idle="wait")
+    decoder = overlapped(verifier, drafter, max_block=4, idle="wait")
     crashed = False
     try:
         _decode_until_rollbacks(decoder)
@@ -204,7 +205,7 @@ def test_skipping_the_crop_is_caught(tiny_pairs, monkeypatch):
 
 def test_statistics_record_blocks_overlap_and_busy_time(tiny_pairs):
     verifier, drafter = tiny_pairs["llama"]
-    decoder = AsyncSpeculativeDecoder(Slow(verifier, 0.003), Slow(drafter, 0.003), max_block=4)
+    decoder = overlapped(Slow(verifier, 0.003), Slow(drafter, 0.003), max_block=4)
     stats = decoder.generate(torch.tensor([[0, 5, 9, 3, 7]]), 24).stats
     assert stats.verifier_calls > 0 and stats.drafter_calls > 0 and stats.new_tokens == 24
     # both sides sleep inside their forwards, so they are busy at the same time for a good part of it
@@ -229,10 +230,10 @@ def test_an_error_on_either_side_is_raised_and_leaves_no_thread(tiny_pairs):
 
     ids = torch.tensor([[0, 5, 9, 3, 7]])
     with pytest.raises(RuntimeError, match="boom"):
-        AsyncSpeculativeDecoder(Boom(verifier, 3), drafter).generate(ids, 40)
+        overlapped(Boom(verifier, 3), drafter).generate(ids, 40)
     assert _threads() == 0
     with pytest.raises(RuntimeError, match="boom"):
-        AsyncSpeculativeDecoder(verifier, Boom(drafter, 3), idle="wait").generate(ids, 40)
+        overlapped(verifier, Boom(drafter, 3), idle="wait").generate(ids, 40)
     assert _threads() == 0
 
 
@@ -246,7 +247,7 @@ def test_bad_settings_are_refused(tiny_pairs):
         {"min_ahead": "most"},
     ):
         with pytest.raises(ValueError):
-            AsyncSpeculativeDecoder(verifier, drafter, **kwargs)
+            overlapped(verifier, drafter, **kwargs)
 
 
 def test_auto_min_ahead_waits_longer_for_a_better_drafter(tiny_pairs):
@@ -293,7 +294,7 @@ def test_on_a_cpu_the_two_models_split_the_intra_op_threads(tiny_pairs):
     before = torch.get_num_threads()
     torch.set_num_threads(4)
     try:
-        AsyncSpeculativeDecoder(v, d, max_block=4).generate(torch.tensor([[0, 5, 9, 3, 7]]), 12)
+        overlapped(v, d, max_block=4).generate(torch.tensor([[0, 5, 9, 3, 7]]), 12)
         assert torch.get_num_threads() == 4
     finally:
         torch.set_num_threads(before)
@@ -315,7 +316,6 @@ def test_on_a_gpu_the_drafter_thread_drafts_on_a_stream_of_its_own(monkeypatch) 
     """Both models on one GPU: the drafter's thread must not queue behind the verifier on the default
     stream (issue 43, item 11: overlap reported that never happened). Without a GPU the CUDA calls are
     stand-ins; the GPU smoke run decodes with both models on cuda:0."""
-    from train.decoding import async_loop
 
     entered: list[object] = []
 
@@ -331,10 +331,10 @@ def test_on_a_gpu_the_drafter_thread_drafts_on_a_stream_of_its_own(monkeypatch) 
 
     monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
     monkeypatch.setattr(torch.cuda, "stream", _Context)
-    with async_loop.drafter_stream(torch.device("cuda", 0)):
+    with side_thread.drafter_stream(torch.device("cuda", 0)):
         pass
     assert len(entered) == 1 and entered[0].device == torch.device("cuda", 0)
-    with async_loop.drafter_stream(torch.device("cpu")):
+    with side_thread.drafter_stream(torch.device("cpu")):
         pass
     assert len(entered) == 1  # nothing on the CPU
 

@@ -1,4 +1,5 @@
-"""The adaptive min_ahead policy's arithmetic (train/decoding/async_policy.py)."""
+"""The asynchronous schedule's arithmetic (train/decoding/async_policy.py): the adaptive min_ahead
+policy, and whether overlapping the two models pays at all."""
 
 import pytest
 
@@ -6,8 +7,12 @@ from train.decoding.async_policy import (
     acceptance_estimate,
     best_wait,
     expected_block_tokens,
+    overlap_pays,
+    overlapped_speedup,
+    synchronous_speedup,
     verify_cost_line,
 )
+from train.decoding.costs import StepCosts
 
 
 def test_expected_block_tokens_by_hand():
@@ -61,3 +66,34 @@ def test_verify_cost_line_by_hand():
     assert (base, slope) == pytest.approx((1.0, 0.1))
     # a negative fitted slope (noise) is clamped to 0, the line through the mean
     assert verify_cost_line([1, 3], [1.2, 1.0]) == pytest.approx((1.1, 0.0))
+
+
+def test_overlapped_speedup_by_hand():
+    # a = 0.5, one draft: 1.5 tokens; the check of 2 tokens costs 2.0 together, and half the blocks are
+    # rejected and wait one drafter step of 0.5: 2.25 s; plain decoding alone takes 1.0 s a token
+    alone = StepCosts(verify=(1.0, 1.0), draft=0.1)
+    together = StepCosts(verify=(2.0, 2.0), draft=0.5)
+    k, value = overlapped_speedup(0.5, together, alone, max_block=1)
+    assert (k, value) == (1, pytest.approx(1.5 / 2.25))
+    # a perfect drafter never waits for the drafter: (k + 1) / V_together(k + 1), the longest block
+    assert overlapped_speedup(1.0, together, alone, max_block=3) == (3, pytest.approx(4 / 2.0))
+    # the synchronous side is the cost-chosen chain's bound: a plain step (1.0x) when nothing pays
+    assert synchronous_speedup(0.0, alone, 4) == (0, 1.0)
+    assert synchronous_speedup(0.5, alone, 1) == (1, pytest.approx(1.5 / 1.1))
+
+
+def test_overlap_pays_on_two_devices_but_not_on_shared_cores():
+    alone = StepCosts(verify=(1.0, 1.05, 1.1, 1.15, 1.2), draft=0.15)
+    # two devices: each model computes as fast beside the other, so hiding the drafter's steps pays
+    assert overlap_pays(0.6, alone, alone, max_block=4)
+    # two cores shared: the verifier on one core is 1.3x slower and the drafter 1.6x: it does not pay
+    # (synchronous at best k=2: 1.96 / (1.1 + 0.3) = 1.40x; overlapped at best k=2:
+    # 1.96 / (1.3 * 1.1 + 0.64 * 2 * 0.24) = 1.13x; on two devices 1.96 / (1.1 + 0.64 * 0.3) = 1.52x)
+    shared = StepCosts(verify=tuple(1.3 * t for t in alone.verify), draft=1.6 * alone.draft)
+    assert not overlap_pays(0.6, shared, alone, max_block=4)
+    assert overlapped_speedup(0.6, shared, alone, 4) == (2, pytest.approx(1.96 / (1.43 + 0.3072)))
+    # a drafter never accepted: a plain step beats any block, overlapped or not
+    assert not overlap_pays(0.0, alone, alone, max_block=4)
+    # a tie does not pay: a free drafter gains nothing from being hidden
+    free = StepCosts(verify=alone.verify, draft=0.0)
+    assert not overlap_pays(0.6, free, free, max_block=4)

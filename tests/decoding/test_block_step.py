@@ -8,13 +8,13 @@ import pytest
 import torch
 
 import train.decoding.block_step as block_step
-from train.decoding import AsyncSpeculativeDecoder, SpeculativeDecoder
+from train.decoding import SpeculativeDecoder
 from train.decoding.block_step import Settled, committed_tokens, record_verdict
 from train.decoding.draft import Draft
 from train.decoding.metrics import DecodeStats
 from train.decoding.rules.verdict import Verdict
 
-from .decoding_helpers import TableLM
+from .decoding_helpers import TableLM, overlapped
 from .test_decoding_greedy import chain_table
 
 EOS = 1
@@ -57,7 +57,7 @@ def test_both_loops_commit_through_the_block_step(monkeypatch):
     table = chain_table(8, [5, 2, 3, EOS, 4])
     decoders = {
         "sync": SpeculativeDecoder(TableLM(table), TableLM(table), gamma=6),
-        "async": AsyncSpeculativeDecoder(TableLM(table), TableLM(table), max_block=6, idle="wait"),
+        "async": overlapped(TableLM(table), TableLM(table), max_block=6, idle="wait"),
     }
     for decoder in decoders.values():
         assert decoder.generate(torch.tensor([[5]]), 20, eos_token_id=EOS).tokens.tolist() == [2, 3, EOS]

@@ -21,14 +21,13 @@ import torch
 from tests.conftest import REPO_ROOT
 from tests.test_docs_commands import load_script
 from train.decoding import (
-    AsyncSpeculativeDecoder,
     AutoregressiveDecoder,
     Eagle3Decoder,
     SamplingParams,
     SpeculativeDecoder,
 )
 
-from .decoding_helpers import build, hf_greedy, tiny_config
+from .decoding_helpers import build, hf_greedy, overlapped, tiny_config
 from .test_eagle3_decoding import PROMPTS, OracleDrafter, drafter_for
 
 pytestmark = [
@@ -163,7 +162,7 @@ def test_async_decoder_on_devices_keeps_greedy_output(cpu_pair, placement, idle)
         verifier, drafter = placed(cpu_pair, placement)
     ids = torch.tensor([[0, 5, 9, 3, 7]])
     expected = AutoregressiveDecoder(cpu_pair[0]).generate(ids, 40).tokens
-    result = AsyncSpeculativeDecoder(verifier, drafter, max_block=6, idle=idle).generate(ids, 40)
+    result = overlapped(verifier, drafter, max_block=6, idle=idle).generate(ids, 40)
     assert torch.equal(result.tokens, expected)
     if idle == "wait":
         assert result.stats.accepted > 0 and result.stats.verifier_calls < 40

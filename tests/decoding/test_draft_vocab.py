@@ -20,7 +20,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from train.decoding import (
-    AsyncSpeculativeDecoder,
     SamplingParams,
     SpeculativeDecoder,
     TreeSpeculativeDecoder,
@@ -30,7 +29,7 @@ from train.models.draft_vocab import DraftVocabModel, draft_vocab_of, set_draft_
 from train.models.loading import load_model
 from train.training.rollout import rollout
 
-from .decoding_helpers import build, hf_greedy, tiny_config
+from .decoding_helpers import build, hf_greedy, overlapped, tiny_config
 from .spec_reference import chi2_critical, chi2_power, chi_square, noncentrality, run_many
 from .test_decoding_cache import CheckedLM
 
@@ -142,7 +141,7 @@ def test_no_deprecated_cache_name_is_used(llama_pair, monkeypatch):
     decoders = [
         SpeculativeDecoder(verifier, model, gamma=3),
         TreeSpeculativeDecoder(verifier, model, method="rsd_c", branching=(2, 2)),
-        AsyncSpeculativeDecoder(verifier, model, max_block=3),
+        overlapped(verifier, model, max_block=3),
     ]
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from train.decoding import (
-    AsyncSpeculativeDecoder,
     AutoregressiveDecoder,
     HeadsDecoder,
     SamplingParams,
@@ -25,7 +24,7 @@ from train.models.heads import MedusaHeads
 from train.models.introspect import cache_keyword
 from train.training.rollout import rollout
 
-from .decoding_helpers import build, tiny_config
+from .decoding_helpers import build, overlapped, tiny_config
 
 PREFIX = [3, 4, 5, 6, 7]
 # a small tree after the prefix: a and b continue the prefix, c continues a
@@ -109,7 +108,7 @@ def test_models_are_called_the_way_the_installed_transformers_wants(arch, tiny_p
         SpeculativeDecoder(verifier, drafter, gamma=3),
         TreeSpeculativeDecoder(verifier, drafter, method="rsd_c", branching=(2, 2)),
         TreeSpeculativeDecoder(verifier, drafter, method="rsd_s", depth=2, beam_width=2),
-        AsyncSpeculativeDecoder(verifier, drafter, max_block=3),
+        overlapped(verifier, drafter, max_block=3),
         HeadsDecoder(verifier, MedusaHeads.from_verifier(verifier, 2, 1)),
     ]
     with warnings.catch_warnings():

@@ -14,7 +14,6 @@ import torch
 from transformers import MistralConfig, Qwen3Config
 
 from train.decoding import (
-    AsyncSpeculativeDecoder,
     AutoregressiveDecoder,
     HeadsDecoder,
     SpeculativeDecoder,
@@ -29,7 +28,7 @@ from train.decoding.cache_layer import BufferedLayer
 from train.decoding.tree_attention import tree_attention_mask
 from train.models.heads import MedusaHeads
 
-from .decoding_helpers import BOS, EOS, VOCAB, build, hf_greedy, tiny_config
+from .decoding_helpers import BOS, EOS, VOCAB, build, hf_greedy, overlapped, tiny_config
 
 WINDOW = 8
 
@@ -131,7 +130,7 @@ def decoders(verifier, drafter):
         "specinfer": TreeSpeculativeDecoder(verifier, drafter, method="specinfer", branching=(2, 2, 1)),
         "rsd_c": TreeSpeculativeDecoder(verifier, drafter, method="rsd_c", branching=(2, 2, 1)),
         "rsd_s": TreeSpeculativeDecoder(verifier, drafter, method="rsd_s", depth=3, beam_width=3),
-        "async": AsyncSpeculativeDecoder(verifier, drafter, max_block=4),
+        "async": overlapped(verifier, drafter, max_block=4),
         "medusa": HeadsDecoder(verifier, heads),
     }
 

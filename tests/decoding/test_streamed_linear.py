@@ -161,10 +161,10 @@ def test_the_probe_measures_both_products_and_caches_its_choice_auto(monkeypatch
     verifier = TimedModel(build(tiny_config("llama", 64, layers=2), 3))
     assert cost_probe.chooses_kernel(verifier)
     timed: list[tuple[int, frozenset[int] | None]] = []
-    real = cost_probe._time_forwards
+    real = cost_probe.time_forwards
     monkeypatch.setattr(
         cost_probe,
-        "_time_forwards",
+        "time_forwards",
         lambda model, counts, repeats, **kw: (
             timed.append((len(counts), kw.get("kernels"))) or real(model, counts, repeats, **kw)
         ),

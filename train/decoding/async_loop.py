@@ -30,13 +30,10 @@ each side's busy time and the time both were busy (``overlap_time``), the point 
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import os
 import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
 
 import torch
 
@@ -48,6 +45,7 @@ from train.decoding.model_call import TimedModel
 from train.decoding.proposers.model_proposer import ModelProposer
 from train.decoding.rules.rejection import LOSSLESS
 from train.decoding.sampling import SamplingParams
+from train.decoding.side_thread import beside
 
 __all__ = ["IDLE_POLICIES", "AsyncSchedule", "auto_block", "interval_overlap", "run_asynchronous"]
 
@@ -111,38 +109,6 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
-
-
-def drafter_stream(device: torch.device) -> Any:
-    """The context the drafter thread drafts in: on a GPU a CUDA stream of its own, so its kernels are not
-    queued behind the verifier's on the default stream (and its clock, which waits for its own stream,
-    does not count the verifier's work as its own); elsewhere nothing."""
-    if device.type != "cuda":
-        return contextlib.nullcontext()
-    return torch.cuda.stream(torch.cuda.Stream(device=device))
-
-
-def _draft_loop(
-    shared: _Shared, draft: Callable[[], None], pin: int | None, threads: int | None, device: torch.device
-) -> None:
-    """The drafter thread: ``draft`` (:func:`_draft` with its arguments) on core ``pin`` with ``threads``
-    intra-op threads (None: as set), on a stream of its own on a GPU (:func:`drafter_stream`); an error is
-    handed to the verifier's thread, which raises it."""
-    try:
-        if pin is not None:
-            os.sched_setaffinity(0, {pin})
-        if threads is not None:
-            torch.set_num_threads(threads)
-        with (
-            torch.inference_mode(),
-            drafter_stream(device),
-        ):  # grad mode and the current stream are per thread
-            draft()
-    except BaseException as err:  # noqa: BLE001 -- handed to the verifier thread, which raises it
-        with shared.cond:
-            shared.error = err
-            shared.stop = True
-            shared.cond.notify_all()
 
 
 # more than 8 parameters: the drafter thread's state, bound once with functools.partial
@@ -213,44 +179,13 @@ def _republish(shared: _Shared, k: int, accepted: int, extra: list[int], done: b
     return len(rest)
 
 
-@contextlib.contextmanager
-def _drafter_running(
-    shared: _Shared,
-    drafting: Callable[[], None],
-    verifier: TimedModel,
-    drafter_device: torch.device,
-    pin_cores: tuple[int, int] | None,
-) -> Iterator[None]:
-    """The drafter thread running ``drafting`` for the duration of the block: on a CPU both models share
-    its intra-op threads (one each on two cores; each pinned to its core with ``pin_cores``); on leaving,
-    the thread is stopped and joined and this thread's settings restored."""
-    threads_before = torch.get_num_threads()
-    split = None
-    if verifier.device.type == "cpu" and drafter_device.type == "cpu":
-        split = 1 if pin_cores is not None else max(1, threads_before // 2)
-    thread = threading.Thread(
-        target=_draft_loop,
-        args=(shared, drafting, None if pin_cores is None else pin_cores[1], split, drafter_device),
-        name="draftsmith-drafter",
-        daemon=True,
-    )
-    previous_affinity: Any = None
-    if pin_cores is not None:
-        previous_affinity = os.sched_getaffinity(0)
-        os.sched_setaffinity(0, {pin_cores[0]})
-    if split is not None:
-        torch.set_num_threads(split)
-    thread.start()
-    try:
-        yield
-    finally:
-        with shared.cond:
-            shared.stop = True
-            shared.cond.notify_all()
-        thread.join()
-        if previous_affinity is not None:
-            os.sched_setaffinity(0, previous_affinity)
-        torch.set_num_threads(threads_before)
+def _stop(shared: _Shared, error: BaseException | None = None) -> None:
+    """Stop both sides (with the drafter's ``error``, which the verifier's thread raises)."""
+    with shared.cond:
+        if error is not None:
+            shared.error = error
+        shared.stop = True
+        shared.cond.notify_all()
 
 
 def _take_block(
@@ -326,7 +261,8 @@ def run_asynchronous(
     calls = CostLine()  # the verifier's decoding calls: tokens scored, seconds
     cap = min(schedule.max_block, schedule.max_ahead)
     auto = functools.partial(auto_block, stats, drafter_stats, calls, max_block=cap, wait=schedule.waits)
-    with _drafter_running(shared, drafting, verifier, proposer.drafter.device, schedule.pin_cores):
+    stop = functools.partial(_stop, shared)
+    with beside(drafting, stop, stop, (verifier.device, proposer.drafter.device), schedule.pin_cores):
         done = False
         while not done:
             draft = _take_block(shared, schedule, auto, eos, limit)

@@ -10,6 +10,15 @@ maximises tokens per second, :func:`best_wait`, with ``a`` (:func:`acceptance_es
 step and the verifier's cost line (:class:`CostLine`) measured during the same generation.
 Only the schedule changes: which drafts a block holds never depends on the random draws, so the
 decoder stays lossless. :class:`AsyncSchedule` holds the schedule's settings.
+
+Whether to overlap at all (``overlap="auto"``, :func:`overlap_pays`): running the two models at once
+pays only where what each loses to the other (the cores or the device they share) costs less than the
+drafting it hides. With the pair's step costs measured alone (``V``, ``D``) and measured while the
+other model computes (``Vt``, ``Dt``, :mod:`train.decoding.overlap_probe`), a synchronous chain of
+``k`` drafts takes ``V(k + 1) + k D`` per block; an overlapped block takes ``Vt(k + 1)`` plus, when a
+draft is rejected (chance ``1 - a^k``), the ``k Dt`` the drafter needs to draft the next block from
+the corrected sequence (its drafts past a rejection are wasted). Each side's best ``k`` (a plain step
+included for the synchronous side) decides.
 """
 
 from __future__ import annotations
@@ -17,13 +26,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from train.decoding.costs import StepCosts, speedup_bound
+
 __all__ = [
     "IDLE_POLICIES",
+    "OVERLAP_CHOICES",
     "AsyncSchedule",
     "CostLine",
     "acceptance_estimate",
     "best_wait",
     "expected_block_tokens",
+    "overlap_pays",
+    "overlapped_speedup",
+    "synchronous_speedup",
     "verify_cost_line",
 ]
 
@@ -102,6 +117,40 @@ def acceptance_estimate(accepted: int, tested: int, prior: float = 0.5, prior_we
     ``prior_weight`` pseudo-drafts (so the first blocks of a generation do not swing the policy)."""
     return (accepted + prior * prior_weight) / (tested + prior_weight)
 
+
+def synchronous_speedup(acceptance: float, alone: StepCosts, max_block: int) -> tuple[int, float]:
+    """(k, speedup over plain decoding) of the best synchronous chain of 0 .. ``max_block`` drafts, each
+    accepted with ``acceptance``, under the costs measured with each model alone."""
+    return speedup_bound([acceptance] * max_block, alone)
+
+
+def overlapped_speedup(
+    acceptance: float, together: StepCosts, alone: StepCosts, max_block: int
+) -> tuple[int, float]:
+    """(k, speedup over plain decoding at ``alone``'s one-token step) of the best overlapped block of
+    1 .. ``max_block`` drafts under the costs measured with both models computing at once (module
+    docstring)."""
+    best_k, best = 1, 0.0
+    a = min(max(acceptance, 0.0), 1.0)
+    for k in range(1, max_block + 1):
+        seconds = together.check(k + 1) + (1.0 - a**k) * k * together.draft
+        value = expected_block_tokens(a, k) * alone.check(1) / seconds
+        if value > best:
+            best_k, best = k, value
+    return best_k, best
+
+
+def overlap_pays(acceptance: float, together: StepCosts, alone: StepCosts, max_block: int) -> bool:
+    """Whether the best overlapped block is expected to beat the best synchronous one (a tie does not)."""
+    return (
+        overlapped_speedup(acceptance, together, alone, max_block)[1]
+        > synchronous_speedup(acceptance, alone, max_block)[1]
+    )
+
+
+#: ``auto``: overlap only where :func:`overlap_pays` (else a synchronous chain of cost-chosen length);
+#: ``always``: the asynchronous schedule whatever it costs.
+OVERLAP_CHOICES: tuple[str, ...] = ("auto", "always")
 
 #: What the verifier does when no draft is ready: ``step`` (an autoregressive step) or ``wait``.
 IDLE_POLICIES: tuple[str, ...] = ("step", "wait")

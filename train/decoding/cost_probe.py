@@ -26,6 +26,7 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,10 @@ __all__ = [
     "cost_key",
     "faster_rows",
     "measure_step_costs",
+    "random_tokens",
+    "remembered",
     "step_costs",
+    "time_forwards",
 ]
 
 log = logging.getLogger(__name__)
@@ -150,12 +154,13 @@ def _write_disk(key: str, costs: StepCosts, rows: frozenset[int] | None) -> None
         log.warning("Could not cache the measured step costs in %s: %s", path, err)
 
 
-def _prefix(model: TimedModel, length: int) -> list[int]:
+def random_tokens(model: TimedModel, length: int) -> list[int]:
+    """``length`` ids of ``model``'s vocabulary drawn with a fixed seed: the probes' prefix and tokens."""
     generator = torch.Generator().manual_seed(0)
     return torch.randint(0, max(1, model.embed_size), (length,), generator=generator).tolist()
 
 
-def _time_forwards(
+def time_forwards(
     model: TimedModel,
     counts: list[int],
     repeats: int,
@@ -167,9 +172,9 @@ def _time_forwards(
     entry of ``kernels`` (the row counts that stream while it is timed, :func:`set_stream_rows`, the
     entries interleaved; None: the model as it is); ``draw``: with what a drafter step adds to its
     forward (its distribution, its top token and its confidence)."""
-    prefix = _prefix(model, PREFIX_TOKENS)
+    prefix = random_tokens(model, PREFIX_TOKENS)
     cache = model(prefix, None, support_only=support_only).cache
-    tokens = _prefix(model, max(counts) + 1)[1:]
+    tokens = random_tokens(model, max(counts) + 1)[1:]
     times: list[dict[int, list[float]]] = [{n: [] for n in counts} for _ in kernels]
     for rep in range(repeats + 1):  # the first pass warms up
         for n in counts:
@@ -225,20 +230,20 @@ def measure_step_costs(
     counts = list(range(1, max_tokens + 1))
     with torch.inference_mode():
         if choose_kernel and chooses_kernel(verifier):
-            library, streamed = _time_forwards(verifier, counts, repeats, kernels=(frozenset(), ALL_ROWS))
+            library, streamed = time_forwards(verifier, counts, repeats, kernels=(frozenset(), ALL_ROWS))
             rows = faster_rows(counts, library, streamed)
             set_stream_rows(verifier.model, rows)
             medians = [min(a, b) for a, b in zip(library, streamed, strict=True)]
             log.info("Linear product per row count: streamed for %s, the library's otherwise", sorted(rows))
         else:
-            (medians,) = _time_forwards(verifier, counts, repeats)
+            (medians,) = time_forwards(verifier, counts, repeats)
         # more tokens never cost less: a dip is the machine's noise (a cheaper 4 than 1 would make
         # every block draft 3 tokens "for free"), so each count costs at least what fewer did
         verify = [max(medians[: n + 1]) for n in range(len(medians))]
         draft = 0.0
         if drafter is not None:
             support = drafter.support is not None
-            draft = _time_forwards(drafter, [1], repeats, support_only=support, draw=True)[0][0]
+            draft = time_forwards(drafter, [1], repeats, support_only=support, draw=True)[0][0]
     return StepCosts(verify=tuple(verify), draft=draft)
 
 
@@ -247,21 +252,30 @@ def step_costs(verifier: TimedModel, drafter: TimedModel | None, max_tokens: int
     from the process's memo, else the disk cache, else measured now and cached (module docstring)."""
     max_tokens = max(max_tokens, MEASURED_TOKENS)
     key = cost_key(verifier.model, drafter.model if drafter is not None else None, max_tokens)
-    if key in _MEMO:
-        costs, rows = _MEMO[key]
-    else:
-        stored, rows = _stored(key)
-        if stored is not None:
-            costs = stored
-        else:
-            costs = measure_step_costs(verifier, drafter, max_tokens)
-            rows = stream_rows(verifier.model) if chooses_kernel(verifier) else None
-            _write_disk(key, costs, rows)
-            log.info("Measured step costs (cached under %s): %s", cache_path(), costs)
-        _MEMO[key] = (costs, rows)
+
+    def measure() -> tuple[StepCosts, frozenset[int] | None]:
+        costs = measure_step_costs(verifier, drafter, max_tokens)
+        return costs, stream_rows(verifier.model) if chooses_kernel(verifier) else None
+
+    costs, rows = remembered(key, measure)
     if rows is not None and chooses_kernel(verifier):
         set_stream_rows(verifier.model, rows)  # the choice the costs were measured with
     return costs
+
+
+def remembered(
+    key: str, measure: Callable[[], tuple[StepCosts, frozenset[int] | None]]
+) -> tuple[StepCosts, frozenset[int] | None]:
+    """The costs (and streamed row counts) cached under ``key``: from the process's memo, else the disk
+    cache, else ``measure()``d now and cached in both."""
+    if key not in _MEMO:
+        stored, rows = _stored(key)
+        if stored is None:
+            stored, rows = measure()
+            _write_disk(key, stored, rows)
+            log.info("Measured step costs (cached under %s): %s", cache_path(), stored)
+        _MEMO[key] = (stored, rows)
+    return _MEMO[key]
 
 
 def _stored(key: str) -> tuple[StepCosts | None, frozenset[int] | None]:
