@@ -11,7 +11,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import itertools
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -85,8 +86,7 @@ def pack_sequences(
     return packed
 
 
-# more than 8 parameters: the prompt cut's settings (conf/data keys); more than 80 lines: two source shapes
-# (chat rows, plain text) in one cut
+# more than 8 parameters: the prompt cut's settings (conf/data keys)
 def make_prompts(
     dataset_split: Dataset,
     tokenizer: Any,
@@ -116,6 +116,36 @@ def make_prompts(
     output is deterministic for a given ``seed``. Returns a ``Dataset`` with list columns
     ``input_ids`` (prompt, ``len <= prompt_len``), ``continuation_ids`` and ``doc_index``.
     """
+    _check_prompt_settings(prompt_len, max_prompts, continuation_len, mode, prompts_per_doc)
+    bos = _require_special(tokenizer, "bos")
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(dataset_split)).tolist()
+    has_pairs = {"prompt", "response"} <= set(dataset_split.column_names)
+    if not has_pairs and text_column not in dataset_split.column_names:
+        raise ValueError(f"text_column={text_column!r} not in columns {dataset_split.column_names}")
+    body = prompt_len - 1
+    limit = max_prompts if max_prompts is not None else len(dataset_split) * prompts_per_doc
+    if has_pairs:
+        rows = _encoded_rows(dataset_split, order, ("prompt", "response"), tokenizer, bos)
+        cuts = _chat_cuts(rows, bos, body, continuation_len)
+    else:
+        rows = _encoded_rows(dataset_split, order, (text_column,), tokenizer, bos)
+        cuts = _text_cuts(rows, bos, body, continuation_len or 0, mode, prompts_per_doc, rng)
+    # islice stops pulling at the limit: the rows after it are never tokenised
+    kept = list(itertools.islice(cuts, limit))
+    return Dataset.from_dict(
+        {
+            "input_ids": [prompt for _, prompt, _ in kept],
+            "continuation_ids": [continuation for _, _, continuation in kept],
+            "doc_index": [doc for doc, _, _ in kept],
+        },
+        features=_PROMPT_FEATURES,
+    )
+
+
+def _check_prompt_settings(
+    prompt_len: int, max_prompts: int | None, continuation_len: int | None, mode: str, prompts_per_doc: int
+) -> None:
     if prompt_len < 2:
         raise ValueError(f"prompt_len must be >= 2 (BOS + at least one token), got {prompt_len}")
     if mode not in ("start", "random"):
@@ -126,61 +156,65 @@ def make_prompts(
         raise ValueError(f"prompts_per_doc must be >= 1, got {prompts_per_doc}")
     if max_prompts is not None and max_prompts < 1:
         raise ValueError(f"max_prompts must be None or >= 1, got {max_prompts}")
-    bos = _require_special(tokenizer, "bos")
-    rng = np.random.default_rng(seed)
-    order = rng.permutation(len(dataset_split)).tolist()
-    has_pairs = {"prompt", "response"} <= set(dataset_split.column_names)
-    if not has_pairs and text_column not in dataset_split.column_names:
-        raise ValueError(f"text_column={text_column!r} not in columns {dataset_split.column_names}")
-    body = prompt_len - 1
-    cont = continuation_len or 0
-    limit = max_prompts if max_prompts is not None else len(dataset_split) * prompts_per_doc
 
-    def encode(texts: list[str]) -> list[list[int]]:
-        encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
-        return [ids[1:] if ids and ids[0] == bos else list(ids) for ids in encoded]
 
-    prompts: list[list[int]] = []
-    continuations: list[list[int]] = []
-    doc_index: list[int] = []
-    chunk = 64
-    for start in range(0, len(order), chunk):
-        if len(prompts) >= limit:
-            break
-        idx = order[start : start + chunk]
+_ROWS_PER_TOKENIZER_CALL = 64
+
+#: One prompt cut from a document: (the document's index, BOS + the prompt's ids, the continuation's ids).
+_Cut = tuple[int, list[int], list[int]]
+
+
+def _encoded_rows(
+    dataset_split: Dataset, order: list[int], columns: Sequence[str], tokenizer: Any, bos: int
+) -> Iterator[tuple[Any, ...]]:
+    """(row index, each of ``columns`` as token ids without a leading BOS) for the rows in ``order``,
+    tokenised :data:`_ROWS_PER_TOKENIZER_CALL` rows at a time as they are pulled."""
+    for start in range(0, len(order), _ROWS_PER_TOKENIZER_CALL):
+        idx = order[start : start + _ROWS_PER_TOKENIZER_CALL]
         rows = dataset_split.select(idx)
-        if has_pairs:
-            for i, p_ids, r_ids in zip(
-                idx, encode(list(rows["prompt"])), encode(list(rows["response"])), strict=True
-            ):
-                if len(prompts) >= limit:
-                    break
-                if not r_ids and len(p_ids) > body:
-                    continue
-                prompts.append([bos] + p_ids[max(0, len(p_ids) - body) :])
-                continuations.append(r_ids if continuation_len is None else r_ids[:continuation_len])
-                doc_index.append(int(i))
+        encoded = [_encode(tokenizer, bos, list(rows[column])) for column in columns]
+        yield from zip(idx, *encoded, strict=True)
+
+
+def _encode(tokenizer: Any, bos: int, texts: list[str]) -> list[list[int]]:
+    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return [ids[1:] if ids and ids[0] == bos else list(ids) for ids in encoded]
+
+
+def _chat_cuts(
+    rows: Iterator[tuple[Any, ...]], bos: int, body: int, continuation_len: int | None
+) -> Iterator[_Cut]:
+    """A prompt's last ``body`` tokens after BOS and its response (its first ``continuation_len``
+    tokens); a request (no response) longer than ``body`` is skipped rather than cut at its head."""
+    for i, p_ids, r_ids in rows:
+        if not r_ids and len(p_ids) > body:
             continue
-        for i, ids in zip(idx, encode(list(rows[text_column])), strict=True):
-            if len(prompts) >= limit:
-                break
-            span = len(ids) - (body + cont)
-            if span < 0:
-                continue
-            if mode == "start":
-                offsets = [0]
-            else:
-                offsets = sorted(int(o) for o in rng.integers(0, span + 1, size=prompts_per_doc))
-            for off in offsets:
-                if len(prompts) >= limit:
-                    break
-                prompts.append([bos] + ids[off : off + body])
-                continuations.append(ids[off + body : off + body + cont])
-                doc_index.append(int(i))
-    return Dataset.from_dict(
-        {"input_ids": prompts, "continuation_ids": continuations, "doc_index": doc_index},
-        features=_PROMPT_FEATURES,
-    )
+        response = r_ids if continuation_len is None else r_ids[:continuation_len]
+        yield int(i), [bos] + p_ids[max(0, len(p_ids) - body) :], response
+
+
+def _text_cuts(
+    rows: Iterator[tuple[Any, ...]],
+    bos: int,
+    body: int,
+    cont: int,
+    mode: str,
+    prompts_per_doc: int,
+    rng: np.random.Generator,
+) -> Iterator[_Cut]:
+    """Windows of ``body`` tokens after BOS and the ``cont`` tokens after them, at each document's start
+    or at ``prompts_per_doc`` random offsets (drawn from ``rng`` as the document is reached); documents
+    too short for one window are skipped."""
+    for i, ids in rows:
+        span = len(ids) - (body + cont)
+        if span < 0:
+            continue
+        if mode == "start":
+            offsets = [0]
+        else:
+            offsets = sorted(int(o) for o in rng.integers(0, span + 1, size=prompts_per_doc))
+        for off in offsets:
+            yield int(i), [bos] + ids[off : off + body], ids[off + body : off + body + cont]
 
 
 def _as_list(x: Any) -> list[int]:
