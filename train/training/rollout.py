@@ -55,8 +55,7 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
 
 
-# more than 8 parameters: a generation request as transformers' generate takes it; more than 80 lines: one
-# batched sampling loop, read top to bottom
+# more than 8 parameters: a generation request as transformers' generate takes it
 @torch.no_grad()
 def rollout(
     model: torch.nn.Module,
@@ -96,55 +95,93 @@ def rollout(
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     device = input_ids.device
-    batch, width = input_ids.shape
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(device).long()
     vocab = vocab_size or output_vocab_size(model)
     eos = torch.tensor(sorted(eos_set(eos_token_id)), dtype=torch.long, device=device)
-    keep = {"logits_to_keep": 1} if supports_logits_to_keep(model) else {}
-    cache_kw = cache_keyword(model)
+    request = _Request(max_new_tokens, params, eos, pad_token_id, generator, vocab, keep_scores)
     was_training = model.training
     model.eval()  # no dropout in rollouts
     try:
-        new_tokens: list[torch.Tensor] = []
-        step_scores: list[torch.Tensor] = []
-        alive = torch.ones(batch, dtype=torch.bool, device=device)
-        positions = position_ids_from_mask(mask)
-        next_pos = positions[:, -1:] + 1
-        feed, feed_pos, cache = input_ids, positions, None
-        for _ in range(max_new_tokens):
-            out = model(
-                input_ids=feed,
-                attention_mask=mask,
-                position_ids=feed_pos,
-                use_cache=True,
-                **{cache_kw: cache},
-                **keep,
-            )
-            cache = returned_cache(out)
-            if keep_scores:
-                step_scores.append(out.logits[:, -1])
-            logits = out.logits[:, -1, :vocab]
-            if params.temperature == 0.0:
-                x = logits.argmax(dim=-1)
-            else:
-                x = sample(warp(logits, params), generator)
-            x = torch.where(alive, x, torch.full_like(x, pad_token_id))
-            new_tokens.append(x)
-            mask = torch.cat([mask, alive.long().unsqueeze(1)], dim=1)
-            if eos.numel():
-                alive = alive & ~torch.isin(x, eos)
-                if not bool(alive.any()):
-                    break
-            feed, feed_pos = x.unsqueeze(1), next_pos
-            next_pos = next_pos + 1
+        new_tokens, mask, step_scores = _sample_tokens(model, input_ids, mask, request)
     finally:
         model.train(was_training)
-    cont = torch.stack(new_tokens, dim=1) if new_tokens else input_ids.new_zeros((batch, 0))
-    sequences = torch.cat([input_ids, cont], dim=1)
+    return _as_rollout(input_ids, new_tokens, mask, step_scores)
+
+
+@dataclass(frozen=True)
+class _Request:
+    """:func:`rollout`'s settings as its sampling loop reads them (the EOS ids as a tensor on the
+    prompts' device, the vocabulary resolved)."""
+
+    max_new_tokens: int
+    params: SamplingParams
+    eos: torch.Tensor
+    pad_token_id: int
+    generator: torch.Generator | None
+    vocab: int
+    keep_scores: bool
+
+    def pick(self, logits: torch.Tensor) -> torch.Tensor:
+        """(B, V) last-position logits -> (B,) next tokens among the first ``vocab`` ids: the argmax at
+        temperature 0, else sampled from the warped distribution."""
+        logits = logits[:, : self.vocab]
+        if self.params.temperature == 0.0:
+            return logits.argmax(dim=-1)
+        return sample(warp(logits, self.params), self.generator)
+
+
+def _sample_tokens(
+    model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, request: _Request
+) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
+    """The sampling loop over a KV cache: each step's (B,) tokens (``pad_token_id`` once a row has
+    ended), the (B, P + N') mask grown by one column a step, and each step's whole (B, V) logits row
+    when ``keep_scores``; stops early once every row has ended."""
+    keep = {"logits_to_keep": 1} if supports_logits_to_keep(model) else {}
+    cache_kw = cache_keyword(model)
+    new_tokens: list[torch.Tensor] = []
+    step_scores: list[torch.Tensor] = []
+    alive = torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    positions = position_ids_from_mask(mask)
+    next_pos = positions[:, -1:] + 1
+    feed, feed_pos, cache = input_ids, positions, None
+    for _ in range(request.max_new_tokens):
+        out = model(
+            input_ids=feed,
+            attention_mask=mask,
+            position_ids=feed_pos,
+            use_cache=True,
+            **{cache_kw: cache},
+            **keep,
+        )
+        cache = returned_cache(out)
+        if request.keep_scores:
+            step_scores.append(out.logits[:, -1])
+        x = request.pick(out.logits[:, -1])
+        x = torch.where(alive, x, torch.full_like(x, request.pad_token_id))
+        new_tokens.append(x)
+        mask = torch.cat([mask, alive.long().unsqueeze(1)], dim=1)
+        if request.eos.numel():
+            alive = alive & ~torch.isin(x, request.eos)
+            if not bool(alive.any()):
+                break
+        feed, feed_pos = x.unsqueeze(1), next_pos
+        next_pos = next_pos + 1
+    return new_tokens, mask, step_scores
+
+
+def _as_rollout(
+    input_ids: torch.Tensor,
+    new_tokens: list[torch.Tensor],
+    mask: torch.Tensor,
+    step_scores: list[torch.Tensor],
+) -> Rollout:
+    """The loop's per-step tokens after the prompts, and the prompts masked out of the continuation."""
+    width = input_ids.shape[1]
+    cont = torch.stack(new_tokens, dim=1) if new_tokens else input_ids.new_zeros((input_ids.shape[0], 0))
     cont_mask = mask.bool().clone()
     cont_mask[:, :width] = False
-    scores = torch.stack(step_scores, dim=1) if keep_scores and step_scores else None
-    return Rollout(sequences, mask, cont_mask, width, scores)
+    scores = torch.stack(step_scores, dim=1) if step_scores else None
+    return Rollout(torch.cat([input_ids, cont], dim=1), mask, cont_mask, width, scores)
 
 
 @dataclass(frozen=True)
