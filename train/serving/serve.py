@@ -97,8 +97,9 @@ def _load_export(served: ServedExport, dtype: str) -> torch.nn.Module:
 
 def _ours(
     verifier: torch.nn.Module, run: RunPrompts, served: ServedExport, eos: list[int], max_new_tokens: int
-) -> tuple[dict[str, Any], list[list[int]], list[list[int]]]:
-    """This project's evaluator on the export under vLLM's chain: (figures, outputs, plain outputs)."""
+) -> tuple[dict[str, Any], list[list[int]]]:
+    """This project's evaluator on the export under vLLM's chain: (figures with the greedy equality of its
+    outputs to its own plain decoding's, those plain outputs)."""
     entry = served.decoder_entry()
     outputs: dict[tuple[str, int], list[int]] = {}
 
@@ -125,7 +126,11 @@ def _ours(
     figures["tokens_per_second"] = float(metrics["tokens_per_second"]["mean"])
     figures["tokens_per_second_alone"] = float(results["baseline"][0]["metrics"]["tokens_per_second"]["mean"])
     n = len(run.prompts)
-    return figures, [outputs[(entry["name"], i)] for i in range(n)], [outputs[("ar", i)] for i in range(n)]
+    speculative = [outputs[(entry["name"], i)] for i in range(n)]
+    plain = [outputs[("ar", i)] for i in range(n)]
+    figures["equality"] = greedy_equality(verifier, run.prompts, plain, speculative, run.tie_ulps)
+    figures["greedy_equal"] = equality_cell(figures["equality"])
+    return figures, plain
 
 
 def greedy_equality(
@@ -169,7 +174,6 @@ def equality_cell(equality: dict[str, Any]) -> str:
     return cell
 
 
-# more than 80 lines: serve, compare with our engine, write: one recipe read top to bottom
 def serve_run(
     run_dir: str | os.PathLike[str],
     folders: Sequence[str | os.PathLike[str]] = (),
@@ -185,16 +189,7 @@ def serve_run(
     run_path = Path(run_dir)
     out = Path(out_dir) if out_dir is not None else run_path / "vllm"
     out.mkdir(parents=True, exist_ok=True)
-    exports = (
-        [served_export(f, num_speculative_tokens) for f in folders]
-        if folders
-        else served_exports(run_path, num_speculative_tokens)
-    )
-    if not exports:
-        raise FileNotFoundError(
-            f"{run_path}: no export vLLM serves "
-            "(drafter/, heads_vllm/, eagle3_speculators/, dflash_speculators/)"
-        )
+    exports = _exports(run_path, folders, num_speculative_tokens)
     run = run_prompts(run_path, num_prompts, prompt_len)
     verifier = load_model(run.verifier, dtype=run.dtype, role="model.verifier").eval()
     eos = eos_token_ids(run.tokenizer, verifier)
@@ -208,35 +203,11 @@ def serve_run(
             flush=True,
         )
         spec = run_vllm_job(_vllm_job(run, eos, max_new_tokens, served), python, log_file=log_file)
-        vllm = vllm_figures(spec["spec"])
-        vllm["tokens_per_second"] = tokens_per_second(spec["outputs"], spec["seconds"])
-        vllm["tokens_per_second_alone"] = plain_tps
-        vllm["batch_tokens_per_second"] = spec["batch_tokens"] / spec["batch_seconds"]
-        vllm["batch_tokens_per_second_alone"] = plain["batch_tokens"] / plain["batch_seconds"]
-        vllm["equality"] = greedy_equality(
-            verifier, run.prompts, plain["outputs"], spec["outputs"], run.tie_ulps
-        )
-        vllm["greedy_equal"] = equality_cell(vllm["equality"])
-        ours, our_outputs, our_plain = _ours(verifier, run, served, eos, max_new_tokens)
-        ours["equality"] = greedy_equality(verifier, run.prompts, our_plain, our_outputs, run.tie_ulps)
-        ours["greedy_equal"] = equality_cell(ours["equality"])
-        rows.append(
-            {
-                "export": served.folder.name,
-                "folder": str(served.folder),
-                "method": served.method,
-                "num_speculative_tokens": served.num_speculative_tokens,
-                "vllm_version": spec["vllm_version"],
-                "startup_seconds": spec["startup_seconds"],
-                "vllm": vllm,
-                "ours": ours,
-                # vLLM's plain greedy tokens against this project's verifier's (float32 kernels differ)
-                "vllm_plain_equals_ours": equality_cell(
-                    greedy_equality(verifier, run.prompts, our_plain, plain["outputs"], run.tie_ulps)
-                ),
-                "vllm_outputs": spec["outputs"],
-            }
-        )
+        vllm = _vllm_side(verifier, run, plain, spec)
+        ours, our_plain = _ours(verifier, run, served, eos, max_new_tokens)
+        # vLLM's plain greedy tokens against this project's verifier's (float32 kernels differ)
+        plain_equality = greedy_equality(verifier, run.prompts, our_plain, plain["outputs"], run.tie_ulps)
+        rows.append(_row(served, spec, vllm, ours, equality_cell(plain_equality)))
     report = {
         "run_dir": str(run_path),
         "verifier": run.verifier,
@@ -246,9 +217,67 @@ def serve_run(
         "vllm_plain": {"tokens_per_second": plain_tps, "startup_seconds": plain["startup_seconds"]},
         "rows": rows,
     }
-    table = serving_table(rows)
+    _write_report(report, out)
+    return report
+
+
+def _exports(
+    run_path: Path, folders: Sequence[str | os.PathLike[str]], num_speculative_tokens: int
+) -> list[ServedExport]:
+    """The exports named by ``folders``, else every one in the run vLLM serves; at least one."""
+    exports = (
+        [served_export(f, num_speculative_tokens) for f in folders]
+        if folders
+        else served_exports(run_path, num_speculative_tokens)
+    )
+    if not exports:
+        raise FileNotFoundError(
+            f"{run_path}: no export vLLM serves "
+            "(drafter/, heads_vllm/, eagle3_speculators/, dflash_speculators/)"
+        )
+    return exports
+
+
+def _vllm_side(
+    verifier: torch.nn.Module, run: RunPrompts, plain: dict[str, Any], spec: dict[str, Any]
+) -> dict[str, Any]:
+    """vLLM's figures for one export from its speculative job and its plain one: acceptance, tokens/s
+    alone and speculative (batch 1 and the whole batch), the greedy equality of the two jobs' outputs."""
+    vllm = vllm_figures(spec["spec"])
+    vllm["tokens_per_second"] = tokens_per_second(spec["outputs"], spec["seconds"])
+    vllm["tokens_per_second_alone"] = tokens_per_second(plain["outputs"], plain["seconds"])
+    vllm["batch_tokens_per_second"] = spec["batch_tokens"] / spec["batch_seconds"]
+    vllm["batch_tokens_per_second_alone"] = plain["batch_tokens"] / plain["batch_seconds"]
+    vllm["equality"] = greedy_equality(verifier, run.prompts, plain["outputs"], spec["outputs"], run.tie_ulps)
+    vllm["greedy_equal"] = equality_cell(vllm["equality"])
+    return vllm
+
+
+def _row(
+    served: ServedExport,
+    spec: dict[str, Any],
+    vllm: dict[str, Any],
+    ours: dict[str, Any],
+    vllm_plain_equals_ours: str,
+) -> dict[str, Any]:
+    """``serving.json``'s row for one export: both engines' figures side by side."""
+    return {
+        "export": served.folder.name,
+        "folder": str(served.folder),
+        "method": served.method,
+        "num_speculative_tokens": served.num_speculative_tokens,
+        "vllm_version": spec["vllm_version"],
+        "startup_seconds": spec["startup_seconds"],
+        "vllm": vllm,
+        "ours": ours,
+        "vllm_plain_equals_ours": vllm_plain_equals_ours,
+        "vllm_outputs": spec["outputs"],
+    }
+
+
+def _write_report(report: dict[str, Any], out: Path) -> None:
+    table = serving_table(report["rows"])
     (out / "serving.json").write_text(json.dumps(report, indent=1))
     (out / "serving.md").write_text(table + "\n")
     print(table, flush=True)
     print(f"written to {out}", flush=True)
-    return report
