@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import train.decoding.cost_probe as cost_probe
 from train.decoding import SamplingParams, SpeculativeDecoder
 from train.decoding.costs import StepCosts, best_length, expected_tokens, speedup_bound, survival
 from train.decoding.length_policy import AcceptanceCalibration, CostAwareLength, chain_outcomes
@@ -185,6 +186,7 @@ def test_bad_settings_raise(llama_pair):
 
 def test_costs_are_measured_once_when_not_given(llama_pair, tmp_path, monkeypatch):
     monkeypatch.setenv("DRAFTSMITH_COST_CACHE", str(tmp_path / "costs.json"))
+    monkeypatch.setattr(cost_probe, "_MEMO", {})  # this process's earlier measurements are not seen
     verifier, drafter = llama_pair
     dec = SpeculativeDecoder(verifier, drafter, gamma=3, draft_length="cost")
     assert dec.step_costs is None

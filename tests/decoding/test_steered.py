@@ -159,3 +159,34 @@ def test_a_module_for_another_pair_is_refused(tiny_pairs):
     wide = build(tiny_config("llama", 96), 3)
     with pytest.raises(ValueError, match="hidden size is 96"):
         SpeculativeDecoder(wide, drafter, steering=module)
+
+
+def test_a_steered_drafters_step_is_timed_steered_and_cached_apart(tiny_pairs, monkeypatch, tmp_path):
+    """The cost the draft length is chosen by is the drafter's step as it drafts: with the steering
+    hooks on and a guide set; a plain drafter's cached cost is not reused for it."""
+    import train.decoding.cost_probe as cost_probe
+
+    monkeypatch.setenv("DRAFTSMITH_COST_CACHE", str(tmp_path / "costs.json"))
+    monkeypatch.setattr(cost_probe, "_MEMO", {})  # this process's earlier measurements are not seen
+    verifier, drafter = tiny_pairs["llama"]
+    steering = random_steering(verifier, drafter)
+    mlps = swiglu_mlps(drafter)
+    hooks_seen: list[int] = []
+    logits_seen: list[torch.Tensor] = []
+    real = cost_probe.measure_step_costs
+
+    def measure(*args, **kwargs):
+        hooks_seen.append(sum(len(m.up_proj._forward_hooks) for m in mlps))
+        logits_seen.append(drafter(torch.tensor([[0, 5, 9]])).logits)  # what a step computes while timed
+        return real(*args, **kwargs, repeats=1)
+
+    monkeypatch.setattr(cost_probe, "measure_step_costs", measure)
+    plain = SpeculativeDecoder(verifier, drafter, gamma=3, draft_length="cost")
+    steered = SpeculativeDecoder(verifier, drafter, gamma=3, draft_length="cost", steering=steering)
+    plain.measure_costs()
+    steered.measure_costs()
+    assert hooks_seen == [0, len(mlps)]  # measured twice (the plain cost not reused), steered the second time
+    assert not torch.equal(logits_seen[0], logits_seen[1])  # with a guide set
+    assert sum(len(m.up_proj._forward_hooks) for m in mlps) == 0  # the drafter is left plain
+    steered.measure_costs()
+    assert len(hooks_seen) == 2  # cached

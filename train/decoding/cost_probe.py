@@ -19,6 +19,7 @@ measures every process afresh.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -26,7 +27,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,7 @@ __all__ = [
     "random_tokens",
     "remembered",
     "step_costs",
+    "steered_while_timed",
     "time_forwards",
 ]
 
@@ -101,7 +103,12 @@ def _support_size(model: torch.nn.Module) -> int | None:
     return int(ids.numel()) if ids is not None else None
 
 
-def cost_key(verifier: torch.nn.Module, drafter: torch.nn.Module | None, max_tokens: int) -> str:
+def cost_key(
+    verifier: torch.nn.Module,
+    drafter: torch.nn.Module | None,
+    max_tokens: int,
+    steering: Any = None,
+) -> str:
     """What a measurement depends on, hashed (module docstring)."""
     device = next(verifier.parameters()).device
     what = {
@@ -112,6 +119,7 @@ def cost_key(verifier: torch.nn.Module, drafter: torch.nn.Module | None, max_tok
         "kernel": linear_mode(),
         "verifier": _model_identity(verifier),
         "drafter": _model_identity(drafter),
+        **({"steering": _model_identity(steering)} if steering is not None else {}),
         "max_tokens": max_tokens,
         "prefix": PREFIX_TOKENS,
     }
@@ -247,20 +255,49 @@ def measure_step_costs(
     return StepCosts(verify=tuple(verify), draft=draft)
 
 
-def step_costs(verifier: TimedModel, drafter: TimedModel | None, max_tokens: int) -> StepCosts:
+def step_costs(
+    verifier: TimedModel,
+    drafter: TimedModel | None,
+    max_tokens: int,
+    steering: Any = None,
+) -> StepCosts:
     """The pair's step costs for checks of 1 .. ``max_tokens`` tokens (at least :data:`MEASURED_TOKENS`):
-    from the process's memo, else the disk cache, else measured now and cached (module docstring)."""
+    from the process's memo, else the disk cache, else measured now and cached (module docstring).
+    ``steering`` (an SD^2 steering module): the drafter's step is timed steered, as it drafts
+    (:func:`steered_while_timed`), and cached apart from the plain drafter's."""
     max_tokens = max(max_tokens, MEASURED_TOKENS)
-    key = cost_key(verifier.model, drafter.model if drafter is not None else None, max_tokens)
+    drafter_model = drafter.model if drafter is not None else None
+    key = cost_key(verifier.model, drafter_model, max_tokens, steering)
 
     def measure() -> tuple[StepCosts, frozenset[int] | None]:
-        costs = measure_step_costs(verifier, drafter, max_tokens)
+        with steered_while_timed(verifier.model, drafter_model, steering):
+            costs = measure_step_costs(verifier, drafter, max_tokens)
         return costs, stream_rows(verifier.model) if chooses_kernel(verifier) else None
 
     costs, rows = remembered(key, measure)
     if rows is not None and chooses_kernel(verifier):
         set_stream_rows(verifier.model, rows)  # the choice the costs were measured with
     return costs
+
+
+@contextlib.contextmanager
+def steered_while_timed(
+    verifier: torch.nn.Module, drafter: torch.nn.Module | None, steering: Any
+) -> Iterator[None]:
+    """With ``steering``, the drafter steered for the duration: its hooks attached and a guide computed
+    from random verifier states set (the cost does not depend on their values); without,
+    nothing. The drafter is left plain afterwards."""
+    if steering is None or drafter is None:
+        yield
+        return
+    param = next(steering.parameters())
+    hidden = int(getattr(verifier, "config").hidden_size)  # noqa: B009 -- a model's config, typed Any
+    generator = torch.Generator().manual_seed(0)
+    states = torch.randn(len(steering.verifier_layers), hidden, generator=generator)
+    states = states.to(param.device, param.dtype)
+    with torch.inference_mode(), steering.attach(drafter) as handle:
+        handle.set(steering(states).to(next(drafter.parameters()).device))
+        yield
 
 
 def remembered(

@@ -31,14 +31,15 @@ __all__ = ["MEASURED_TOKENS", "break_even_tau", "costs_line", "pair_costs", "run
 
 def pair_costs(verifier: torch.nn.Module, drafter: torch.nn.Module) -> StepCosts:
     """The verifier's forward over 1 .. :data:`MEASURED_TOKENS` tokens and, for a drafter model, its step
-    as the decoders call it (over its draft vocabulary where it has one)."""
-    model = None
+    as the decoders call it (over its draft vocabulary where it has one; a steered drafter steered)."""
+    model = steering = None
     kind = drafter_kind(drafter)
     if kind == "model":
         model = with_draft_vocab(drafter)
     elif kind == "steered":
-        model = with_draft_vocab(drafter.drafter)
-    return step_costs(TimedModel(verifier), TimedModel(model) if model is not None else None, MEASURED_TOKENS)
+        model, steering = with_draft_vocab(drafter.drafter), drafter.steering
+    timed = TimedModel(model) if model is not None else None
+    return step_costs(TimedModel(verifier), timed, MEASURED_TOKENS, steering)
 
 
 def run_bound(stats: DecodeStats, costs: StepCosts) -> float:

@@ -125,9 +125,10 @@ class SpeculativeDecoder(Decoder):
 
     def measure_costs(self) -> StepCosts:
         """The pair's step costs for checks of 1 .. the most tokens a block can verify, measured once per
-        machine and setting (:func:`~train.decoding.cost_probe.step_costs`)."""
+        machine and setting (:func:`~train.decoding.cost_probe.step_costs`); a steered drafter's step is
+        timed steered."""
         most = max(self.gamma, self._lookup.num_tokens if self._lookup is not None else 0) + 1
-        return step_costs(self._verifier, self._proposer.drafter, most)
+        return step_costs(self._verifier, self._proposer.drafter, most, self.steering)
 
     def decode(
         self,
