@@ -18,10 +18,11 @@ from train.decoding.decoders.tree_decoder import tree_size
 from train.evaluation import EvalConfig, build_decoders, build_eval_config, known_decoder_configs
 from train.evaluation.decoder_build import accepted_kinds
 from train.models.dflash_drafter import DFlashDrafter
+from train.models.draft_vocab import DraftVocabModel, set_draft_vocab
 from train.models.eagle3_drafter import Eagle3Drafter
 from train.models.heads import MedusaHeads
 from train.models.ngram import NGramLM
-from train.models.steering_module import SteeringModule
+from train.models.steering_module import SteeredDrafter, SteeringModule
 
 SD = "train.decoding.SpeculativeDecoder"
 
@@ -192,3 +193,17 @@ def test_busy_cores_elsewhere_sees_another_process_spinning() -> None:
         assert busy_cores_elsewhere(0.5) > 0.5
     finally:
         spinner.kill()
+
+
+def test_a_drafter_with_a_draft_vocabulary_drafts_over_it_steered_or_not():
+    """A model or a steered drafter whose config names a draft vocabulary reaches its decoders wrapped
+    (its head over those ids only, as in training); unwrapped, the steered drafter computed its head over
+    the whole vocabulary every step, 2-3x its cost."""
+    verifier, drafter = tiny_llama(seed=0), tiny_llama(seed=1)
+    set_draft_vocab(drafter, list(range(0, 64)))
+    steering = SteeringModule.for_pair(verifier, drafter)
+    plain = build_decoders(verifier, drafter, EvalConfig(decoders=["sd"]))["sd"]
+    steered = build_decoders(verifier, SteeredDrafter(drafter, steering), EvalConfig(decoders=["sd"]))["sd"]
+    for decoder in (plain, steered):
+        assert isinstance(decoder.drafter, DraftVocabModel) and decoder.drafter.model is drafter
+    assert steered.steering is steering and plain.steering is None

@@ -16,6 +16,7 @@ from train.decoding import (
 )
 from train.evaluation.eval_config import EvalConfig
 from train.models.draft_vocab import with_draft_vocab
+from train.models.steering_module import SteeredDrafter
 
 
 def drafter_kind(obj: Any) -> str:
@@ -66,13 +67,20 @@ def build_decoders(verifier: torch.nn.Module, drafter: torch.nn.Module, cfg: Eva
         try:
             factory = instantiate(renamed_targets({**settings, "_partial_": True}))
             place_loaded_modules(factory.keywords.values(), drafter)
-            # a drafter with a reduced vocabulary (config.draft_vocab) drafts over it only
-            out[label] = factory(
-                verifier, with_draft_vocab(drafter) if drafter_kind(drafter) == "model" else drafter
-            )
+            out[label] = factory(verifier, over_draft_vocab(drafter))
         except (TypeError, ValueError) as err:
             raise ConfigError(f"eval.decoders[{label}]: {err}") from None
     return out
+
+
+def over_draft_vocab(drafter: torch.nn.Module) -> torch.nn.Module:
+    """A drafter with a reduced vocabulary (``config.draft_vocab``) drafting over it only: a model, or a
+    steered drafter's model (its steering module unchanged); anything else as it is. Unwrapped, a
+    drafter computes its head over the whole vocabulary every step (the steered drafter did so until
+    2026-11-29: 2-3x its step)."""
+    if isinstance(drafter, SteeredDrafter):
+        return SteeredDrafter(with_draft_vocab(drafter.drafter), drafter.steering)
+    return with_draft_vocab(drafter) if drafter_kind(drafter) == "model" else drafter
 
 
 def place_loaded_modules(objects: Any, drafter: torch.nn.Module) -> None:
