@@ -19,6 +19,7 @@ from tests.methods.vllm_medusa_reference import load_vllm_medusa
 from train.config import ConfigError
 from train.export.medusa_layout import export_vllm_medusa
 from train.export.medusa_layout import load_vllm_medusa as train_load_vllm_medusa
+from train.methods.medusa.build import build_heads, initial_heads
 from train.methods.medusa.config import MedusaConfig
 from train.methods.medusa.module import head_metrics, unpack
 from train.methods.registry import build_method
@@ -295,7 +296,7 @@ def test_init_heads_auto_takes_the_newest_medusa_run_of_this_verifier(tmp_path, 
     spec = OmegaConf.create({"paths": {"checkpoints_dir": str(tmp_path)}, "model": {"verifier": "/pair/v"}})
     cfg = MedusaConfig(optimizer=ADAMW, num_heads=2, init_heads="auto")
     with caplog.at_level("WARNING"):
-        assert cfg.initial_heads(spec) is None  # nothing trained yet: fresh heads, said so
+        assert initial_heads(cfg, spec) is None  # nothing trained yet: fresh heads, said so
     assert "no Medusa-1 run" in caplog.text
     for experiment, run, named in (
         ("medusa", "2026-01-01_00-00-00", "/pair/v"),
@@ -305,10 +306,10 @@ def test_init_heads_auto_takes_the_newest_medusa_run_of_this_verifier(tmp_path, 
         folder = tmp_path / experiment / run
         MedusaHeads.from_verifier(verifier, 2, 1).save_pretrained(folder / "heads")
         (folder / "config.yaml").write_text(f"model:\n  verifier: {named}\n")
-    found = cfg.initial_heads(spec)
+    found = initial_heads(cfg, spec)
     assert found == str(tmp_path / "medusa" / "2026-01-02_00-00-00" / "heads")
-    heads = cfg.heads(verifier, None, lambda: [], found)
+    heads = build_heads(cfg, verifier, None, lambda: [], found)
     assert heads.num_heads == 2
     with pytest.raises(ConfigError, match="method.init_heads"):
-        MedusaConfig(optimizer=ADAMW, num_heads=3).heads(verifier, None, lambda: [], found)
-    assert MedusaConfig(optimizer=ADAMW, init_heads=found).initial_heads(spec) == found
+        build_heads(MedusaConfig(optimizer=ADAMW, num_heads=3), verifier, None, lambda: [], found)
+    assert initial_heads(MedusaConfig(optimizer=ADAMW, init_heads=found), spec) == found

@@ -3,17 +3,12 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from train.config import require
 from train.models.answers_vllm import ANSWER_ENGINES
-from train.models.draft_vocab import frequent_tokens
-from train.models.heads import MedusaHeads
 from train.models.lora import LoraSettings
-from train.rundir import newest_artifact_of
-from train.training.answer_data import answer_eos_ids
 from train.training.optim import check_optimizer
 
 __all__ = ["MedusaConfig"]
@@ -153,51 +148,3 @@ class MedusaConfig:
             "true for Medusa-2 (joint: true trains the verifier through LoRA adapters only)",
             self.lora.enabled,
         )
-
-    def initial_heads(self, spec: Any) -> str | None:
-        """``init_heads`` as a folder: ``auto`` is the newest Medusa-1 run's heads for this verifier
-        (``experiment=medusa`` or ``medusa_tiny``), None (fresh heads, with a warning) when there is none."""
-        if self.init_heads != "auto":
-            return self.init_heads
-        heads = newest_artifact_of(
-            spec.paths.checkpoints_dir, ("medusa", "medusa_tiny"), spec.model.verifier, "heads"
-        )
-        if heads is None:
-            log.warning(
-                "method.init_heads=auto: no Medusa-1 run of %s under %s; the heads start fresh (run "
-                "`python train.py experiment=medusa` first to start from trained heads, as the authors do)",
-                spec.model.verifier,
-                spec.paths.checkpoints_dir,
-            )
-        else:
-            log.info("method.init_heads=auto: starting from %s", heads)
-        return heads
-
-    def heads(
-        self,
-        verifier: Any,
-        tokenizer: Any,
-        target_tokens: Callable[[], list[list[int]]],
-        init: str | None = None,
-    ) -> MedusaHeads:
-        """``init`` (a heads/ folder or Hub id) loaded, or fresh heads from the verifier's lm_head, over the
-        ``draft_vocab_size`` most frequent training tokens (eos among them) when set."""
-        vocab = int(verifier.get_output_embeddings().weight.shape[0])
-        if init is not None:
-            heads = MedusaHeads.from_pretrained(init)
-            require(
-                heads.num_heads == self.num_heads
-                and heads.num_layers == self.num_layers
-                and heads.vocab_size == vocab,
-                "method.init_heads",
-                f"heads with num_heads={self.num_heads}, num_layers={self.num_layers} and this verifier's "
-                f"vocabulary ({vocab})",
-                f"{init} (num_heads={heads.num_heads}, num_layers={heads.num_layers}, "
-                f"vocab_size={heads.vocab_size})",
-            )
-            return heads
-        ids = None
-        if self.draft_vocab_size is not None and self.draft_vocab_size < vocab:
-            always = answer_eos_ids(verifier, tokenizer)
-            ids = frequent_tokens(target_tokens(), self.draft_vocab_size, always=always)
-        return MedusaHeads.from_verifier(verifier, self.num_heads, self.num_layers, draft_vocab=ids)
