@@ -64,6 +64,8 @@ def test_default_config_validates(tmp_path: Path) -> None:
     assert spec.trainer.accelerator == "cpu"
     assert spec.model.tiny is not None
     assert spec.logger.wandb and spec.logger.csv
+    assert spec.data.name and spec.callbacks  # typed at start-up: a data source, built callbacks
+    assert all(hasattr(cb, "setup") for cb in spec.callbacks)
 
 
 @pytest.mark.parametrize(
@@ -78,6 +80,8 @@ def test_default_config_validates(tmp_path: Path) -> None:
         ("model=qwen3,model.drafter=/no/such/folder", "model.drafter"),
         ("logger.offline=maybe", "logger.offline"),
         ("model.dtype=float8", "model.dtype"),
+        ("callbacks.model_checkpoint.every_n_train_steps=-5", "callbacks.model_checkpoint"),
+        ("+callbacks.mine._target_=no.such.Callback", "callbacks.mine"),
     ],
 )
 def test_bad_values_fail_naming_the_key(override: str, key: str, tmp_path: Path) -> None:

@@ -93,7 +93,7 @@ def load_spec(cfg: DictConfig) -> RunSpec:
         method=instantiate_group(cfg, "method"),
         trainer=instantiate_group(cfg, "trainer"),
         logger=instantiate_group(cfg, "logger"),
-        callbacks=cfg.get("callbacks"),
+        callbacks=tuple(build_callbacks(cfg.get("callbacks"))),
         ckpt_path=cfg.get("ckpt_path"),
         cfg=cfg,
         eval=load_eval_config(cfg),
@@ -220,7 +220,7 @@ def fit(spec: RunSpec) -> Any:
     loggers = build_loggers(spec.logger, spec.run_dir, spec.name, config=config)
     log.info("Model summary:\n%s", ModelSummary(module, max_depth=1))
     stop = GracefulStop(spec.run_dir)
-    trainer = build_trainer(spec.trainer, [*build_callbacks(spec.callbacks), stop], loggers, spec.run_dir)
+    trainer = build_trainer(spec.trainer, [*spec.callbacks, stop], loggers, spec.run_dir)
     try:
         try:
             if not ckpt and getattr(module, "validate_before_fit", False):

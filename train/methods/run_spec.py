@@ -7,10 +7,12 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import lightning as L
 import torch
 from omegaconf import DictConfig
 
 from train.config import LoggerConfig, ModelConfig, PathsConfig, TrainerConfig
+from train.data.sources import DataSourceConfig
 from train.evaluation import EvalConfig
 
 __all__ = ["RunSpec"]
@@ -24,11 +26,13 @@ class RunSpec:
     seed: int
     paths: PathsConfig
     model: ModelConfig
-    data: Any
+    data: DataSourceConfig
     method: Any
+    """The method's settings (its own dataclass, ``train/methods/<name>/config.py``)."""
     trainer: TrainerConfig
     logger: LoggerConfig
-    callbacks: Any
+    callbacks: tuple[L.Callback, ...]
+    """The ``callbacks`` group's callbacks, built once at start-up."""
     ckpt_path: str | None
     cfg: DictConfig
     eval: EvalConfig | None = None

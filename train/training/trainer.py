@@ -157,12 +157,19 @@ def check_fsdp_dtypes(module: torch.nn.Module, cfg: TrainerConfig) -> None:
 
 
 def build_callbacks(cfg: DictConfig | dict | None) -> list[L.Callback]:
-    """Instantiate every ``_target_`` under the ``callbacks`` group."""
+    """Instantiate every ``_target_`` under the ``callbacks`` group; a callback that cannot be built is a
+    :class:`ConfigError` naming its key."""
     if not cfg:
         return []
-    return [
-        instantiate(renamed_targets(node)) for node in cfg.values() if node is not None and "_target_" in node
-    ]
+    callbacks = []
+    for name, node in cfg.items():
+        if node is None or "_target_" not in node:
+            continue
+        try:
+            callbacks.append(instantiate(renamed_targets(node)))
+        except Exception as err:  # hydra wraps the cause; the key is what the user can fix
+            raise ConfigError(f"callbacks.{name!s}: {err.__cause__ or err}") from None
+    return callbacks
 
 
 def build_trainer(
