@@ -14,7 +14,7 @@ from tests.methods.test_distillspec import _cfg, _fixed_batch, _module
 from train.data.datamodule import PromptDataModule
 from train.methods.distillspec.module import DistillSpecModule
 from train.models.draft_vocab import DraftVocabModel, draft_vocab_of, set_draft_vocab
-from train.training.responses import continuation_logits
+from train.training.answer_cache import continuation_logits
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

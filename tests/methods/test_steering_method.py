@@ -1,5 +1,5 @@
 """SD^2 training (train/methods/steering/module.py): config validation, the arms and their independence, stale
-guides, zero-init equality of the steered and distilled arms, checkpoints (no verifier, responses kept),
+guides, zero-init equality of the steered and distilled arms, checkpoints (no verifier, answers kept),
 resume, export (steering/ + drafter/ loading with standard tools), the steered drafter in the evaluator,
 and the whole run through the real entry point (slow) and under CPU DDP (slow)."""
 
@@ -186,7 +186,7 @@ def test_newest_distillspec_drafter_of_the_same_verifier(tmp_path):
 def test_at_zero_initialisation_the_steered_arm_equals_the_distilled_arm():
     module, data = _module(_cfg())
     batch = _batch(module, data)
-    ro = module.responses(batch["input_ids"], batch["attention_mask"], module._generator(0))
+    ro = module.answers(batch["input_ids"], batch["attention_mask"], module._generator(0))
     _, states = module.verifier_view(ro)
     with torch.no_grad():
         plain = module.arm_logits(DISTILLED_ARM, ro, states, 2)
@@ -205,7 +205,7 @@ def test_the_first_block_is_unsteered_and_later_blocks_one_to_offset_stale():
     1..o positions stale."""
     module, data = _module(_cfg())
     batch = _batch(module, data)
-    ro = module.responses(batch["input_ids"], batch["attention_mask"], module._generator(0))
+    ro = module.answers(batch["input_ids"], batch["attention_mask"], module._generator(0))
     _, states = module.verifier_view(ro)
     with torch.no_grad():
         module.steering_of(MAIN_ARM).project.weight.normal_(0, 0.5)
@@ -236,25 +236,25 @@ def test_training_step_trains_every_arm_and_the_steering_module():
         assert grad is not None and grad.abs().sum() > 0, label  # zero-initialised, yet it learns
     for label, drafter in module.drafters.items():
         assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in drafter.parameters()), label
-    assert len(module.responses) == batch["input_ids"].shape[0]
+    assert len(module.answers) == batch["input_ids"].shape[0]
     assert all(p.grad is None for p in module.verifier.parameters())
 
 
-def test_each_rank_samples_its_own_verifier_responses(monkeypatch):
-    """Under DDP the ranks hold different prompts and, for a prompt, differently seeded responses: the
-    response generator is salted with the rank (one run, two ranks, the same batch)."""
+def test_each_rank_samples_its_own_verifier_answers(monkeypatch):
+    """Under DDP the ranks hold different prompts and, for a prompt, differently seeded answers: the
+    answer generator is salted with the rank (one run, two ranks, the same batch)."""
     seen = []
     for rank in (0, 1):
         module, data = _module(_cfg())
         monkeypatch.setattr(type(module), "global_rank", property(lambda self, r=rank: r))
-        cache = module.responses
+        cache = module.answers
 
         def recorded(*args, cache=cache):
             rollout = cache(*args)
             seen.append(rollout.sequences)
             return rollout
 
-        monkeypatch.setattr(module, "responses", recorded)
+        monkeypatch.setattr(module, "answers", recorded)
         module.training_step(_batch(module, data), 0)
     assert seen[0].shape[0] == seen[1].shape[0] and not torch.equal(seen[0], seen[1])
 
@@ -310,13 +310,26 @@ def test_fit_validates_checkpoints_without_the_verifier_and_resumes(tmp_path):
     assert 1.0 <= float(metrics["val/simulated_block_efficiency"]) <= 4.0
     saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
     assert all(k.startswith(("drafters.", "steering.")) for k in saved["state_dict"])
-    assert len(saved["verifier_responses"]["prompts"]) == len(module.responses) > 0
+    assert len(saved["verifier_answers"]["prompts"]) == len(module.answers) > 0
 
     resumed, data2 = _module(_cfg())
     trainer2 = _trainer(tmp_path / "resumed", 6)
     trainer2.fit(resumed, datamodule=data2, ckpt_path=str(tmp_path / "checkpoints" / "last.ckpt"))
     assert trainer2.global_step == 6
-    assert set(resumed.responses.responses) >= set(saved["verifier_responses"]["prompts"])
+    assert set(resumed.answers.answers) >= set(saved["verifier_answers"]["prompts"])
+
+
+def test_a_checkpoint_written_before_the_renaming_still_gives_its_answers():
+    """Checkpoints before issue 53 kept the answers as ``verifier_responses``: they are read from there
+    (and a checkpoint with both reads the new entry)."""
+    module, data = _module(_cfg())
+    module.training_step(_batch(module, data), 0)
+    state = module.answers.state()
+    assert state["prompts"]
+    for checkpoint in ({"verifier_responses": state}, {"verifier_answers": state, "verifier_responses": {}}):
+        resumed, _ = _module(_cfg())
+        resumed.on_load_checkpoint(checkpoint)
+        assert set(resumed.answers.answers) == set(state["prompts"])
 
 
 def test_export_loads_with_standard_tools_and_decodes_losslessly(tmp_path):

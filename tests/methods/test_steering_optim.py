@@ -53,7 +53,7 @@ def test_the_loss_uses_the_configured_jsd_beta():
     module, batch = _module(divergence="jsd", beta=0.1)
     with torch.no_grad():
         total = module.training_step(batch, 0)
-        ro = module.responses(batch["input_ids"], batch["attention_mask"], module._generator(0, 0))
+        ro = module.answers(batch["input_ids"], batch["attention_mask"], module._generator(0, 0))
         mask = ro.continuation_mask[:, ro.prompt_width :]
         teacher, states = module.verifier_view(ro)
         logits = {a: module.arm_logits(a, ro, states, module.offset_for(0)) for a in module.drafters}

@@ -1,7 +1,7 @@
 """Batched rollouts for training: left-padded prompts -> sampled continuations, with a KV cache.
 
 DistillSpec / GKD (docs/distillspec.md) train the drafter on continuations sampled from the
-teacher or from the student itself. Those rollouts use the evaluator's own :func:`warp` and
+verifier or from the drafter itself. Those rollouts use the evaluator's own :func:`warp` and
 :func:`sample`, so a drafter is trained under the regime it is evaluated under. No gradient flows
 through sampling (everything here runs under ``torch.no_grad``).
 
@@ -38,7 +38,7 @@ class Rollout:
         including the first EOS), False on the prompt and on padding.
     prompt_width: P, the padded prompt width.
     scores: (B, N', V) or None; where kept (``rollout(keep_scores=True)``, a
-        :class:`~train.training.responses.ResponseCache` that stores them), the generating model's logits
+        :class:`~train.training.answer_cache.AnswerCache` that stores them), the generating model's logits
         (or log-probabilities) predicting each continuation position, the scores a scoring forward over the
         sequence would give up to rounding. Meaningless where ``continuation_mask`` is False.
     """

@@ -19,7 +19,7 @@ the mean per-token divergence D(p || q_theta) over the continuation tokens only:
 ``warp``/``sample`` with a KV cache, batched with left padding -- under ``torch.no_grad``.
 Teacher continuations depend only on the prompt, so they are generated once per prompt and run and
 cached in memory (``cache_teacher``): later epochs reuse them instead of generating. What the teacher
-computes and will be asked again is kept within ``teacher_cache_mb`` (:mod:`train.training.teacher_scores`):
+computes and will be asked again is kept within ``teacher_cache_mb`` (:mod:`train.training.verifier_scores`):
 each training prompt's key/value cache, so that an on-policy batch runs the teacher over its continuation
 only, and the logits over each cached continuation, so that a teacher batch seen before runs no teacher
 forward at all.
@@ -63,6 +63,7 @@ from train.models.draft_vocab import (
     vocab_index,
 )
 from train.models.lora import apply_lora
+from train.training.answer_cache import AnswerCache, continuation_logits, with_continuation
 from train.training.byte_budget import ByteBudget
 from train.training.optim import (
     WholeNormClipping,
@@ -70,10 +71,9 @@ from train.training.optim import (
     float32_trainables,
     weights_dtype,
 )
-from train.training.responses import ResponseCache, continuation_logits, with_continuation
 from train.training.rollout import ResponseSampler, Rollout
 from train.training.seeding import mix_seed, seeded_generator
-from train.training.teacher_scores import PrefixScorer
+from train.training.verifier_scores import PrefixScorer
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ class DistillSpecModule(DistillSpecFinish, WholeNormClipping, L.LightningModule)
         #: continuations only, recomputes them the same way and ends with the same weights.
         self.teacher_budget = ByteBudget(cfg.teacher_cache_mb)
         self.teacher_scorer = PrefixScorer(teacher, self.teacher_budget)
-        self._teacher_cache = ResponseCache(
+        self._teacher_cache = AnswerCache(
             lambda ids, attn, gen: self.teacher_sampler.sample(self.teacher, ids, attn, gen),
             self.sampler.pad_token_id,
             self.teacher_budget,

@@ -2,8 +2,8 @@
 drafter (docs/steering.md; Berdoz, Rheinboldt, Wattenhofer, arXiv 2511.09844).
 
 **Data.** The frozen verifier answers each training prompt once per run at ``temperature`` (T = 1 by
-default), in batched rollouts with the engine's sampling (:class:`train.training.responses.ResponseCache`);
-the responses travel with the run's checkpoints, so a resumed run trains on the same ones.
+default), in batched rollouts with the engine's sampling (:class:`train.training.answer_cache.AnswerCache`);
+the answers travel with the run's checkpoints, so a resumed run trains on the same ones.
 
 **Arms.** One run trains, on the very same batches, steps and loss, every drafter the comparison needs,
 each with its own parameters (one verifier forward per batch serves them all):
@@ -60,6 +60,8 @@ from train.models.steering_module import (
     simulated_guides,
     stale_guide_states,
 )
+from train.training.answer_cache import CHECKPOINT_ENTRY, AnswerCache, continuation_logits
+from train.training.checkpoint_names import renamed_checkpoint
 from train.training.optim import (
     clip_gradients,
     configure_optimizers,
@@ -67,13 +69,15 @@ from train.training.optim import (
     partial_kwarg,
     weights_dtype,
 )
-from train.training.responses import ResponseCache, continuation_logits
 from train.training.rollout import ResponseSampler, Rollout, position_ids_from_mask
 from train.training.seeding import mix_seed, seeded_generator
 
+#: Checkpoints saved before issue 53 kept the verifier's answers as ``verifier_responses``.
+OLD_ENTRIES = {"verifier_responses": CHECKPOINT_ENTRY}
+
 
 class SteeringTrainingModule(SteeringFinish, L.LightningModule):
-    """Every arm's drafter (and steering module) learns the verifier's distributions on its responses.
+    """Every arm's drafter (and steering module) learns the verifier's distributions on its answers.
 
     ``arms``: {label: (drafter, steering module or None)}; ``references``: {label: loader} of drafters
     evaluated as they are (the pretrained drafter, the DistillSpec drafter)."""
@@ -125,7 +129,7 @@ class SteeringTrainingModule(SteeringFinish, L.LightningModule):
         self.sampler = ResponseSampler.for_models(
             tokenizer, cfg.max_new_tokens, cfg.temperature, verifier, *self.drafters.values()
         )
-        self.responses = ResponseCache(self._generate, self.sampler.pad_token_id)
+        self.answers = AnswerCache(self._generate, self.sampler.pad_token_id)
         self._val_cache: dict[int, Rollout] = {}
         self._val_sums: dict[tuple[str, int], list[float]] = {}
         self._val_stale: dict[
@@ -146,10 +150,10 @@ class SteeringTrainingModule(SteeringFinish, L.LightningModule):
         self.steering.train()
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["verifier_responses"] = self.responses.state()
+        checkpoint[CHECKPOINT_ENTRY] = self.answers.state()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self.responses.load(checkpoint.get("verifier_responses"))
+        self.answers.load(renamed_checkpoint(checkpoint, entries=OLD_ENTRIES).get(CHECKPOINT_ENTRY))
 
     def configure_optimizers(self) -> Any:
         lr = partial_kwarg(self.cfg.optimizer, "lr") or 1e-3
@@ -233,27 +237,34 @@ class SteeringTrainingModule(SteeringFinish, L.LightningModule):
             [t - g if g >= 0 else 0 for t, g in sources.items()], device=rollouts.sequences.device
         )
 
-    def _divergence(self, logits: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _divergence(
+        self, logits: torch.Tensor, verifier_logits: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
         return divergence(
-            self.cfg.divergence, logits, teacher, mask, temperature=self.cfg.temperature, beta=self.cfg.beta
+            self.cfg.divergence,
+            logits,
+            verifier_logits,
+            mask,
+            temperature=self.cfg.temperature,
+            beta=self.cfg.beta,
         )
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         step = self.global_step
-        rollouts = self.responses(
+        rollouts = self.answers(
             batch["input_ids"], batch["attention_mask"], self._generator(step, self.global_rank)
         )
         mask = rollouts.continuation_mask[:, rollouts.prompt_width :]
-        teacher, states = self.verifier_view(rollouts)
+        verifier_logits, states = self.verifier_view(rollouts)
         offset = self.offset_for(step)
         batch_size = batch["input_ids"].shape[0]
         total = torch.zeros((), device=self.device)
         for label in self.drafters:
             logits = self.arm_logits(label, rollouts, states, offset)
-            loss = self._divergence(logits, teacher, mask)
+            loss = self._divergence(logits, verifier_logits, mask)
             total = total + loss
             acceptance = acceptance_from_logits(
-                logits.detach(), teacher, mask, temperature=self.cfg.temperature
+                logits.detach(), verifier_logits, mask, temperature=self.cfg.temperature
             )
             prefix = "train" if label == MAIN_ARM else f"train/{label}"
             self.log(f"{prefix}/divergence", loss.detach(), batch_size=batch_size)
@@ -273,22 +284,22 @@ class SteeringTrainingModule(SteeringFinish, L.LightningModule):
 
     @torch.no_grad()
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        if batch_idx not in self._val_cache:  # held-out verifier responses: generated once per run
+        if batch_idx not in self._val_cache:  # held-out verifier answers: generated once per run
             self._val_cache[batch_idx] = self._generate(
                 batch["input_ids"], batch["attention_mask"], self._generator(-1, batch_idx, self.global_rank)
             )
         rollouts = self._val_cache[batch_idx]
         mask = rollouts.continuation_mask[:, rollouts.prompt_width :]
         n = float(mask.sum())
-        teacher, states = self.verifier_view(rollouts)
+        verifier_logits, states = self.verifier_view(rollouts)
         for label in self.drafters:
             steered = label in self.steering
             for o in range(1, self.cfg.gamma + 1) if steered else (0,):
                 logits = self.arm_logits(label, rollouts, states, max(o, 1))
                 acceptance = float(
-                    acceptance_from_logits(logits, teacher, mask, temperature=self.cfg.temperature)
+                    acceptance_from_logits(logits, verifier_logits, mask, temperature=self.cfg.temperature)
                 )
-                loss = float(self._divergence(logits, teacher, mask))
+                loss = float(self._divergence(logits, verifier_logits, mask))
                 sums = self._val_sums.setdefault((label, o), [0.0, 0.0, 0.0])
                 sums[0] += loss * n
                 sums[1] += acceptance * n
@@ -302,7 +313,7 @@ class SteeringTrainingModule(SteeringFinish, L.LightningModule):
                     if count:
                         a = float(
                             acceptance_from_logits(
-                                logits, teacher, selected, temperature=self.cfg.temperature
+                                logits, verifier_logits, selected, temperature=self.cfg.temperature
                             )
                         )
                         by_staleness = self._val_stale.setdefault((label, s), [0.0, 0.0])

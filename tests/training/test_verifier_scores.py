@@ -1,4 +1,4 @@
-"""The teacher's reused outputs: prompt caches and generation logits score a batch as a full forward does."""
+"""The verifier's reused outputs: prompt caches and generation logits score a batch as a full forward does."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import torch
 from tests.decoding.decoding_helpers import BOS, VOCAB, build, tiny_config
 from train.data.lm import collate_left_pad
 from train.decoding.sampling import SamplingParams
+from train.training.answer_cache import AnswerCache, continuation_logits, with_continuation
 from train.training.byte_budget import ByteBudget
-from train.training.responses import ResponseCache, continuation_logits, with_continuation
 from train.training.rollout import Rollout, rollout
-from train.training.teacher_scores import PrefixScorer
+from train.training.verifier_scores import PrefixScorer
 
 SAMPLED = SamplingParams(temperature=1.0)
 
@@ -90,8 +90,8 @@ def test_the_generation_keeps_the_scores_a_scoring_forward_gives(model):
     _close_where_counted(kept.scores, continuation_logits(model, kept), kept)
 
 
-def test_the_response_cache_returns_kept_scores_and_keeps_given_ones(model):
-    """Responses, generated or given in advance, come back with their scores once these were computed and
+def test_the_answer_cache_returns_kept_scores_and_keeps_given_ones(model):
+    """Answers, generated or given in advance, come back with their scores once these were computed and
     kept (keep_scores); without a budget no scores are kept."""
     prompts = _prompts((5, 8, 3))
     left = collate_left_pad(prompts, pad_id=BOS)
@@ -100,7 +100,7 @@ def test_the_response_cache_returns_kept_scores_and_keeps_given_ones(model):
     def generate(i: torch.Tensor, a: torch.Tensor, g: torch.Generator) -> Rollout:
         return rollout(model, i, a, 5, SAMPLED, pad_token_id=BOS, generator=g)
 
-    cache = ResponseCache(generate, BOS, ByteBudget(16))
+    cache = AnswerCache(generate, BOS, ByteBudget(16))
     cache.add(prompts[1], [7, 8, 9])
     first = cache(ids, attn, torch.Generator().manual_seed(0))
     assert first.scores is None  # nothing scored yet
@@ -112,15 +112,15 @@ def test_the_response_cache_returns_kept_scores_and_keeps_given_ones(model):
     assert torch.equal(second.sequences, first.sequences)
     _close_where_counted(second.scores, scores, second)
 
-    plain = ResponseCache(generate, BOS)
+    plain = AnswerCache(generate, BOS)
     plain.keep_scores(plain(ids, attn, torch.Generator().manual_seed(0)), scores)
     assert plain(ids, attn, torch.Generator().manual_seed(0)).scores is None
 
 
-def test_a_restored_cache_drops_scores_and_keeps_responses(model):
+def test_a_restored_cache_drops_scores_and_keeps_answers(model):
     prompts = _prompts((5, 8))
     left = collate_left_pad(prompts, pad_id=BOS)
-    cache = ResponseCache(
+    cache = AnswerCache(
         lambda i, a, g: rollout(model, i, a, 4, SAMPLED, pad_token_id=BOS, generator=g), BOS, ByteBudget(16)
     )
     batch = cache(left["input_ids"], left["attention_mask"], torch.Generator().manual_seed(0))

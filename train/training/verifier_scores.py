@@ -6,10 +6,10 @@ new ones), and a training prompt comes back every epoch. :class:`PrefixScorer` k
 key/value cache (and the logits at its last position, which predict the first continuation token) the
 first time it scores it; later batches on that prompt run the verifier over the continuation only, on
 top of the kept cache. The scores equal a full forward's up to float rounding (the attention over the
-prompt reads the same keys and values; tests/training/test_teacher_scores.py).
+prompt reads the same keys and values; tests/training/test_verifier_scores.py).
 
 What is kept is bounded by a :class:`ByteBudget` shared with whatever else keeps the verifier's outputs (the
-teacher continuations' own scores, :class:`~train.training.responses.ResponseCache`); past it a prompt is
+answers' own scores, :class:`~train.training.answer_cache.AnswerCache`); past it a prompt is
 scored the same way but not kept; a budget of zero scores every batch with one full forward. A model whose
 cache is not plain per-layer keys and values (sliding windows, recurrent state, a stand-in without a config)
 is scored with one full forward.
@@ -25,8 +25,8 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from train.decoding.cache import library_cache
 from train.models.introspect import cache_keyword, returned_cache
+from train.training.answer_cache import continuation_logits, prompt_keys
 from train.training.byte_budget import ByteBudget
-from train.training.responses import continuation_logits, prompt_keys
 from train.training.rollout import Rollout, position_ids_from_mask
 
 __all__ = ["PrefixScorer"]
@@ -54,7 +54,7 @@ def _plain_cache_layers(model: Any) -> bool:
 
 class PrefixScorer:
     """``scorer(rollouts)`` -> (B, N, V) logits of ``model`` predicting each continuation position of
-    ``rollouts`` (:func:`~train.training.responses.continuation_logits`'s result), reusing each prompt's
+    ``rollouts`` (:func:`~train.training.answer_cache.continuation_logits`'s result), reusing each prompt's
     cache across calls within ``budget``."""
 
     def __init__(self, model: torch.nn.Module, budget: ByteBudget) -> None:
