@@ -27,5 +27,5 @@ if __name__ == "__main__":
     # checking overrides needs no model code: a typo is reported before torch loads
     from train.cli.console import check_overrides
 
-    check_overrides(CONF_DIR, "eval", sys.argv[1:])
+    sys.argv[1:] = check_overrides(CONF_DIR, "eval", sys.argv[1:])
     main()

@@ -1,11 +1,12 @@
 """Turn a DistillSpec multirun directory into the divergence x data source table.
 
     python train.py -m experiment=distillspec method.divergence=fkl,rkl,jsd,tvd \\
-        method.data_source=fixed,teacher,student,mixed_teacher
+        method.data_source=fixed,verifier,drafter,mixed_verifier
     python scripts/sweep_table.py checkpoints/distillspec/multirun_<timestamp> [--out DIR]
 
 Every run directory below the multirun directory that holds a ``config.yaml`` counts. From each run it
-reads the method's divergence and data source (``config.yaml``), the finish step's report
+reads the method's divergence and data source (``config.yaml``; a run written before issue 53's names,
+``teacher`` / ``student`` / ``mixed_teacher``, under the new ones), the finish step's report
 (``report.json``, train/report.py) and the last ``val/expected_acceptance`` (``csv/metrics.csv``). It
 prints one Markdown table per figure -- block efficiency after distillation at each evaluated
 temperature, the after/before ratio, and the validation expected acceptance -- rows = divergence,
@@ -24,10 +25,13 @@ import os
 import sys
 from typing import Any
 
+from train.config import RENAMED_VALUES
 from train.tables import markdown_table
 
 DIVERGENCE_ORDER = ("fkl", "rkl", "jsd", "tvd")
-SOURCE_ORDER = ("fixed", "teacher", "student", "mixed_fixed", "mixed_teacher")
+SOURCE_ORDER = ("fixed", "verifier", "drafter", "mixed_fixed", "mixed_verifier")
+#: data source names of runs written before issue 53 -> their names now
+OLD_SOURCES = RENAMED_VALUES["train.methods.distillspec.config.DistillSpecConfig"]["data_source"]
 
 
 def _load_yaml(path: str) -> dict[str, Any]:
@@ -85,7 +89,7 @@ def collect(multirun_dir: str, decoder: str | None = None) -> list[dict[str, Any
         record: dict[str, Any] = {
             "run_dir": os.path.relpath(root, multirun_dir),
             "divergence": method.get("divergence"),
-            "data_source": method.get("data_source"),
+            "data_source": OLD_SOURCES.get(method.get("data_source"), method.get("data_source")),
             "lmbda": method.get("lmbda"),
             "val_expected_acceptance": _last_metric(
                 os.path.join(root, "csv", "metrics.csv"), "val/expected_acceptance"

@@ -127,7 +127,7 @@ def test_cpu_ddp_medusa_two_processes(method: str, tmp_path: Path, tiny_pair_dir
 
 @pytest.mark.slow
 def test_cpu_ddp_distillspec_two_processes(tmp_path: Path, tiny_pair_dir: Path) -> None:
-    """DistillSpec under two gloo processes: on-policy and teacher rollouts on each rank's own prompts,
+    """DistillSpec under two gloo processes: on-policy and verifier rollouts on each rank's own prompts,
     validation reduced across ranks, one export and one report from rank 0."""
     data = tmp_path / "docs.jsonl"
     data.write_text(
@@ -145,7 +145,7 @@ def test_cpu_ddp_distillspec_two_processes(tmp_path: Path, tiny_pair_dir: Path) 
         "trainer.limit_val_batches=1",
         "trainer.enable_progress_bar=false",
         "~callbacks.progress_bar",
-        "method.data_source=mixed_teacher",
+        "method.data_source=mixed_verifier",
         "method.validate_before=true",  # trainer.validate, then fit, under two processes
         "method.max_new_tokens=6",
         "method.prompt_len=12",

@@ -360,4 +360,4 @@ def test_the_data_ablation_runs_both_arms_for_the_same_budget_and_tabulates_them
         timeout=120,
     )
     assert table.returncode == 0, table.stderr[-3000:]
-    assert "| jsd |" in table.stdout and "teacher" in table.stdout and "mixed_teacher" in table.stdout
+    assert "| jsd |" in table.stdout and "verifier" in table.stdout and "mixed_verifier" in table.stdout

@@ -39,7 +39,7 @@ def module() -> DistillSpecModule:
 def _run(module: DistillSpecModule, run_dir: Path, eval_cfg: EvalConfig | None) -> dict:
     return finish(
         module,
-        module.teacher,
+        module.verifier,
         module.tokenizer,
         RunContext(run_dir, eval_cfg, name="unit", config={"name": "unit", "method": {"divergence": "fkl"}}),
     )
@@ -101,7 +101,7 @@ def test_the_evaluation_runs_on_the_device_it_is_given(
     with pytest.raises(EvaluationError, match="recorded"):
         finish(
             module,
-            module.teacher,
+            module.verifier,
             module.tokenizer,
             RunContext(
                 tmp_path / "run",

@@ -168,7 +168,7 @@ class _Trained(torch.nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.student = torch.nn.Linear(2, 2)
+        self.drafter = torch.nn.Linear(2, 2)
 
     def drafters_to_evaluate(self) -> dict:
         return {}
@@ -198,7 +198,7 @@ def _finish_on(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, root: str, devic
 
     def fake_finish(module, verifier, tokenizer, context):
         seen.update(
-            module=module.student.weight.device.type,
+            module=module.drafter.weight.device.type,
             verifier=verifier.weight.device.type,
             device=str(context.device),
             drafter_device=str(context.drafter_device),

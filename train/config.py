@@ -7,6 +7,7 @@ loads. Errors name the config key (``trainer.devices``) and the allowed range.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import logging
@@ -19,7 +20,7 @@ from typing import Any
 
 from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 log = logging.getLogger(__name__)
 
@@ -306,23 +307,71 @@ RENAMED_TARGETS: dict[str, str] = {
 }
 
 
-def renamed_targets(node: Any) -> Any:
+#: Settings renamed to docs/architecture.md's glossary words (issue 53), per settings class (its
+#: ``_target_``), old key -> new key: configs written before still build, with one deprecation line each.
+RENAMED_KEYS: dict[str, dict[str, str]] = {
+    "train.methods.distillspec.config.DistillSpecConfig": {
+        "cache_teacher": "cache_answers",
+        "teacher_temperature": "verifier_temperature",
+        "teacher_answers": "answers",
+        "teacher_cache_mb": "verifier_cache_mb",
+    },
+}
+#: Setting values renamed the same way, per settings class and key, old value -> new value.
+RENAMED_VALUES: dict[str, dict[str, dict[str, str]]] = {
+    "train.methods.distillspec.config.DistillSpecConfig": {
+        "data_source": {"teacher": "verifier", "student": "drafter", "mixed_teacher": "mixed_verifier"},
+    },
+}
+
+
+def _deprecated(message: str) -> None:
+    """One deprecation line: in the warnings (the terminal) and in the log (train.log)."""
+    warnings.warn(message, DeprecationWarning, stacklevel=3)
+    log.warning("%s", message)
+
+
+def renamed_keys_of(target: Any) -> dict[str, str]:
+    """The renamed keys (old -> new) of the settings class ``target`` names (an old name included)."""
+    return RENAMED_KEYS.get(RENAMED_TARGETS.get(target, target), {}) if isinstance(target, str) else {}
+
+
+def renamed_settings(node: Any, path: str = "") -> None:
+    """``node``'s old keys and values (:data:`RENAMED_KEYS`, :data:`RENAMED_VALUES` of the class it builds)
+    replaced in place, each with a deprecation line naming old and new (``path``: the node's dotted key).
+    An old key beside its new one wins: in a composed config the new one holds the group's default."""
+    keys, values = renamed_keys_of(node.get("_target_")), RENAMED_VALUES.get(str(node.get("_target_")), {})
+    prefix = f"{path}." if path else ""
+    with open_dict(node) if isinstance(node, DictConfig) else contextlib.nullcontext():
+        for old, new in [(old, new) for old, new in keys.items() if old in node]:
+            raw: Any = OmegaConf.to_container(node, resolve=False) if isinstance(node, DictConfig) else node
+            value = raw[old]  # an interpolation moves as written
+            was = f" (its value {value!r} replaces {prefix}{new}={raw[new]!r})" if new in node else ""
+            _deprecated(f"{prefix}{old} is deprecated; it is now {prefix}{new}{was}")
+            del node[old]
+            node[new] = value
+        for key, renamed in values.items():
+            if isinstance(value := node.get(key), str) and value in renamed:
+                _deprecated(f"{prefix}{key}={value} is deprecated; it is now {prefix}{key}={renamed[value]}")
+                node[key] = renamed[value]
+
+
+def renamed_targets(node: Any, path: str = "") -> Any:
     """``node`` (a DictConfig, dict or list, walked in place) with old ``_target_`` names replaced by
-    :data:`RENAMED_TARGETS`, each with a deprecation line."""
+    :data:`RENAMED_TARGETS`, and the old settings of the classes they name by :func:`renamed_settings`,
+    each with a deprecation line (``path``: the node's dotted key, for the messages)."""
     if isinstance(node, (DictConfig, dict)):
         target = node.get("_target_")
         if isinstance(target, str) and target in RENAMED_TARGETS:
             new = RENAMED_TARGETS[target]
-            warnings.warn(
-                f"_target_: {target} is deprecated; it is now {new}", DeprecationWarning, stacklevel=2
-            )
-            log.warning("_target_: %s is deprecated; it is now %s", target, new)
+            _deprecated(f"_target_: {target} is deprecated; it is now {new}")
             node["_target_"] = new
-        for value in node.values():
-            renamed_targets(value)
+        renamed_settings(node, path)
+        for key, value in node.items():
+            renamed_targets(value, f"{path}.{str(key)}" if path else str(key))
     elif isinstance(node, (ListConfig, list)):
-        for value in node:
-            renamed_targets(value)
+        for i, value in enumerate(node):
+            renamed_targets(value, f"{path}[{i}]")
     return node
 
 
@@ -335,7 +384,7 @@ def instantiate_group(cfg: Any, key: str) -> Any:
     if node is None:
         return None
     try:
-        return instantiate(renamed_targets(node), _convert_="all")
+        return instantiate(renamed_targets(node, key), _convert_="all")
     except InstantiationException as err:
         cause = err.__cause__ or err
         message = str(cause)

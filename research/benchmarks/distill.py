@@ -1,7 +1,7 @@
 """On-policy distillation throughput: our DistillSpec step against TRL's ``GKDTrainer``.
 
 ``python scripts/bench.py distill``. Both sides train the same drafter towards the same frozen verifier,
-fully on-policy (lmbda = 1: every batch is sampled from the current student), with the same prompts,
+fully on-policy (lmbda = 1: every batch is sampled from the current drafter), with the same prompts,
 batch size, ``max_new_tokens``, sampling temperature, loss (generalised JSD, beta 0.5), optimizer
 (AdamW, same lr) and torch thread count:
 
@@ -178,7 +178,7 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any]:
         optimizer=functools.partial(torch.optim.AdamW, lr=args.lr),
         divergence="jsd",
         beta=0.5,
-        data_source="student",
+        data_source="drafter",
         temperature=args.temperature,
         max_new_tokens=args.max_new_tokens,
         prompt_len=args.prompt_len,

@@ -1,4 +1,4 @@
-"""DistillSpec: config validation, the training step per data source, checkpoints without the teacher,
+"""DistillSpec: config validation, the training step per data source, checkpoints without the verifier,
 NaN guard, resume, LoRA, the exported drafter as a Hugging Face ``assistant_model``, and the whole
 run through the shared finish step (train/report.py, tested on its own in tests/test_report.py)."""
 
@@ -58,8 +58,8 @@ def _splits() -> dict[str, Dataset]:
 
 def _module(cfg: DistillSpecConfig) -> tuple[DistillSpecModule, PromptDataModule]:
     tok = make_tokenizer()
-    student, teacher = tiny_llama(hidden=32, seed=1), tiny_llama(hidden=64, seed=0)
-    student.train()
+    drafter, verifier = tiny_llama(hidden=32, seed=1), tiny_llama(hidden=64, seed=0)
+    drafter.train()
     data = PromptDataModule(
         _splits(),
         tok,
@@ -69,7 +69,7 @@ def _module(cfg: DistillSpecConfig) -> tuple[DistillSpecModule, PromptDataModule
         max_prompts=cfg.num_prompts,
         max_val_prompts=cfg.num_val_prompts,
     )
-    return DistillSpecModule(student, teacher, tok, cfg, seed=0), data
+    return DistillSpecModule(drafter, verifier, tok, cfg, seed=0), data
 
 
 # ------------------------------------------------------------------------------------------ config
@@ -85,8 +85,8 @@ def _module(cfg: DistillSpecConfig) -> tuple[DistillSpecModule, PromptDataModule
         ({"temperature": 0.0}, "method.temperature must be > 0"),
         ({"temperature": -1.0}, "method.temperature"),
         ({"data_source": "web"}, "method.data_source must be one of"),
-        ({"teacher_temperature": -0.5}, "method.teacher_temperature must be null or a finite number >= 0"),
-        ({"teacher_temperature": float("nan")}, "method.teacher_temperature"),
+        ({"verifier_temperature": -0.5}, "method.verifier_temperature must be null or a finite number >= 0"),
+        ({"verifier_temperature": float("nan")}, "method.verifier_temperature"),
         ({"max_new_tokens": 0}, "method.max_new_tokens"),
         ({"lora": {"enabled": True, "r": 0}}, "method.lora.r"),
         ({"lora": {"rank": 4}}, "method.lora"),
@@ -142,14 +142,14 @@ def test_experiment_composes_and_sources_enumerate(tmp_path):
     assert (ev.num_prompts, ev.prompt_len, ev.max_new_tokens, ev.num_threads) == (8, 256, 48, "idle")
     # the main job starts from the pair's generic drafter and distils it with JSD on the on-policy mix
     m = spec.method
-    assert (m.divergence, m.data_source, m.teacher_temperature, m.teacher_answers) == (
+    assert (m.divergence, m.data_source, m.verifier_temperature, m.answers) == (
         "jsd",
-        "mixed_teacher",
+        "mixed_verifier",
         0.0,
         None,
     )
     ablation = load_spec(_compose(["experiment=distillspec_ablation"], tmp_path))
-    assert ablation.method.teacher_answers == "pair" and ablation.trainer.max_time == "00:00:04:00"
+    assert ablation.method.answers == "pair" and ablation.trainer.max_time == "00:00:04:00"
     tiny = load_spec(_compose(["experiment=distillspec_tiny"], tmp_path))
     assert tiny.model.name == "tiny" and tiny.data.name == "stdlib" and tiny.eval.gammas == [1, 2, 4]
     assert [_cfg(data_source=s, lmbda=0.3).on_policy_probability for s in DATA_SOURCES] == [
@@ -160,7 +160,7 @@ def test_experiment_composes_and_sources_enumerate(tmp_path):
         0.3,
     ]
     assert _cfg(data_source="mixed_fixed").off_policy_source == "fixed"
-    assert _cfg(data_source="mixed_teacher").off_policy_source == "teacher"
+    assert _cfg(data_source="mixed_verifier").off_policy_source == "verifier"
 
 
 def test_tokenizer_mismatch_fails_when_loading(tiny_pair_dir, tmp_path):
@@ -188,7 +188,7 @@ def test_tokenizer_mismatch_fails_when_loading(tiny_pair_dir, tmp_path):
 # ------------------------------------------------------------------------------------------ module
 
 
-@pytest.mark.parametrize("source", ["fixed", "teacher", "student"])
+@pytest.mark.parametrize("source", ["fixed", "verifier", "drafter"])
 @pytest.mark.parametrize("div", ["fkl", "rkl", "jsd", "tvd"])
 def test_training_step_runs_for_every_source_and_divergence(source, div):
     module, data = _module(_cfg(data_source=source, divergence=div))
@@ -197,18 +197,18 @@ def test_training_step_runs_for_every_source_and_divergence(source, div):
     ro = module.make_batch(batch, source, module._generator(0, 0))
     assert int(ro.continuation_mask.sum()) > 0
     assert not ro.continuation_mask[:, : ro.prompt_width].any()  # the loss never sees prompt tokens
-    loss, s_logits, _, mask = module.distill_loss(ro)
-    assert s_logits.shape[:2] == mask.shape and torch.isfinite(loss)
+    loss, d_logits, _, mask = module.distill_loss(ro)
+    assert d_logits.shape[:2] == mask.shape and torch.isfinite(loss)
     loss.backward()
-    grads = [p.grad for p in module.student.parameters() if p.grad is not None]
+    grads = [p.grad for p in module.drafter.parameters() if p.grad is not None]
     assert grads and all(torch.isfinite(g).all() for g in grads)
-    assert all(p.grad is None for p in module.teacher.parameters())
+    assert all(p.grad is None for p in module.verifier.parameters())
 
 
 def test_each_rank_draws_its_own_on_policy_rollouts(monkeypatch):
     """Under DDP the ranks hold different prompts (Lightning's distributed sampler) and, at the same
     step, differently seeded rollouts: training_step salts the rollout generator with the rank."""
-    module, data = _module(_cfg(data_source="student"))
+    module, data = _module(_cfg(data_source="drafter"))
     data.setup()
     batch = next(iter(data.train_dataloader()))
     real, seen = module.make_batch, []
@@ -248,9 +248,9 @@ def test_distill_loss_uses_the_configured_jsd_beta():
     module, data = _module(_cfg(data_source="fixed", divergence="jsd", beta=0.1))
     ro = module._fixed(_fixed_batch(module, data))
     with torch.no_grad():
-        loss, s_logits, t_logits, mask = module.distill_loss(ro)
-        want = divergence("jsd", s_logits, t_logits, mask, beta=0.1)
-        other = divergence("jsd", s_logits, t_logits, mask, beta=0.5)
+        loss, d_logits, v_logits, mask = module.distill_loss(ro)
+        want = divergence("jsd", d_logits, v_logits, mask, beta=0.1)
+        other = divergence("jsd", d_logits, v_logits, mask, beta=0.5)
     torch.testing.assert_close(loss, want)
     assert abs(float(want) - float(other)) > 1e-4  # beta matters for these logits
 
@@ -265,23 +265,23 @@ def test_gradient_clipping_under_fsdp_goes_through_the_fsdp_root():
     assert root.clipped == [1.0]
 
 
-def test_teacher_rollouts_are_cached_per_prompt():
-    module, data = _module(_cfg(data_source="teacher"))
+def test_verifier_rollouts_are_cached_per_prompt():
+    module, data = _module(_cfg(data_source="verifier"))
     data.setup()
     batch = next(iter(data.train_dataloader()))
-    a = module.make_batch(batch, "teacher", module._generator(0, 0))
-    assert len(module._teacher_cache) == batch["input_ids"].shape[0]
-    b = module.make_batch(batch, "teacher", module._generator(5, 0))  # another seed: still the cached samples
+    a = module.make_batch(batch, "verifier", module._generator(0, 0))
+    assert len(module.answers) == batch["input_ids"].shape[0]
+    b = module.make_batch(batch, "verifier", module._generator(5, 0))  # another seed: the same answers
     assert torch.equal(a.sequences[a.continuation_mask], b.sequences[b.continuation_mask])
 
 
-def _teacher_forward_widths(
+def _verifier_forward_widths(
     module: DistillSpecModule, batch: dict[str, torch.Tensor], source: str
 ) -> list[int]:
-    """The token widths of the teacher's forwards during one training step on ``source``."""
+    """The token widths of the verifier's forwards during one training step on ``source``."""
     widths: list[int] = []
     module.pick_source = lambda step: source  # type: ignore[method-assign]
-    hook = module.teacher.register_forward_pre_hook(
+    hook = module.verifier.register_forward_pre_hook(
         lambda m, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
     )
     try:
@@ -292,18 +292,18 @@ def _teacher_forward_widths(
 
 
 @pytest.mark.parametrize("budget_mb, reused", [(64.0, True), (0.0, False)])
-def test_the_teacher_never_recomputes_what_it_computed_before(budget_mb, reused):
-    """Within teacher_cache_mb: a teacher batch seen before runs no teacher forward (its continuations'
-    logits are kept), and an on-policy batch on seen prompts runs the teacher over its continuation only
+def test_the_verifier_never_recomputes_what_it_computed_before(budget_mb, reused):
+    """Within verifier_cache_mb: a verifier batch seen before runs no verifier forward (its continuations'
+    logits are kept), and an on-policy batch on seen prompts runs the verifier over its continuation only
     (the prompts' caches are kept). With 0 MiB every batch is one full forward over prompt and continuation
-    (the losses are the same either way, tested in tests/training/test_teacher_scores.py)."""
-    module, data = _module(_cfg(data_source="mixed_teacher", teacher_cache_mb=budget_mb))
+    (the losses are the same either way, tested in tests/training/test_verifier_scores.py)."""
+    module, data = _module(_cfg(data_source="mixed_verifier", verifier_cache_mb=budget_mb))
     batch = _fixed_batch(module, data)
     width = batch["input_ids"].shape[1]
-    first = _teacher_forward_widths(module, batch, "teacher")
+    first = _verifier_forward_widths(module, batch, "verifier")
     assert first[0] == width  # the generation's prefill
-    again = _teacher_forward_widths(module, batch, "teacher")
-    on_policy = _teacher_forward_widths(module, batch, "student")
+    again = _verifier_forward_widths(module, batch, "verifier")
+    on_policy = _verifier_forward_widths(module, batch, "drafter")
     if reused:
         assert again == []
         assert len(on_policy) == 1 and on_policy[0] < module.cfg.max_new_tokens
@@ -312,32 +312,32 @@ def test_the_teacher_never_recomputes_what_it_computed_before(budget_mb, reused)
         assert len(on_policy) == 1 and on_policy[0] > width
 
 
-def test_teacher_cache_mb_is_validated_at_start_up():
-    with pytest.raises(ConfigError, match="method.teacher_cache_mb"):
-        _cfg(teacher_cache_mb=-1)
+def test_verifier_cache_mb_is_validated_at_start_up():
+    with pytest.raises(ConfigError, match="method.verifier_cache_mb"):
+        _cfg(verifier_cache_mb=-1)
 
 
-def test_teacher_answers_given_in_advance_are_used_instead_of_generating(monkeypatch):
-    """The fixed-data arm: continuations given offline (cut to max_new_tokens) are what teacher batches
-    train on, and the teacher generates nothing for those prompts; other prompts are still answered."""
+def test_answers_given_in_advance_are_used_instead_of_generating(monkeypatch):
+    """The fixed-data arm: continuations given offline (cut to max_new_tokens) are what verifier batches
+    train on, and the verifier generates nothing for those prompts; other prompts are still answered."""
     from train.models.answers import Answer
 
-    module, data = _module(_cfg(data_source="teacher"))
+    module, data = _module(_cfg(data_source="verifier"))
     data.setup()
     batch = next(iter(data.train_dataloader()))
     ids, mask = batch["input_ids"], batch["attention_mask"]
     prompts = [ids[i][mask[i].bool()].tolist() for i in range(ids.shape[0])]
     given = [7, 8, 9, 10] * 20
     empty = torch.zeros(0, 1)
-    module.preload_teacher([Answer(p, given, empty, empty) for p in prompts[1:]])
+    module.preload_answers([Answer(p, given, empty, empty) for p in prompts[1:]])
     generated: list[int] = []
-    real = module.teacher_sampler.sample
+    real = module.verifier_sampler.sample
     monkeypatch.setattr(
-        module.teacher_sampler.__class__,
+        module.verifier_sampler.__class__,
         "sample",
         lambda self, model, i, a, g, **kw: generated.append(i.shape[0]) or real(model, i, a, g, **kw),
     )
-    ro = module.make_batch(batch, "teacher", module._generator(0, 0))
+    ro = module.make_batch(batch, "verifier", module._generator(0, 0))
     assert generated == [1]  # only the prompt without an answer
     tail = ro.sequences[:, ro.prompt_width :]
     cut = given[: module.cfg.max_new_tokens]
@@ -345,26 +345,26 @@ def test_teacher_answers_given_in_advance_are_used_instead_of_generating(monkeyp
         assert tail[row][ro.continuation_mask[row, ro.prompt_width :]].tolist() == cut
 
 
-def test_teacher_answers_need_the_teacher_cache():
-    with pytest.raises(ConfigError, match="method.teacher_answers"):
-        _cfg(teacher_answers="pair", cache_teacher=False)
+def test_offline_answers_need_the_answer_cache():
+    with pytest.raises(ConfigError, match="method.answers"):
+        _cfg(answers="pair", cache_answers=False)
 
 
 @pytest.mark.parametrize("cache", [True, False])
-def test_greedy_teacher_continuations_while_the_student_samples(cache):
-    """teacher_temperature=0: the teacher's training continuations are its greedy rollouts (whatever the
-    generator), the student's on-policy rollouts and the validation continuations still sample at
+def test_greedy_verifier_continuations_while_the_drafter_samples(cache):
+    """verifier_temperature=0: the verifier's training continuations are its greedy rollouts (whatever the
+    generator), the drafter's on-policy rollouts and the validation continuations still sample at
     ``temperature``."""
     from train.decoding.sampling import SamplingParams
     from train.training.rollout import rollout
 
-    module, data = _module(_cfg(data_source="mixed_teacher", teacher_temperature=0.0, cache_teacher=cache))
-    assert module.cfg.teacher_rollout_temperature == 0.0 and module.sampler.params.temperature == 1.0
+    module, data = _module(_cfg(data_source="mixed_verifier", verifier_temperature=0.0, cache_answers=cache))
+    assert module.cfg.verifier_rollout_temperature == 0.0 and module.sampler.params.temperature == 1.0
     data.setup()
     batch = next(iter(data.train_dataloader()))
     ids, attn = batch["input_ids"], batch["attention_mask"]
     greedy = rollout(
-        module.teacher,
+        module.verifier,
         ids,
         attn,
         module.cfg.max_new_tokens,
@@ -374,16 +374,16 @@ def test_greedy_teacher_continuations_while_the_student_samples(cache):
         vocab_size=module.sampler.vocab_size,
     )
     for seed in (0, 7):
-        got = module.make_batch(batch, "teacher", module._generator(seed, 0))
+        got = module.make_batch(batch, "verifier", module._generator(seed, 0))
         assert torch.equal(got.sequences, greedy.sequences)
-    drawn = [module.make_batch(batch, "student", module._generator(s, 0)).sequences for s in (1, 2)]
-    assert not torch.equal(drawn[0], drawn[1])  # the student still samples
-    assert _cfg().teacher_rollout_temperature == 1.0  # null: the rollout temperature
+    drawn = [module.make_batch(batch, "drafter", module._generator(s, 0)).sequences for s in (1, 2)]
+    assert not torch.equal(drawn[0], drawn[1])  # the drafter still samples
+    assert _cfg().verifier_rollout_temperature == 1.0  # null: the rollout temperature
 
 
-def test_validation_measures_greedy_agreement_on_greedy_teacher_continuations():
-    """val/greedy_agreement: 1 for a student equal to the teacher; for another student, the share of the
-    teacher's greedy continuation tokens that are also the student's argmax there (teacher-forced)."""
+def test_validation_measures_greedy_agreement_on_greedy_verifier_continuations():
+    """val/greedy_agreement: 1 for a drafter equal to the verifier; for another drafter, the share of the
+    verifier's greedy continuation tokens that are also the drafter's argmax there (teacher-forced)."""
     import copy
 
     module, data = _module(_cfg())
@@ -394,14 +394,14 @@ def test_validation_measures_greedy_agreement_on_greedy_teacher_continuations():
     greedy = module._val_greedy_cache[0]
     mask = greedy.continuation_mask[:, greedy.prompt_width :]
     with torch.no_grad():
-        student = module.logits(module.student, greedy)[..., : module.sampler.vocab_size].argmax(-1)
-    teacher_tokens = greedy.sequences[:, greedy.prompt_width :]
-    expected = (student == teacher_tokens)[mask].float().mean()
+        drafter_argmax = module.logits(module.drafter, greedy)[..., : module.sampler.vocab_size].argmax(-1)
+    verifier_tokens = greedy.sequences[:, greedy.prompt_width :]
+    expected = (drafter_argmax == verifier_tokens)[mask].float().mean()
     sums = module._val_sums
     assert sums["greedy_agreement"] / sums["greedy_tokens"] == pytest.approx(float(expected))
     assert sums["greedy_tokens"] == int(mask.sum()) > 0
 
-    twin = DistillSpecModule(copy.deepcopy(module.teacher), module.teacher, module.tokenizer, module.cfg)
+    twin = DistillSpecModule(copy.deepcopy(module.verifier), module.verifier, module.tokenizer, module.cfg)
     twin.on_validation_epoch_start()
     twin.validation_step(batch, 0)
     assert twin._val_sums["greedy_agreement"] == pytest.approx(twin._val_sums["greedy_tokens"])
@@ -411,8 +411,8 @@ def test_validation_measures_greedy_agreement_on_greedy_teacher_continuations():
 def test_mixture_draws_on_policy_batches_with_probability_lambda():
     module, _ = _module(_cfg(data_source="mixed_fixed", lmbda=0.25))
     picks = [module.pick_source(s) for s in range(2000)]
-    assert set(picks) == {"student", "fixed"}
-    assert abs(picks.count("student") / 2000 - 0.25) < 0.04
+    assert set(picks) == {"drafter", "fixed"}
+    assert abs(picks.count("drafter") / 2000 - 0.25) < 0.04
     assert picks == [module.pick_source(s) for s in range(2000)]  # reproducible on resume
 
 
@@ -437,8 +437,8 @@ def _trainer(tmp_path: Path, max_steps: int, callbacks_extra: list[L.Callback] =
     )
 
 
-def test_fit_logs_validation_and_checkpoint_has_no_teacher(tmp_path):
-    module, data = _module(_cfg(data_source="mixed_teacher", lmbda=0.5))
+def test_fit_logs_validation_and_checkpoint_has_no_verifier(tmp_path):
+    module, data = _module(_cfg(data_source="mixed_verifier", lmbda=0.5))
     trainer = _trainer(tmp_path, 4)
     trainer.fit(module, datamodule=data)
     metrics = trainer.callback_metrics
@@ -457,17 +457,17 @@ def test_fit_logs_validation_and_checkpoint_has_no_teacher(tmp_path):
     assert 1.0 <= float(metrics["val/simulated_block_efficiency"]) <= 5.0
     assert len(module._val_cache) == len(module._val_greedy_cache) == 1  # generated once, reused
     state = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
-    assert state and all(k.startswith("student.") for k in state)
+    assert state and all(k.startswith("drafter.") for k in state)
     assert sum(v.numel() for v in state.values()) == sum(
-        p.numel() for p in module.student.state_dict().values()
+        p.numel() for p in module.drafter.state_dict().values()
     )
 
 
 def test_validating_first_records_the_starting_drafter_and_the_report_compares_it(tmp_path):
     """What the train command does with ``validate_before``: ``trainer.validate`` at step 0, then ``fit``
-    (its state from inference mode does not reach training); every validation is recorded, the teacher's
+    (its state from inference mode does not reach training); every validation is recorded, the verifier's
     continuations are generated once, and the report's table compares step 0 with the last step."""
-    module, data = _module(_cfg(data_source="mixed_teacher", lmbda=0.5, validate_before=True))
+    module, data = _module(_cfg(data_source="mixed_verifier", lmbda=0.5, validate_before=True))
     assert module.validate_before_fit
     trainer = _trainer(tmp_path, 4)
     trainer.validate(module, datamodule=data, verbose=False)
@@ -493,17 +493,76 @@ def test_validating_first_records_the_starting_drafter_and_the_report_compares_i
 
 
 def test_resume_continues_global_step(tmp_path):
-    module, data = _module(_cfg(data_source="student"))
+    module, data = _module(_cfg(data_source="drafter"))
     _trainer(tmp_path, 3).fit(module, datamodule=data)
     last = tmp_path / "checkpoints" / "last.ckpt"
     saved = torch.load(last, weights_only=False)
     assert saved["global_step"] == 3
-    module2, data2 = _module(_cfg(data_source="student"))
+    module2, data2 = _module(_cfg(data_source="drafter"))
     trainer = _trainer(tmp_path / "resumed", 5)
     trainer.fit(module2, datamodule=data2, ckpt_path=str(last))
     assert trainer.global_step == 5
-    w = "student.model.embed_tokens.weight"
-    assert not torch.equal(module2.student.state_dict()[w[len("student.") :]], saved["state_dict"][w])
+    w = "drafter.model.embed_tokens.weight"
+    assert not torch.equal(module2.drafter.state_dict()[w[len("drafter.") :]], saved["state_dict"][w])
+
+
+def test_a_checkpoint_in_the_old_layout_resumes_into_the_renamed_module(tmp_path):
+    """Before issue 53 the module held the drafter as ``student`` (weights ``student.*``) and saved the
+    verifier's answers as ``teacher_cache``: such a checkpoint (a fresh one renamed back) loads strictly
+    and resumes, with the answers it carried."""
+    module, data = _module(_cfg(data_source="verifier"))
+    _trainer(tmp_path, 2).fit(module, datamodule=data)
+    saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
+    assert "verifier_answers" in saved and "teacher_cache" not in saved
+    old = dict(saved)
+    old["state_dict"] = {"student." + k.removeprefix("drafter."): v for k, v in saved["state_dict"].items()}
+    old["teacher_cache"] = old.pop("verifier_answers")
+    torch.save(old, tmp_path / "old.ckpt")
+
+    fresh, _ = _module(_cfg(data_source="verifier"))
+    checkpoint = torch.load(tmp_path / "old.ckpt", weights_only=False)
+    fresh.on_load_checkpoint(checkpoint)  # what Lightning calls before it loads the weights
+    fresh.load_state_dict(checkpoint["state_dict"])  # strict: every old key found its new name
+    for name, value in module.drafter.state_dict().items():
+        assert torch.equal(fresh.drafter.state_dict()[name], value), name
+    assert set(fresh.answers.answers) == set(saved["verifier_answers"]["prompts"])
+
+    resumed, data2 = _module(_cfg(data_source="verifier"))
+    trainer = _trainer(tmp_path / "resumed", 3)
+    trainer.fit(resumed, datamodule=data2, ckpt_path=str(tmp_path / "old.ckpt"))
+    assert trainer.global_step == 3
+    assert set(resumed.answers.answers) >= set(saved["verifier_answers"]["prompts"])
+
+
+def test_old_config_keys_and_source_names_still_build_with_a_deprecation_line(tmp_path, monkeypatch):
+    """Settings renamed by issue 53 (train.config.RENAMED_KEYS / RENAMED_VALUES) keep working: a config,
+    or an override the command line check turns into an addition, builds the new settings and says
+    which old key or value is now which."""
+    from train.cli.console import check_overrides
+
+    old = ["method.cache_teacher=true", "method.teacher_temperature=0", "method.teacher_cache_mb=64"]
+    argv = ["experiment=distillspec_tiny", *old, "method.data_source=mixed_teacher"]
+    argv = check_overrides(str(CONF_DIR), "train", argv)
+    assert argv == [
+        "experiment=distillspec_tiny",
+        *("+" + o for o in old),
+        "method.data_source=mixed_teacher",
+    ]
+    with pytest.warns(DeprecationWarning) as caught:
+        spec = load_spec(_compose([*argv, "+method.teacher_answers=pair"], tmp_path))
+    m = spec.method
+    assert (m.cache_answers, m.verifier_temperature, m.verifier_cache_mb, m.answers) == (True, 0, 64, "pair")
+    assert m.data_source == "mixed_verifier" and m.off_policy_source == "verifier"
+    said = "\n".join(str(w.message) for w in caught)
+    for line in (
+        "method.cache_teacher is deprecated; it is now method.cache_answers",
+        "method.teacher_temperature is deprecated; it is now method.verifier_temperature (its value 0 "
+        "replaces method.verifier_temperature=None)",
+        "method.teacher_cache_mb is deprecated; it is now method.verifier_cache_mb",
+        "method.teacher_answers is deprecated; it is now method.answers",
+        "method.data_source=mixed_teacher is deprecated; it is now method.data_source=mixed_verifier",
+    ):
+        assert line in said, said
 
 
 def test_non_finite_loss_stops_naming_the_step_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
@@ -525,7 +584,7 @@ def test_non_finite_loss_stops_naming_the_step_and_keeps_the_last_checkpoint(tmp
 
 def test_lora_trains_adapters_only_and_merges_into_a_plain_model():
     module, data = _module(_cfg(data_source="fixed", lora={"enabled": True, "r": 4, "alpha": 8}))
-    trainable = [n for n, p in module.student.named_parameters() if p.requires_grad]
+    trainable = [n for n, p in module.drafter.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
     opt = module.configure_optimizers()
     opt = opt["optimizer"] if isinstance(opt, dict) else opt
@@ -544,7 +603,7 @@ def test_exported_drafter_works_as_hf_assistant_model(tmp_path):
 
     drafter = AutoModelForCausalLM.from_pretrained(out)
     tok = AutoTokenizer.from_pretrained(out)
-    verifier = module.teacher
+    verifier = module.verifier
     ids = torch.tensor([tok.encode(TEXT)[:10]])
     plain = verifier.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)
     assisted = verifier.generate(
@@ -642,12 +701,12 @@ class _SigtermAtStep(L.Callback):
 @pytest.mark.parametrize("stop_at", [3, 6])  # 4 batches per epoch: mid-epoch 1 and mid-epoch 2
 def test_interrupted_and_resumed_run_ends_with_the_same_weights(tmp_path, stop_at):
     """SIGTERM mid-epoch, then resume from the checkpoint GracefulStop wrote: data order (the shuffling
-    generator across epochs), teacher continuations (cached in the checkpoint), on-policy draws and
+    generator across epochs), the verifier's answers (cached in the checkpoint), on-policy draws and
     the optimizer all continue where they stopped, so the weights equal an uninterrupted run's."""
-    cfg = dict(data_source="mixed_teacher", lmbda=0.5, num_prompts=16, batch_size=4)
+    cfg = dict(data_source="mixed_verifier", lmbda=0.5, num_prompts=16, batch_size=4)
     module, data = _module(_cfg(**cfg))
     _trainer(tmp_path / "straight", 8).fit(module, datamodule=data)
-    straight = module.student.state_dict()
+    straight = module.drafter.state_dict()
 
     module1, data1 = _module(_cfg(**cfg))
     stop = GracefulStop(str(tmp_path / "cut"))
@@ -662,7 +721,7 @@ def test_interrupted_and_resumed_run_ends_with_the_same_weights(tmp_path, stop_a
         warnings.filterwarnings("error", message=".*dataloader is not resumable.*")
         resumed.fit(module2, datamodule=data2, ckpt_path=stop.checkpoint)
     assert resumed.global_step == 8
-    after = module2.student.state_dict()
+    after = module2.drafter.state_dict()
     for name, value in straight.items():
         torch.testing.assert_close(after[name], value, rtol=1e-5, atol=1e-6, msg=name)
 

@@ -1,6 +1,6 @@
-"""DistillSpec on a student with a draft vocabulary (``config.draft_vocab``): the loss is the divergence
-over the draft ids with the teacher renormalised there (checked against a hand computation from the
-plain student's logits), gradients are finite, on-policy rollouts sample inside the draft vocabulary,
+"""DistillSpec on a drafter with a draft vocabulary (``config.draft_vocab``): the loss is the divergence
+over the draft ids with the verifier renormalised there (checked against a hand computation from the
+plain drafter's logits), gradients are finite, on-policy rollouts sample inside the draft vocabulary,
 ``expected_acceptance`` is what decoding sees, and LoRA / export still handle the plain model."""
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ DRAFT_IDS = list(range(0, 256, 2)) + [257]  # even byte ids and the EOS (tests/c
 
 
 def _draft_module(**kw) -> tuple[DistillSpecModule, PromptDataModule]:
-    """test_distillspec.py's pair and data, the student drafting over DRAFT_IDS."""
+    """test_distillspec.py's pair and data, the drafter drafting over DRAFT_IDS."""
     _, data = _module(_cfg(data_source=kw.get("data_source", "fixed")))
-    student, teacher = tiny_llama(hidden=32, seed=1), tiny_llama(hidden=64, seed=0)
-    student.train()
-    set_draft_vocab(student, DRAFT_IDS)
-    module = DistillSpecModule(student, teacher, make_tokenizer(), _cfg(**kw), seed=0)
+    drafter, verifier = tiny_llama(hidden=32, seed=1), tiny_llama(hidden=64, seed=0)
+    drafter.train()
+    set_draft_vocab(drafter, DRAFT_IDS)
+    module = DistillSpecModule(drafter, verifier, make_tokenizer(), _cfg(**kw), seed=0)
     assert module.draft_ids is not None and module.draft_ids.tolist() == DRAFT_IDS
     return module, data
 
@@ -36,12 +36,12 @@ def _draft_module(**kw) -> tuple[DistillSpecModule, PromptDataModule]:
 def test_the_loss_is_the_divergence_over_the_draft_ids_and_trains(div):
     module, data = _draft_module(data_source="fixed", divergence=div, beta=0.3, temperature=0.8)
     ro = module._fixed(_fixed_batch(module, data))
-    loss, s_logits, t_logits, mask = module.distill_loss(ro)
-    assert s_logits.shape == (*mask.shape, len(DRAFT_IDS)) and torch.isfinite(loss)
-    with torch.no_grad():  # by hand, from the plain student's full logits
+    loss, d_logits, v_logits, mask = module.distill_loss(ro)
+    assert d_logits.shape == (*mask.shape, len(DRAFT_IDS)) and torch.isfinite(loss)
+    with torch.no_grad():  # by hand, from the plain drafter's full logits
         ids = torch.tensor(DRAFT_IDS)
-        q = torch.softmax(continuation_logits(module.student, ro)[..., ids].double() / 0.8, -1)
-        p = torch.softmax(t_logits.double() / 0.8, -1)[..., ids]
+        q = torch.softmax(continuation_logits(module.drafter, ro)[..., ids].double() / 0.8, -1)
+        p = torch.softmax(v_logits.double() / 0.8, -1)[..., ids]
         p = p / p.sum(-1, keepdim=True)
         if div == "fkl":
             per = (p * (p / q).log()).sum(-1)
@@ -52,9 +52,9 @@ def test_the_loss_is_the_divergence_over_the_draft_ids_and_trains(div):
             per = 0.3 * (p * (p / m).log()).sum(-1) + 0.7 * (q * (q / m).log()).sum(-1)
     torch.testing.assert_close(loss.double(), per[mask].mean(), atol=1e-5, rtol=1e-4)
     loss.backward()
-    grads = [p.grad for p in module.student.parameters() if p.grad is not None]
+    grads = [p.grad for p in module.drafter.parameters() if p.grad is not None]
     assert grads and all(torch.isfinite(g).all() for g in grads)
-    head = module.student.get_output_embeddings().weight.grad  # an untied head: only its draft rows train
+    head = module.drafter.get_output_embeddings().weight.grad  # an untied head: only its draft rows train
     outside = torch.ones(head.shape[0], dtype=torch.bool)
     outside[DRAFT_IDS] = False
     assert head[DRAFT_IDS].abs().sum() > 0 and not head[outside].any()
@@ -64,19 +64,19 @@ def test_expected_acceptance_counts_the_teachers_mass_outside_as_rejected():
     module, data = _draft_module(data_source="fixed")
     ro = module._fixed(_fixed_batch(module, data))
     with torch.no_grad():
-        _, s_logits, t_logits, mask = module.distill_loss(ro)
-        ea = module.acceptance(s_logits, t_logits, mask)
+        _, d_logits, v_logits, mask = module.distill_loss(ro)
+        ea = module.acceptance(d_logits, v_logits, mask)
         ids = torch.tensor(DRAFT_IDS)
-        p = torch.softmax(t_logits.double(), -1)
+        p = torch.softmax(v_logits.double(), -1)
         q = torch.zeros_like(p)
-        q[..., ids] = torch.softmax(s_logits.double(), -1)
+        q[..., ids] = torch.softmax(d_logits.double(), -1)
     torch.testing.assert_close(ea.double(), torch.minimum(p, q).sum(-1)[mask].mean(), atol=1e-6, rtol=1e-5)
 
 
 def test_on_policy_rollouts_sample_inside_the_draft_vocabulary():
-    module, data = _draft_module(data_source="student", max_new_tokens=12)
+    module, data = _draft_module(data_source="drafter", max_new_tokens=12)
     batch = _fixed_batch(module, data)
-    ro = module.make_batch(batch, "student", module._generator(0, 0))
+    ro = module.make_batch(batch, "drafter", module._generator(0, 0))
     drafted = ro.sequences[ro.continuation_mask]
     assert drafted.numel() > 0 and set(drafted.tolist()) <= set(DRAFT_IDS)
     module.training_step(batch, 0).backward()  # the whole step, on-policy
@@ -96,7 +96,7 @@ def test_lora_and_export_handle_the_plain_model(tmp_path):
     batch = _fixed_batch(module, data)
     loss = module.training_step(batch, 0)
     loss.backward()
-    grads = {n: p.grad for n, p in module.student.named_parameters() if p.grad is not None}
+    grads = {n: p.grad for n, p in module.drafter.named_parameters() if p.grad is not None}
     assert grads and all("lora_" in n and torch.isfinite(g).all() for n, g in grads.items())
     assert any(g.abs().sum() > 0 for g in grads.values())  # the wrapper runs the adapted decoder
     merged = module.distilled_drafter()
@@ -104,4 +104,4 @@ def test_lora_and_export_handle_the_plain_model(tmp_path):
     out = module.export(str(tmp_path / "drafter"))
     reloaded = AutoModelForCausalLM.from_pretrained(out)
     assert type(reloaded).__name__ == "LlamaForCausalLM" and draft_vocab_of(reloaded) == DRAFT_IDS
-    assert not isinstance(module.student, DraftVocabModel)
+    assert not isinstance(module.drafter, DraftVocabModel)

@@ -55,19 +55,19 @@ def _data(cfg) -> PromptDataModule:
 
 
 def _distillspec() -> tuple[L.LightningModule, PromptDataModule, list[list[str]]]:
-    cfg = DistillSpecConfig(optimizer=ADAMW, data_source="teacher", **PROMPTS)
-    student, teacher = tiny_llama(hidden=32, seed=1), tiny_llama(hidden=64, seed=0)
-    module = DistillSpecModule(student.to(torch.bfloat16), teacher.to(torch.bfloat16), make_tokenizer(), cfg)
-    return module, _data(cfg), [["student."]]  # one global norm
+    cfg = DistillSpecConfig(optimizer=ADAMW, data_source="verifier", **PROMPTS)
+    drafter, verifier = tiny_llama(hidden=32, seed=1), tiny_llama(hidden=64, seed=0)
+    module = DistillSpecModule(drafter.to(torch.bfloat16), verifier.to(torch.bfloat16), make_tokenizer(), cfg)
+    return module, _data(cfg), [["drafter."]]  # one global norm
 
 
 def _distillspec_draft_vocab() -> tuple[L.LightningModule, PromptDataModule, list[list[str]]]:
-    """On-policy, the student drafting over a reduced vocabulary (its head's rows sliced in the step)."""
-    cfg = DistillSpecConfig(optimizer=ADAMW, data_source="student", **PROMPTS)
-    student, teacher = tiny_llama(hidden=32, seed=1), tiny_llama(hidden=64, seed=0)
-    set_draft_vocab(student, [*range(0, 256, 2), 257])
-    module = DistillSpecModule(student.to(torch.bfloat16), teacher.to(torch.bfloat16), make_tokenizer(), cfg)
-    return module, _data(cfg), [["student."]]
+    """On-policy, the drafter drafting over a reduced vocabulary (its head's rows sliced in the step)."""
+    cfg = DistillSpecConfig(optimizer=ADAMW, data_source="drafter", **PROMPTS)
+    drafter, verifier = tiny_llama(hidden=32, seed=1), tiny_llama(hidden=64, seed=0)
+    set_draft_vocab(drafter, [*range(0, 256, 2), 257])
+    module = DistillSpecModule(drafter.to(torch.bfloat16), verifier.to(torch.bfloat16), make_tokenizer(), cfg)
+    return module, _data(cfg), [["drafter."]]
 
 
 def _steering() -> tuple[L.LightningModule, PromptDataModule, list[list[str]]]:

@@ -88,14 +88,14 @@ def _floating_dtypes(module: torch.nn.Module) -> set[torch.dtype]:
 
 def test_distillspec(tmp_path):
     cfg = DistillSpecConfig(optimizer=ADAMW, data_source="fixed", **PROMPTS)
-    teacher = _bf16(64, 0)
-    module = DistillSpecModule(_bf16(32, 1), teacher, make_tokenizer(), cfg)
-    before = _snapshot([module.student])
+    verifier = _bf16(64, 0)
+    module = DistillSpecModule(_bf16(32, 1), verifier, make_tokenizer(), cfg)
+    before = _snapshot([module.drafter])
     trainer = _fit(module, _prompts(cfg), tmp_path)
-    _check_trained(trainer, [module.student], before)
-    assert _floating_dtypes(teacher) == {BF16}
+    _check_trained(trainer, [module.drafter], before)
+    assert _floating_dtypes(verifier) == {BF16}
     assert _floating_dtypes(module.distilled_drafter()) == {BF16}  # exported in model.dtype, a copy
-    assert _floating_dtypes(module.student) == {torch.float32}
+    assert _floating_dtypes(module.drafter) == {torch.float32}
 
 
 def _medusa(joint: bool) -> tuple[MedusaModule, torch.nn.Module]:

@@ -53,17 +53,17 @@ def _run(root: Path, i: int, div: str, source: str, before: float, after: float 
 
 def test_table_from_a_multirun_dir(tmp_path, capsys):
     multirun = tmp_path / "multirun"
-    _run(multirun, 0, "fkl", "teacher", 2.0, 2.4, 0.6)
-    _run(multirun, 1, "rkl", "teacher", 2.0, 2.2, 0.55)
-    _run(multirun, 2, "fkl", "student", 2.0, 2.6, 0.65)
-    _run(multirun, 3, "rkl", "student", 2.0, None, 0.5)  # did not finish
+    _run(multirun, 0, "fkl", "verifier", 2.0, 2.4, 0.6)
+    _run(multirun, 1, "rkl", "teacher", 2.0, 2.2, 0.55)  # a run written before issue 53: read as verifier
+    _run(multirun, 2, "fkl", "drafter", 2.0, 2.6, 0.65)
+    _run(multirun, 3, "rkl", "drafter", 2.0, None, 0.5)  # did not finish
     (multirun / "multirun.yaml").write_text("hydra: {}\n")
     assert _script().main([str(multirun)]) == 0
     text = (multirun / "sweep_table.md").read_text()
     assert "| fkl |" in capsys.readouterr().out
     payload = json.loads((multirun / "sweep_table.json").read_text())
     ratio = payload["tables"]["block_efficiency_ratio_T0"]
-    assert ratio["rows"] == ["fkl", "rkl"] and ratio["columns"] == ["teacher", "student"]
+    assert ratio["rows"] == ["fkl", "rkl"] and ratio["columns"] == ["verifier", "drafter"]
     assert ratio["values"][0] == [1.2, 1.3]
     assert ratio["values"][1][0] == 1.1 and ratio["values"][1][1] is None
     assert payload["tables"]["val_expected_acceptance"]["values"][1] == [0.55, 0.5]

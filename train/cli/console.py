@@ -22,7 +22,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig, OmegaConf
 
-from train.config import ConfigError, unknown_key_message
+from train.config import ConfigError, renamed_keys_of, unknown_key_message
 from train.data.sources import DataError
 from train.models.loading import CorruptModelError, TokenizerMismatchError, resolve_device
 from train.rundir import RunDirLocked
@@ -193,13 +193,16 @@ def _log_to_files_only(err: BaseException) -> None:
             handler.handle(record)
 
 
-def check_overrides(config_dir: str, config_name: str, argv: Sequence[str]) -> None:
+def check_overrides(config_dir: str, config_name: str, argv: Sequence[str]) -> list[str]:
     """Before Hydra starts the job: an override of a key the config lacks (a typo such as
     ``method.divergance=fkl``) exits 2 naming the valid keys, instead of Hydra's advice to append it
-    with ``+``. Only plain single runs are checked (no ``-m`` sweeps or Hydra flags); any other
-    composition problem is left to Hydra's own report."""
+    with ``+``. An override of a renamed key (:data:`train.config.RENAMED_KEYS`, such as
+    ``method.cache_teacher=false``) is kept as an addition (``+``) that instantiation renames, with its
+    deprecation line. Returns the overrides the job runs with (``argv``, renamed keys prefixed). Only plain
+    single runs are checked (no ``-m`` sweeps or Hydra flags); any other composition problem is left to
+    Hydra's own report."""
     if any(a.startswith("-") for a in argv):
-        return
+        return list(argv)
     overrides = [a for a in argv if not a.lstrip("+~").startswith("hydra.")]
     try:
         with initialize_config_dir(config_dir=os.path.abspath(config_dir), version_base="1.3"):
@@ -207,17 +210,21 @@ def check_overrides(config_dir: str, config_name: str, argv: Sequence[str]) -> N
     except ConfigCompositionException as err:
         key = getattr(err.__cause__, "full_key", None)
         if not key or "not in struct" not in str(err.__cause__) and "Could not override" not in str(err):
-            return
+            return list(argv)
         culprit = [o for o in overrides if o.split("=", 1)[0] == key]
-        rest = [o for o in overrides if o not in culprit]
+        # the others checked first: another renamed key among them must not hide this one's node
+        rest = check_overrides(config_dir, config_name, [o for o in overrides if o not in culprit])
         try:
             with initialize_config_dir(config_dir=os.path.abspath(config_dir), version_base="1.3"):
                 cfg = compose(config_name=config_name, overrides=rest)
         except Exception:
-            return
-        parent = key.rpartition(".")[0]
+            return list(argv)
+        parent, _, leaf = key.rpartition(".")
         node = OmegaConf.select(cfg, parent) if parent else cfg
         if node is not None and not isinstance(node, DictConfig):
-            return
+            return list(argv)
+        if node is not None and culprit and leaf in renamed_keys_of(node.get("_target_")):
+            return check_overrides(config_dir, config_name, [f"+{a}" if a in culprit else a for a in argv])
         valid = [str(k) for k in node if not str(k).startswith("_")] if node is not None else []
         fail(unknown_key_message(key, valid), 2)
+    return list(argv)

@@ -1,6 +1,6 @@
 """The real pair's own answers: the verifier's greedy answers to its chat prompts, generated when a run
 first needs them and cached beside the pair by prompt (EAGLE-3, Medusa and the fixed-data DistillSpec
-ablation train on them; ``method.answers: pair``, ``method.teacher_answers: pair``)."""
+ablation train on them; ``method.answers: pair``)."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from train.training.prompt_data import prompt_data
 def build(
     cfg: DistillSpecConfig, pair: ModelPair, spec: RunSpec
 ) -> tuple[DistillSpecModule, L.LightningDataModule]:
-    """Student = the pair's drafter (LoRA-wrapped if asked), teacher = the frozen verifier; the
+    """The pair's drafter (LoRA-wrapped if asked) distilled towards its frozen verifier; the
     pretrained drafter is reloaded from ``model.drafter`` for the finish step's ``before``."""
     data = prompt_data(cfg, pair.tokenizer, spec.data, spec.seed)
     m = spec.model
@@ -30,24 +30,24 @@ def build(
     module = DistillSpecModule(
         pair.drafter, pair.verifier, pair.tokenizer, cfg, seed=spec.seed, pretrained=pretrained
     )
-    if cfg.teacher_answers is not None and cfg.on_policy_probability < 1.0:
-        module.preload_teacher(offline_teacher_answers(cfg, pair, spec))
+    if cfg.answers is not None and cfg.on_policy_probability < 1.0:
+        module.preload_answers(offline_answers(cfg, pair, spec))
     return module, data
 
 
-def offline_teacher_answers(cfg: DistillSpecConfig, pair: ModelPair, spec: RunSpec) -> list[Any]:
-    """The training answers ``cfg.teacher_answers`` names: the real pair's to this run's ``num_prompts``
+def offline_answers(cfg: DistillSpecConfig, pair: ModelPair, spec: RunSpec) -> list[Any]:
+    """The training answers ``cfg.answers`` names: the real pair's to this run's ``num_prompts``
     training prompts (generated on first use, cached), or a folder's."""
-    if cfg.teacher_answers != "pair":
-        return cached_answers(str(cfg.teacher_answers), key="method.teacher_answers")["train"]
+    if cfg.answers != "pair":
+        return cached_answers(str(cfg.answers), key="method.answers")["train"]
     device = answer_device(spec.trainer.accelerator)
     answers = pair_answers(
         spec.model, pair.verifier, pair.tokenizer, train_prompts=cfg.num_prompts, device=device
     )
     if answers is None:
         raise ConfigError(
-            "method.teacher_answers=pair: "
+            "method.answers=pair: "
             "only the real pair (model=smollm2) keeps the verifier's answers; "
-            "give a folder of answers, or null to generate the teacher's continuations in the run"
+            "give a folder of answers, or null to generate them in the run"
         )
     return answers["train"]

@@ -22,8 +22,8 @@ def validation_table(history: list[dict[str, float]], num_prompts: int) -> str:
         return ""
     first, last = history[0], history[-1]
     rows = [
-        ("expected acceptance, the teacher's sampled continuations (T = 1 contexts)", "expected_acceptance"),
-        ("greedy agreement, the teacher's greedy continuations (T = 0 contexts)", "greedy_agreement"),
+        ("expected acceptance, the verifier's sampled continuations (T = 1 contexts)", "expected_acceptance"),
+        ("greedy agreement, the verifier's greedy continuations (T = 0 contexts)", "greedy_agreement"),
         ("loss", "loss"),
     ]
     lines = [
@@ -52,16 +52,16 @@ class DistillSpecFinish:
 
     # what the module holds
     cfg: DistillSpecConfig
-    student: torch.nn.Module
+    drafter: torch.nn.Module
     tokenizer: Any
     export_dtype: torch.dtype
     pretrained: Callable[[], torch.nn.Module] | None
     validation_history: list[dict[str, float]]
 
     def distilled_drafter(self) -> torch.nn.Module:
-        """The student as a plain Hugging Face model (LoRA adapters merged into a copy) in the dtype it
+        """The drafter as a plain Hugging Face model (LoRA adapters merged into a copy) in the dtype it
         was loaded in (``model.dtype``): what is exported and evaluated as ``after``."""
-        return merge_lora(self.student, self.export_dtype)
+        return merge_lora(self.drafter, self.export_dtype)
 
     def drafters_to_evaluate(self) -> dict[str, torch.nn.Module]:
         """``before`` (the pretrained drafter, reloaded) and ``after`` (the distilled one)."""
