@@ -257,7 +257,7 @@ def test_auto_min_ahead_waits_longer_for_a_better_drafter(tiny_pairs):
     prompt = [0, 5, 9, 3, 7]
     reference = hf_greedy(verifier, torch.tensor([prompt]), 60)
     blocks: list[int] = []
-    timed = TimedModel(Slow(verifier, 0.01))
+    timed = TimedModel(Slow(verifier, 0.05))  # far dearer than a drafter step, even on a loaded machine
     proposer = ModelProposer(TimedModel(copy.deepcopy(verifier)), timed.vocab_size)
     result = run_asynchronous(
         timed,
