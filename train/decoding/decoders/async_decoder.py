@@ -83,6 +83,8 @@ class AsyncSpeculativeDecoder(Decoder):
             self.synchronous = SpeculativeDecoder(verifier, drafter, gamma=max_block, draft_length="cost")
         self._accepted = self._tested = 0
         self._overlapping: bool | None = None
+        #: The pair's step costs alone and with both models computing at once, measured at the first call.
+        self._costs: tuple[StepCosts, StepCosts] | None = None
 
     def models(self) -> tuple[torch.nn.Module, ...]:
         return (self.verifier, self.drafter)
@@ -97,10 +99,13 @@ class AsyncSpeculativeDecoder(Decoder):
         """Whether the next generation runs the asynchronous schedule (class docstring)."""
         if self.synchronous is None:
             return True
-        alone = self.synchronous.measure_costs()
-        self.synchronous.length.costs = alone  # type: ignore[union-attr]
         cap = self.schedule.max_block
-        together = together_costs(self._verifier, self._drafter, cap + 1, self.schedule.pin_cores)
+        if self._costs is None:  # once per decoder: a cost key reads the processor and hashes the pair
+            alone = self.synchronous.measure_costs()
+            self.synchronous.length.costs = alone  # type: ignore[union-attr]
+            together = together_costs(self._verifier, self._drafter, cap + 1, self.schedule.pin_cores)
+            self._costs = (alone, together)
+        alone, together = self._costs
         acceptance = acceptance_estimate(self._accepted, self._tested)
         pays = overlap_pays(acceptance, together, alone, cap)
         if pays != self._overlapping:
