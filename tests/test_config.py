@@ -141,6 +141,47 @@ def test_renamed_targets_point_at_what_exists_and_old_configs_still_build():
     assert isinstance(guard, NonFiniteLossGuard)
 
 
+def test_renamed_top_k_settings_still_build_with_a_deprecation_line(tmp_path: Path) -> None:
+    """Issue 53 keeps ``top_k`` for the sampling cut-off only (RENAMED_KEYS): EAGLE-3's tree width is
+    ``branching``, the log-probabilities kept per answer token ``top_logprobs``. The old keys, in a config
+    or on the command line (which check_overrides turns into additions), build the new settings with a
+    deprecation line naming both; a Python call with the old keyword names the new one."""
+    from train.cli.console import check_overrides
+    from train.cli.evaluate_command import apply_shortcuts
+    from train.config import instantiate_group, renamed_targets
+    from train.evaluation import build_eval_config
+    from train.pairs.smollm2_pair import SmolDrafterRecipe, SmolPairConfig
+
+    argv = check_overrides(str(CONF_DIR), "eval", ["decoding=eagle3", "decoding.top_k=2"])
+    assert argv == ["decoding=eagle3", "+decoding.top_k=2"]
+    cfg = _compose("eval", argv)
+    apply_shortcuts(cfg)
+    with pytest.warns(
+        DeprecationWarning, match=r"eval.decoders\[eagle3\].top_k is deprecated; it is now .*branching"
+    ):
+        settings = build_eval_config(cfg.eval).decoder_configs["eagle3"]
+    assert settings["branching"] == 2 and "top_k" not in settings
+    old_file = {"_target_": "train.decoding.Eagle3Decoder", "depth": 3, "top_k": 1, "total_tokens": 3}
+    with pytest.warns(DeprecationWarning, match="top_k is deprecated; it is now branching"):
+        renamed_targets(old_file)  # a decoder config written before: renamed in place
+    assert old_file == {
+        "_target_": "train.decoding.Eagle3Decoder",
+        "depth": 3,
+        "branching": 1,
+        "total_tokens": 3,
+    }
+
+    argv = check_overrides(str(CONF_DIR), "train", ["model=smollm2", "model.smollm2.top_k=8"])
+    assert argv == ["model=smollm2", "+model.smollm2.top_k=8"]
+    with pytest.warns(
+        DeprecationWarning, match="model.smollm2.top_k is deprecated; it is now model.smollm2.top_logprobs"
+    ):
+        model = instantiate_group(_compose("train", argv), "model")
+    assert model.smollm2.top_logprobs == 8
+    with pytest.raises(TypeError, match="SmolPairConfig.*'top_k', renamed .*: use top_logprobs="):
+        SmolPairConfig(out_dir=str(tmp_path), drafter=SmolDrafterRecipe(), top_k=8)  # type: ignore[call-arg]
+
+
 def test_the_old_decoder_name_still_imports_with_a_deprecation_line():
     import train.decoding as decoding
 

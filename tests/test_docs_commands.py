@@ -414,7 +414,7 @@ class Workspace:
             eos = eos_token_ids(load_tokenizer(str(verifier_dir)), verifier)
             gen = torch.Generator().manual_seed(0)
             prompts = [torch.randint(0, 200, (8,), generator=gen).tolist() for _ in range(6)]
-            answers = generate_answers(verifier, prompts, eos, max_new_tokens=8, batch_size=6, top_k=1)
+            answers = generate_answers(verifier, prompts, eos, max_new_tokens=8, batch_size=6, top_logprobs=1)
             (folder / "answers").mkdir(parents=True)
             (folder / "verifier").symlink_to(verifier_dir)
             (folder / "drafter").symlink_to(verifier_dir.parent / "drafter")

@@ -189,15 +189,17 @@ def _served_in_vllm(run_dir: Path, pair_dir: Path) -> None:
     eos = eos_token_ids(tokenizer, verifier)
     requests = ("Write a function that adds two numbers.", "What does a Python list comprehension do?")
     prompts = [chat_ids(tokenizer, text).reshape(-1).tolist() for text in requests]
-    served = answer_prompts("vllm", verifier, prompts, eos, max_new_tokens=12, top_k=4)
-    local = generate_answers(verifier, prompts, eos, max_new_tokens=12, batch_size=2, top_k=4)
+    served = answer_prompts("vllm", verifier, prompts, eos, max_new_tokens=12, top_logprobs=4)
+    local = generate_answers(verifier, prompts, eos, max_new_tokens=12, batch_size=2, top_logprobs=4)
     for a, b in zip(served, local, strict=True):
         assert a.answer == b.answer and torch.equal(a.top_ids, b.top_ids)
         assert torch.allclose(a.top_logprobs.float(), b.top_logprobs.float(), atol=0.02)
     # sampled answers too (vLLM's CPU sampler refuses a per-request seed: the engine's seed serves), the
     # same on every run (with vLLM's engine core in its own process two runs in three differed)
     sampled = [
-        answer_prompts("vllm", verifier, prompts, eos, max_new_tokens=12, top_k=4, temperature=1.0, seed=5)
+        answer_prompts(
+            "vllm", verifier, prompts, eos, max_new_tokens=12, top_logprobs=4, temperature=1.0, seed=5
+        )
         for _ in range(3)
     ]
     assert [a.answer for a in sampled[0]] == [a.answer for a in sampled[1]] == [a.answer for a in sampled[2]]
@@ -343,7 +345,7 @@ def test_the_data_ablation_runs_both_arms_for_the_same_budget_and_tabulates_them
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     answers = json.loads((tmp_path / "checkpoints" / "smollm2" / "answers" / "answers.json").read_text())
-    assert answers["tokens"]["train"] > 0 and answers["recipe"]["top_k"] == 16
+    assert answers["tokens"]["train"] > 0 and answers["recipe"]["top_logprobs"] == 16
     arms = sorted(p for p in sweep.iterdir() if (p / "report.json").is_file())
     assert len(arms) == 2
     for arm in arms:

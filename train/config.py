@@ -10,13 +10,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import functools
 import logging
 import os
 import re
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
@@ -316,6 +317,11 @@ RENAMED_KEYS: dict[str, dict[str, str]] = {
         "teacher_answers": "answers",
         "teacher_cache_mb": "verifier_cache_mb",
     },
+    # EAGLE's tree width: top_k is the sampling cut-off only (eval.top_k)
+    "train.decoding.Eagle3Decoder": {"top_k": "branching"},
+    "train.decoding.decoders.eagle3_decoder.Eagle3Decoder": {"top_k": "branching"},
+    # the log-probabilities kept per answer token (model.smollm2.top_logprobs)
+    "train.pairs.smollm2_pair.SmolPairConfig": {"top_k": "top_logprobs"},
 }
 #: Setting values renamed the same way, per settings class and key, old value -> new value.
 RENAMED_VALUES: dict[str, dict[str, dict[str, str]]] = {
@@ -323,6 +329,40 @@ RENAMED_VALUES: dict[str, dict[str, dict[str, str]]] = {
         "data_source": {"teacher": "verifier", "student": "drafter", "mixed_teacher": "mixed_verifier"},
     },
 }
+
+
+_Callable = TypeVar("_Callable", bound=Callable[..., Any])
+
+
+def renamed_keywords(**renamed: str) -> Callable[[_Callable], _Callable]:
+    """A function's or class's keyword arguments renamed to the glossary's words (issue 53), ``old="new"``:
+    a call with an old keyword raises a TypeError naming the new one (``top_k`` became ``branching``), not
+    Python's bare "unexpected keyword argument". A class keeps its type; its ``__init__`` is checked."""
+
+    def check(name: str, kwargs: dict[str, Any]) -> None:
+        for old in (old for old in renamed if old in kwargs):
+            raise TypeError(f"{name}() got the keyword {old!r}, renamed (issue 53): use {renamed[old]}=")
+
+    def wrap(obj: _Callable) -> _Callable:
+        if isinstance(obj, type):
+            init: Callable[..., None] = obj.__init__  # type: ignore[misc]
+
+            @functools.wraps(init)
+            def checked_init(self: Any, *args: Any, **kwargs: Any) -> None:
+                check(obj.__name__, kwargs)
+                init(self, *args, **kwargs)
+
+            obj.__init__ = checked_init  # type: ignore[misc]
+            return obj
+
+        @functools.wraps(obj)
+        def checked(*args: Any, **kwargs: Any) -> Any:
+            check(obj.__name__, kwargs)
+            return obj(*args, **kwargs)
+
+        return checked  # type: ignore[return-value]
+
+    return wrap
 
 
 def _deprecated(message: str) -> None:

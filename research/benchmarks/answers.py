@@ -30,7 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=128, help="new tokens per answer at most")
     parser.add_argument("--batch", type=int, default=32, help="transformers' batch")
-    parser.add_argument("--top-k", type=int, default=16)
+    parser.add_argument(
+        "--top-logprobs", "--top-k", type=int, default=16, help="log-probabilities kept per answer token"
+    )
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--threads", type=int, default=2)
@@ -44,10 +46,14 @@ def main(args: argparse.Namespace) -> None:
     eos = eos_token_ids(tokenizer, verifier)
     prompts = chat_prompt_ids(tokenizer, "train", args.prompts, args.prompt_len, 0)
     start = time.perf_counter()
-    ours = generate_answers(verifier, prompts, eos, args.tokens, batch_size=args.batch, top_k=args.top_k)
+    ours = generate_answers(
+        verifier, prompts, eos, args.tokens, batch_size=args.batch, top_logprobs=args.top_logprobs
+    )
     hf_seconds = time.perf_counter() - start
     timing: dict[str, float] = {}
-    served = answers_through_vllm(verifier, prompts, eos, args.tokens, top_k=args.top_k, timing=timing)
+    served = answers_through_vllm(
+        verifier, prompts, eos, args.tokens, top_logprobs=args.top_logprobs, timing=timing
+    )
     hf_tokens = sum(len(a.answer) for a in ours)
     vllm_tokens = sum(len(a.answer) for a in served)
     same = sum(a.answer == b.answer for a, b in zip(ours, served, strict=True))
@@ -58,7 +64,7 @@ def main(args: argparse.Namespace) -> None:
             n += 1
         agree += int((a.top_ids[:n, 0] == b.top_ids[:n, 0]).sum())
         total += n
-    print(f"{len(prompts)} prompts x {args.tokens} tokens at most, top {args.top_k}, {args.dtype}")
+    print(f"{len(prompts)} prompts x {args.tokens} tokens at most, top {args.top_logprobs}, {args.dtype}")
     print(
         f"transformers (batch {args.batch}): {hf_tokens} tokens in {hf_seconds:.0f} s = "
         f"{hf_tokens / hf_seconds:.1f} tokens/s"

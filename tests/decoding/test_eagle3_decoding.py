@@ -44,8 +44,8 @@ def drafter_for(verifier, vocab: str = "full", seed: int = 1) -> Eagle3Drafter:
 @pytest.mark.parametrize("shape", [(5, 8, 32), (4, 3, 10), (3, 1, 32)], ids=["tree", "small", "chain"])
 def test_greedy_equals_hf_generate(arch, vocab, shape, eagle3_verifiers):
     verifier = eagle3_verifiers[arch]
-    depth, top_k, total = shape
-    decoder = Eagle3Decoder(verifier, drafter_for(verifier, vocab), depth, top_k, total)
+    depth, branching, total = shape
+    decoder = Eagle3Decoder(verifier, drafter_for(verifier, vocab), depth, branching, total)
     for prompt in PROMPTS:
         ids = torch.tensor([prompt])
         reference = hf_greedy(verifier, ids, 17)
@@ -186,16 +186,16 @@ def sequential_children(verifier, drafter, sequence: list[int], draft: Draft, no
         return drafter(tokens, features, torch.arange(tokens.shape[1])[None]).logits[0, -1]
 
 
-def check_tree_children(verifier, drafter, spy: Spy, top_k: int) -> int:
-    """Every expanded node's children are the top-k of the sequential reference; returns how many nodes
-    were checked."""
+def check_tree_children(verifier, drafter, spy: Spy, branching: int) -> int:
+    """Every expanded node's children are the ``branching`` best of the sequential reference; returns how
+    many nodes were checked."""
     checked = 0
     for (sequence, _, _), draft in zip(spy.records, spy.drafts, strict=True):
         for node in range(len(draft)):
             kids = draft.children(node)
-            if len(kids) < top_k:  # a leaf, or a node some of whose children were not kept
+            if len(kids) < branching:  # a leaf, or a node some of whose children were not kept
                 continue
-            top = sequential_children(verifier, drafter, sequence, draft, node).topk(top_k).indices
+            top = sequential_children(verifier, drafter, sequence, draft, node).topk(branching).indices
             assert sorted(draft.tokens[k] for k in kids) == sorted(drafter.draft_ids[top].tolist())
             checked += 1
     return checked
@@ -226,7 +226,7 @@ def test_broken_tree_mask_is_caught(eagle3_verifiers, monkeypatch):
         check_tree_children(verifier, drafter, spy, 2)
 
 
-def test_top_k_one_gives_chains_and_sizes_are_capped(eagle3_verifiers, monkeypatch):
+def test_branching_one_gives_chains_and_sizes_are_capped(eagle3_verifiers, monkeypatch):
     verifier = eagle3_verifiers["llama"]
     spy = Spy(monkeypatch)
     Eagle3Decoder(verifier, drafter_for(verifier), 4, 1, 32).generate(torch.tensor([PROMPTS[0]]), 15)
@@ -263,8 +263,11 @@ def test_refuses_a_drafter_made_for_another_verifier(eagle3_verifiers):
     deep = Eagle3Drafter.from_verifier(build(tiny_config("llama", 32, layers=8), 1))
     with pytest.raises(ValueError, match="reads layers"):
         Eagle3Decoder(llama, deep)
-    with pytest.raises(ValueError, match="top_k"):
-        Eagle3Decoder(llama, drafter, top_k=0)
+    with pytest.raises(ValueError, match="branching"):
+        Eagle3Decoder(llama, drafter, branching=0)
+    # the old keyword (EAGLE's top_k; top_k is the sampling cut-off only) names the new one
+    with pytest.raises(TypeError, match="'top_k', renamed .*: use branching="):
+        Eagle3Decoder(llama, drafter, top_k=4)  # type: ignore[call-arg]
 
 
 # ----------------------------------------------------------------------------- the law at T > 0

@@ -39,8 +39,9 @@ def counted(monkeypatch: pytest.MonkeyPatch, names: tuple[str, ...] = SYNCS) -> 
 
 
 def test_an_eagle2_tree_reads_the_device_once_per_level(eagle3_verifiers, monkeypatch):
-    """depth 5, top-k 8: the old per-row, per-child ``int``/``float`` made about 2 x 8 x 8 reads a level."""
-    depth, top_k = 5, 8
+    """depth 5, branching 8: the old per-row, per-child ``int``/``float`` made about 2 x 8 x 8 reads a
+    level."""
+    depth, branching = 5, 8
     per_draft: list[int] = []
     grow = Eagle3Proposer._grow
 
@@ -52,7 +53,9 @@ def test_an_eagle2_tree_reads_the_device_once_per_level(eagle3_verifiers, monkey
 
     monkeypatch.setattr(Eagle3Proposer, "_grow", counting_grow)
     verifier = eagle3_verifiers["llama"]
-    Eagle3Decoder(verifier, drafter_for(verifier), depth, top_k, 32).generate(torch.tensor([PROMPTS[0]]), 12)
+    Eagle3Decoder(verifier, drafter_for(verifier), depth, branching, 32).generate(
+        torch.tensor([PROMPTS[0]]), 12
+    )
     assert per_draft
     # the root's top-k (2), each deeper level's children (2 a level), the kept nodes' target ids (1)
     assert max(per_draft) <= 2 + 2 * (depth - 1) + 1, per_draft

@@ -72,7 +72,7 @@ def _answer(prompt: list[int], answer: list[int]) -> Answer:
 def _generated(verifier: torch.nn.Module, n: int = 4, seed: int = 0) -> list[Answer]:
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, 256, (6,), generator=gen).tolist() for _ in range(n)]
-    return generate_answers(verifier, prompts, [EOS], max_new_tokens=10, batch_size=n, top_k=2)
+    return generate_answers(verifier, prompts, [EOS], max_new_tokens=10, batch_size=n, top_logprobs=2)
 
 
 def _build(

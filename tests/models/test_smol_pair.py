@@ -36,10 +36,10 @@ def test_answer_length() -> None:
     assert answer_length(torch.tensor([4, 5]), [2]) == 2
 
 
-def test_answers_are_the_verifiers_greedy_continuations_with_their_top_k(tmp_path: Path) -> None:
+def test_answers_are_the_verifiers_greedy_continuations_with_their_top_logprobs(tmp_path: Path) -> None:
     model = _llama()
     prompts = [[1, 5, 9, 11], [1, 7], [1, 3, 3]]
-    answers = generate_answers(model, prompts, eos_ids=[2], max_new_tokens=6, batch_size=2, top_k=4)
+    answers = generate_answers(model, prompts, eos_ids=[2], max_new_tokens=6, batch_size=2, top_logprobs=4)
     # (id 2 is an ordinary token of this model; as the eos given here it ends an answer)
     assert [a.prompt for a in answers] == prompts  # the prompts' order, whatever the batching
     for a in answers:
@@ -67,7 +67,13 @@ def test_answers_keep_the_top_k_of_the_raw_logits_without_holding_them(monkeypat
     monkeypatch.setattr(model, "generate", spy)
     for temperature in (0.0, 1.0):
         answers = generate_answers(
-            model, prompts, eos_ids=[2], max_new_tokens=5, batch_size=2, top_k=3, temperature=temperature
+            model,
+            prompts,
+            eos_ids=[2],
+            max_new_tokens=5,
+            batch_size=2,
+            top_logprobs=3,
+            temperature=temperature,
         )
         assert not seen[-1].get("output_logits") and not seen[-1].get("return_dict_in_generate")
         for a in answers:
@@ -117,7 +123,7 @@ def test_the_cache_is_reused_only_for_the_same_recipe(tmp_path: Path, monkeypatc
     other = replace(cfg, drafter=replace(cfg.drafter, num_layers=3))
     assert "another recipe" in str(stale_reason(other))
     assert "another recipe" in str(stale_reason(replace(cfg, seed=1)))
-    assert stale_reason(replace(cfg, train_prompts=10, top_k=4, sampled_answers=0)) is None
+    assert stale_reason(replace(cfg, train_prompts=10, top_logprobs=4, sampled_answers=0)) is None
 
 
 def test_pretraining_over_a_draft_vocabulary_counts_only_the_targets_inside_it() -> None:

@@ -92,7 +92,7 @@ def test_the_evaluators_counterpart_is_vllms_chain_and_builds(run_dir: Path, fol
     elif folder == "heads_vllm":
         assert decoder["tree"] == [[0] * (i + 1) for i in range(k)]  # one branch: each head's top token
     else:
-        assert (decoder["depth"], decoder["top_k"], decoder["total_tokens"]) == (k, 1, k)
+        assert (decoder["depth"], decoder["branching"], decoder["total_tokens"]) == (k, 1, k)
 
 
 def test_vllms_counters_give_acceptance_per_position_and_block_efficiency() -> None:

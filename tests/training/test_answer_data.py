@@ -4,6 +4,7 @@ answers folder, the eos ids, and the data module's batch-size check and loaders.
 
 from __future__ import annotations
 
+import json
 import re
 from types import SimpleNamespace
 
@@ -315,7 +316,7 @@ def test_pair_answers_are_generated_when_first_needed_and_only_the_new_prompts_l
         val_prompts=2,
         answer_tokens=3,
         answer_batch=8,
-        top_k=2,
+        top_logprobs=2,
         prompt_len=16,
         seed=0,
     )
@@ -329,7 +330,16 @@ def test_pair_answers_are_generated_when_first_needed_and_only_the_new_prompts_l
     assert generated == [2, 4, 3] and [a.prompt for a in more["train"]] == prompts["train"][:7]
     fewer = answer_data.pair_answers(model, verifier, None, train_prompts=4)["train"]
     assert [a.answer for a in fewer] == [a.answer for a in more["train"][:4]] and generated == [2, 4, 3]
-    build_cfg.top_k = 3  # another recipe: every answer again
+    # a cache written before issue 53 names top_logprobs top_k: the same recipe, rewritten under the new name
+    meta_path = tmp_path / "answers" / "answers.json"
+    meta = json.loads(meta_path.read_text())
+    meta["recipe"] = {("top_k" if k == "top_logprobs" else k): v for k, v in meta["recipe"].items()}
+    meta_path.write_text(json.dumps(meta))
+    answer_data.pair_answers(model, verifier, None, train_prompts=4)
+    assert generated == [2, 4, 3]
+    assert json.loads(meta_path.read_text())["recipe"]["top_logprobs"] == 2
+    assert "top_k" not in json.loads(meta_path.read_text())["recipe"]
+    build_cfg.top_logprobs = 3  # another recipe: every answer again
     answer_data.pair_answers(model, verifier, None)
     assert generated == [2, 4, 3, 2, 4]
     assert answer_data.pair_answers(SimpleNamespace(smollm2=None), verifier, None) is None
@@ -394,10 +404,19 @@ def test_sampled_answers_are_cached_per_recipe(sampling_verifier, tmp_path, monk
     sampled_answers(sampling_verifier, [0], prompts[:2], 2, 0.5, 6, 4, 0, tmp_path)
     assert calls == [6, 6, 4, 4]
     # more top tokens than cached: regenerated; fewer (EAGLE-3 reading the real pair's top-16 answers): read
-    wide = sampled_answers(sampling_verifier, [0], prompts[:2], 2, 0.5, 6, 4, 0, tmp_path, top_k=3)
+    wide = sampled_answers(sampling_verifier, [0], prompts[:2], 2, 0.5, 6, 4, 0, tmp_path, top_logprobs=3)
     assert calls == [6, 6, 4, 4, 4] and all(a.top_ids.shape[1] == 3 for a in wide)
-    narrow = sampled_answers(sampling_verifier, [0], prompts[:2], 2, 0.5, 6, 4, 0, tmp_path, top_k=1)
+    narrow = sampled_answers(sampling_verifier, [0], prompts[:2], 2, 0.5, 6, 4, 0, tmp_path, top_logprobs=1)
     assert calls == [6, 6, 4, 4, 4] and [a.answer for a in narrow] == [a.answer for a in wide]
+    # a manifest written before issue 53 (top_logprobs named top_k) serves the same recipe
+    manifest = tmp_path / "sampled.json"
+    meta = json.loads(manifest.read_text())
+    meta["recipe"]["top_k"] = meta["recipe"].pop("top_logprobs")
+    manifest.write_text(json.dumps(meta))
+    old = sampled_answers(sampling_verifier, [0], prompts[:2], 2, 0.5, 6, 4, 0, tmp_path, top_logprobs=3)
+    assert calls == [6, 6, 4, 4, 4] and [a.answer for a in old] == [a.answer for a in wide]
+    with pytest.raises(TypeError, match="use top_logprobs="):
+        sampled_answers(sampling_verifier, [0], prompts[:2], 2, 0.5, 6, 4, 0, tmp_path, top_k=3)  # type: ignore[call-arg]
 
 
 def test_eagle3_config_checks_the_sampled_answers_keys():

@@ -65,7 +65,7 @@ def build_decoders(verifier: torch.nn.Module, drafter: torch.nn.Module, cfg: Eva
         if drafter_kind(drafter) not in _config_kinds(settings):
             continue
         try:
-            factory = instantiate(renamed_targets({**settings, "_partial_": True}))
+            factory = instantiate(renamed_targets({**settings, "_partial_": True}, f"eval.decoders[{label}]"))
             place_loaded_modules(factory.keywords.values(), drafter)
             out[label] = factory(verifier, over_draft_vocab(drafter))
         except (TypeError, ValueError) as err:

@@ -23,7 +23,7 @@ from typing import Any
 from hydra.utils import get_object
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from train.config import ConfigError, require
+from train.config import ConfigError, renamed_targets, require
 from train.decoding import SamplingParams
 from train.decoding.sampling import LENIENCES
 
@@ -97,17 +97,19 @@ def _label_of(entry: Mapping[str, Any]) -> str:
 
 
 def _normalise_decoder(entry: Any, index: int) -> dict[str, Any]:
-    """A decoder entry (a name or an inline mapping) as a dict with ``name``, ``_target_``, settings."""
+    """A decoder entry (a name or an inline mapping) as a dict with ``name``, ``_target_``, settings; old
+    target names and settings (``top_k`` of EAGLE-3's tree, now ``branching``) renamed, each with a
+    deprecation line (:func:`~train.config.renamed_targets`)."""
     entry = _plain(entry)
     if isinstance(entry, str):
-        return load_decoder_config(entry)
+        return renamed_targets(load_decoder_config(entry), f"eval.decoders[{entry}]")
     key = f"eval.decoders[{index}]"
     require(isinstance(entry, Mapping), key, "a decoder config name or a mapping with a _target_", entry)
     out = dict(entry)
     require(isinstance(out.get("_target_"), str) and bool(out["_target_"]), f"{key}._target_", "set", out)
     require(out.get("_partial_", True) is True, f"{key}._partial_", "true (absent means true)", out)
     out["name"] = _label_of(out)
-    return out
+    return renamed_targets(out, f"eval.decoders[{out['name']}]")
 
 
 def _check_decoder(label: str, entry: Mapping[str, Any]) -> None:

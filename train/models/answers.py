@@ -3,10 +3,10 @@
 A drafter is judged by how often it guesses what the verifier will say, so the data that teaches it
 most is the verifier's own output on in-domain prompts. :func:`generate_answers` produces it in
 batches (prompts sorted by length so little padding is computed) and keeps, for each answer token,
-the verifier's ``top_k`` log-probabilities: enough to distil the distribution (the greedy token is
-its first entry) at ``top_k / vocabulary`` of the memory of full logits. The top-k is taken as each
-step's logits are produced (:class:`TopKRecorder`), so no step's full-vocabulary logits outlive it: a
-batch of 32 answers of 128 tokens over 49,152 ids would otherwise hold 0.8 GB of float32 logits.
+the verifier's ``top_logprobs`` largest log-probabilities: enough to distil the distribution (the greedy
+token is its first entry) at ``top_logprobs / vocabulary`` of the memory of full logits. They are taken
+as each step's logits are produced (:class:`TopKRecorder`), so no step's full-vocabulary logits outlive
+it: a batch of 32 answers of 128 tokens over 49,152 ids would otherwise hold 0.8 GB of float32 logits.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
+from train.config import renamed_keywords
 from train.data.lm import collate_left_pad
 
 
@@ -69,6 +70,7 @@ def answer_length(tokens: torch.Tensor, eos_ids: Sequence[int]) -> int:
 
 
 # more than 8 parameters: a generation request as transformers' generate takes it
+@renamed_keywords(top_k="top_logprobs")
 @torch.inference_mode()
 def generate_answers(
     verifier: Any,
@@ -76,7 +78,7 @@ def generate_answers(
     eos_ids: Sequence[int],
     max_new_tokens: int,
     batch_size: int = 16,
-    top_k: int = 16,
+    top_logprobs: int = 16,
     temperature: float = 0.0,
     seed: int = 0,
     on_batch: Callable[[int], None] | None = None,
@@ -94,7 +96,7 @@ def generate_answers(
         sampling: dict[str, Any] = {"do_sample": False}
         if temperature > 0:
             sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
-        recorder = TopKRecorder(top_k)
+        recorder = TopKRecorder(top_logprobs)
         sequences = verifier.generate(
             input_ids=ids.to(device),
             attention_mask=mask.to(device),
@@ -105,14 +107,14 @@ def generate_answers(
             **sampling,
         )
         generated = sequences[:, ids.shape[1] :].cpu()
-        top_logprobs, top_ids = recorder.stacked()
+        kept_logprobs, kept_ids = recorder.stacked()
         for row, index in enumerate(chunk):
             n = answer_length(generated[row], eos_ids)
             answers[index] = Answer(
                 prompt=list(prompts[index]),
                 answer=generated[row, :n].tolist(),
-                top_ids=top_ids[row, :n].to(torch.int32).clone(),
-                top_logprobs=top_logprobs[row, :n].to(torch.float16).clone(),
+                top_ids=kept_ids[row, :n].to(torch.int32).clone(),
+                top_logprobs=kept_logprobs[row, :n].to(torch.float16).clone(),
             )
         if on_batch is not None:
             on_batch(len(chunk))

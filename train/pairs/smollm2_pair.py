@@ -43,7 +43,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from train.config import require, require_decoder_shape
+from train.config import renamed_keywords, require, require_decoder_shape
 from train.data.chat import chat_set_fingerprint
 from train.data.generic_text import generic_text, generic_text_fingerprint
 from train.data.lm import pack_sequences
@@ -89,6 +89,7 @@ class SmolDrafterRecipe:
         require(self.seq_len >= 8, "model.smollm2.drafter.seq_len", ">= 8", self.seq_len)
 
 
+@renamed_keywords(top_k="top_logprobs")
 @dataclass
 class SmolPairConfig:
     """The pair's recipe (``drafter``, ``seed``: a change rebuilds the drafter) and the recipe of the
@@ -103,7 +104,9 @@ class SmolPairConfig:
     answer_batch: int = 32
     #: Which engine generates the answers: auto | vllm | transformers (train/models/answers_vllm.py).
     answer_engine: str = "auto"
-    top_k: int = 16
+    #: The verifier's log-probabilities kept per answer token, its most likely first (``top_k`` before
+    #: issue 53: still read, with a deprecation line).
+    top_logprobs: int = 16
     prompt_len: int = 256
     #: Answers per training prompt sampled from the verifier at T = 1, beside its greedy one (0: none).
     sampled_answers: int = 1
@@ -121,7 +124,7 @@ class SmolPairConfig:
         require(self.train_prompts >= 1, "model.smollm2.train_prompts", ">= 1", self.train_prompts)
         require(self.val_prompts >= 1, "model.smollm2.val_prompts", ">= 1", self.val_prompts)
         require(self.answer_tokens >= 1, "model.smollm2.answer_tokens", ">= 1", self.answer_tokens)
-        require(self.top_k >= 1, "model.smollm2.top_k", ">= 1", self.top_k)
+        require(self.top_logprobs >= 1, "model.smollm2.top_logprobs", ">= 1", self.top_logprobs)
         require(self.sampled_answers >= 0, "model.smollm2.sampled_answers", ">= 0", self.sampled_answers)
 
     def recipe_hash(self) -> str:

@@ -85,7 +85,7 @@ class ServedExport:
             "name": f"eagle3_chain{k}",
             "_target_": "train.decoding.Eagle3Decoder",
             "depth": k,
-            "top_k": 1,
+            "branching": 1,
             "total_tokens": k,
         }
 

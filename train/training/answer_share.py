@@ -46,7 +46,13 @@ __all__ = [
     "prompts_digest",
     "recipe_cache",
     "recipe_digest",
+    "stored_recipe",
 ]
+
+#: Recipe fields renamed since caches were written (issue 53), old -> new: the log-probabilities kept per
+#: answer token were ``top_k``. A manifest (``answers.json``, ``sampled.json``) is read under the new names,
+#: so an answers folder generated before the rename still serves the same recipe.
+RENAMED_RECIPE_KEYS = {"top_k": "top_logprobs"}
 
 T = TypeVar("T")
 
@@ -85,6 +91,16 @@ def prompts_digest(prompts: Sequence[Sequence[int]]) -> str:
     return hashlib.sha256(json.dumps([list(map(int, p)) for p in prompts]).encode()).hexdigest()[:16]
 
 
+def stored_recipe(recipe: Any) -> Any:
+    """A recipe read from a cache's manifest, its old field names (:data:`RENAMED_RECIPE_KEYS`) read as the
+    new ones (a field already under its new name wins); anything but a mapping as it is."""
+    if not isinstance(recipe, dict):
+        return recipe
+    renamed = {k: v for k, v in recipe.items() if k not in RENAMED_RECIPE_KEYS}
+    old = {RENAMED_RECIPE_KEYS[k]: v for k, v in recipe.items() if k in RENAMED_RECIPE_KEYS}
+    return {**old, **renamed}
+
+
 def recipe_digest(recipe: dict[str, Any]) -> str:
     """A short digest of a recipe (plain values): a cache folder's name."""
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
@@ -105,7 +121,7 @@ def recipe_cache(
             meta = json.loads(meta_path.read_text())
         except (OSError, ValueError):  # being rewritten by another process
             return None
-        return load_answers(str(data_path)) if serves(meta.get("recipe"), recipe) else None
+        return load_answers(str(data_path)) if serves(stored_recipe(meta.get("recipe")), recipe) else None
 
     def save(answers: list[Answer]) -> None:
         folder.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from rich.progress import Progress
 
+from train.config import renamed_keywords
 from train.data.lm import make_prompts
 from train.data.sources import load_text_dataset
 from train.models.answers import Answer
@@ -127,7 +128,7 @@ def greedy_answers(
 
     def generate(share: list[list[int]], rank: int) -> list[Answer]:
         return answered_on(
-            device, verifier, label, engine, share, eos, answer_tokens, batch_size=batch_size, top_k=1
+            device, verifier, label, engine, share, eos, answer_tokens, batch_size=batch_size, top_logprobs=1
         )
 
     if cache_dir is None:
@@ -195,6 +196,7 @@ def run_answers(
 
 
 # more than 8 parameters: the answers' recipe, every part of it in the cache key
+@renamed_keywords(top_k="top_logprobs")
 def sampled_answers(
     verifier: Any,
     eos: Sequence[int],
@@ -205,17 +207,17 @@ def sampled_answers(
     batch_size: int,
     seed: int,
     folder: str | os.PathLike[str] | None = None,
-    top_k: int = 1,
+    top_logprobs: int = 1,
     engine: str = "transformers",
     device: torch.device | None = None,
 ) -> list[Answer]:
     """``per_prompt`` answers to each prompt sampled from the verifier at ``temperature`` (full
-    distribution, ``answer_tokens`` at most), with its ``top_k`` most likely tokens at each answer token,
-    generated once: with a ``folder`` they are cached there (``answers.pt``, and ``sampled.json`` whose
-    recipe names the prompts by hash) and reused while the recipe holds (a cache keeping more than
-    ``top_k`` serves too: the real pair's build keeps 16 for its drafter, EAGLE-3 reads the same answers);
-    a new recipe regenerates them. They are generated on ``device`` (default: the verifier's), split across
-    the ranks of a run launched together (each rank samples its share with its own seed;
+    distribution, ``answer_tokens`` at most), with its ``top_logprobs`` most likely tokens at each answer
+    token, generated once: with a ``folder`` they are cached there (``answers.pt``, and ``sampled.json``
+    whose recipe names the prompts by hash) and reused while the recipe holds (a cache keeping more than
+    ``top_logprobs`` serves too: the real pair's build keeps 16 for its drafter, EAGLE-3 reads the same
+    answers); a new recipe regenerates them. They are generated on ``device`` (default: the verifier's),
+    split across the ranks of a run launched together (each rank samples its share with its own seed;
     :func:`~train.training.answer_share.generate_once`). [] for ``per_prompt`` 0."""
     if per_prompt <= 0 or not prompts:
         return []
@@ -226,14 +228,19 @@ def sampled_answers(
         "answer_tokens": answer_tokens,
         "seed": seed,
         "verifier": str(getattr(verifier.config, "_name_or_path", "")),
-        "top_k": top_k,
+        "top_logprobs": top_logprobs,
     }
     rows = [list(p) for p in prompts for _ in range(per_prompt)]
 
     def generate(share: list[list[int]], rank: int) -> list[Answer]:
         start = time.perf_counter()
         label = f"sampled answers (T = {temperature:g})"
-        kwargs = {"batch_size": batch_size, "top_k": top_k, "temperature": temperature, "seed": seed + rank}
+        kwargs = {
+            "batch_size": batch_size,
+            "top_logprobs": top_logprobs,
+            "temperature": temperature,
+            "seed": seed + rank,
+        }
         out = answered_on(device, verifier, label, engine, share, eos, answer_tokens, **kwargs)
         tokens = sum(len(a.answer) for a in out)
         log.info("sampled answers: %d (%d tokens) in %.0f s", len(out), tokens, time.perf_counter() - start)
@@ -247,10 +254,13 @@ def sampled_answers(
 
 def _serves(cached: Any, wanted: dict[str, Any]) -> bool:
     """Whether sampled answers cached under recipe ``cached`` serve ``wanted``: the same recipe, keeping
-    at least as many top tokens (a recipe from before ``top_k`` was recorded kept 1)."""
+    at least as many top tokens (a recipe from before ``top_logprobs`` was recorded kept 1; one written
+    before issue 53 names it ``top_k``, read as ``top_logprobs`` by
+    :func:`~train.training.answer_share.stored_recipe`)."""
     if not isinstance(cached, dict):
         return False
-    rest = {k: v for k, v in cached.items() if k != "top_k"}
-    return rest == {k: v for k, v in wanted.items() if k != "top_k"} and int(cached.get("top_k", 1)) >= int(
-        wanted["top_k"]
+    rest = {k: v for k, v in cached.items() if k != "top_logprobs"}
+    kept = int(cached.get("top_logprobs", 1))
+    return rest == {k: v for k, v in wanted.items() if k != "top_logprobs"} and kept >= int(
+        wanted["top_logprobs"]
     )

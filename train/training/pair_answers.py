@@ -22,6 +22,7 @@ from train.data.sources import DataSourceConfig, load_text_dataset
 from train.models.answers import Answer, load_answers, save_answers
 from train.models.answers_vllm import answer_prompts
 from train.models.loading import eos_token_ids
+from train.training.answer_share import stored_recipe
 
 log = logging.getLogger(__name__)
 
@@ -43,25 +44,26 @@ def pair_answers(
     device: torch.device | None = None,
 ) -> dict[str, list[Answer]] | None:
     """The real pair's greedy answers to its chat prompts (``model.smollm2``: ``train_prompts`` (or the
-    ``train_prompts`` given) / ``val_prompts``, ``answer_tokens`` at most, the ``top_k`` log-probabilities
-    of every answer token), generated when a run first needs them and cached in
+    ``train_prompts`` given) / ``val_prompts``, ``answer_tokens`` at most, the ``top_logprobs`` largest
+    log-probabilities of every answer token), generated when a run first needs them and cached in
     :func:`pair_answers_folder` by prompt: a later run that asks for more prompts generates only the new
     ones. The recipe (``answers.json``, written last, so a cut-off write is regenerated) names what every
-    cached answer was made with; another recipe starts the cache afresh. ``<folder>.lock`` is held
+    cached answer was made with; another recipe starts the cache afresh (a recipe written before issue 53
+    names ``top_logprobs`` ``top_k``: read under the new name, and rewritten so). ``<folder>.lock`` is held
     meanwhile, so runs or ranks started together generate them once; the answers are generated on
     ``device`` (default: the verifier's). None for a pair that is not the real one."""
     build = getattr(model, "smollm2", None)
     if build is None:
         return None
     folder = Path(build.out_dir) / "answers"
-    keys = ("answer_tokens", "top_k", "prompt_len", "seed")
+    keys = ("answer_tokens", "top_logprobs", "prompt_len", "seed")
     recipe = {**{k: getattr(build, k) for k in keys}, "chat_set": chat_set_fingerprint()}
     counts = {"validation": build.val_prompts, "train": train_prompts or build.train_prompts}
     folder.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(f"{os.path.normpath(folder)}.lock"):
         meta_path = folder / "answers.json"
         meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
-        fresh = meta.get("recipe") != recipe
+        fresh = stored_recipe(meta.get("recipe")) != recipe
         folder.mkdir(parents=True, exist_ok=True)
         eos = eos_token_ids(tokenizer, verifier)
         if not eos:
@@ -107,7 +109,7 @@ def answers_for(
                 eos,
                 build.answer_tokens,
                 batch_size=build.answer_batch,
-                top_k=build.top_k,
+                top_logprobs=build.top_logprobs,
                 on_batch=lambda n: bar.advance(task, n),
                 device=device,
             )

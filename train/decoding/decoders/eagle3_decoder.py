@@ -15,6 +15,7 @@ from typing import ClassVar
 
 import torch
 
+from train.config import renamed_keywords
 from train.decoding.decoders.base import DraftTreeDecoder, check_feature_drafter
 from train.decoding.model_call import TimedModel
 from train.decoding.proposers.eagle3_proposer import Eagle3Proposer, Eagle3Tree
@@ -24,10 +25,12 @@ from train.models.eagle3_drafter import Eagle3Drafter
 __all__ = ["Eagle3Decoder", "check_eagle3"]
 
 
+@renamed_keywords(top_k="branching")
 class Eagle3Decoder(DraftTreeDecoder):
     """Speculative decoding with an :class:`~train.models.eagle3_drafter.Eagle3Drafter`: trees of at most
-    ``total_tokens`` nodes and ``depth`` levels, each expanded level its ``top_k`` best nodes, each node
-    its ``top_k`` best children (``top_k=1``: a chain of ``depth`` tokens). ``sampled_chain``: at T > 0,
+    ``total_tokens`` nodes and ``depth`` levels, each expanded level its ``branching`` best nodes, each node
+    its ``branching`` best children (``branching=1``: a chain of ``depth`` tokens; EAGLE's ``top_k``, a name
+    this project keeps for the sampling cut-off). ``sampled_chain``: at T > 0,
     a chain of ``depth`` tokens sampled from the drafter instead of the tree, its logits divided by
     ``draft_temperature`` first; ``sampled_tree`` (children per depth, e.g. ``[2, 1, 1, 1]``): at T > 0,
     a tree whose siblings are sampled from it without replacement (RSD-C), verified by the recursive
@@ -44,7 +47,7 @@ class Eagle3Decoder(DraftTreeDecoder):
         verifier: torch.nn.Module,
         drafter: Eagle3Drafter,
         depth: int = 5,
-        top_k: int = 8,
+        branching: int = 8,
         total_tokens: int = 32,
         sampled_chain: bool = False,
         draft_temperature: float = 1.0,
@@ -60,7 +63,7 @@ class Eagle3Decoder(DraftTreeDecoder):
         tree = Eagle3Tree.of(
             sampled_tree,
             depth=depth,
-            top_k=top_k,
+            branching=branching,
             total_tokens=total_tokens,
             sampled_chain=sampled_chain,
             draft_temperature=draft_temperature,

@@ -8,14 +8,14 @@ cache always holds one entry per committed position but the last one: before dra
 newly committed positions are fed (the catch-up forward), and the output at the last of them is the root
 of the tree.
 
-The tree (EAGLE-2, Li et al. 2024): the root's top ``top_k`` draft tokens are the first level; a node's
-score is its path's cumulative log-probability under the drafter; at every further level the ``top_k``
-best nodes of the level are expanded in one batched drafter forward (each node's token at its parent's
-position + 1, its feature the parent's ``hidden`` output, a tree attention mask over the cache and the
-node's ancestors), their ``top_k`` children each forming the next level. Finally the ``total_tokens``
-best nodes overall (ties: the older node) form the draft; a child never scores above its parent, so a
-kept node's ancestors are kept. Tree nodes never stay in the drafter's cache: it is cropped back to the
-committed positions after every draft.
+The tree (EAGLE-2, Li et al. 2024): the root's ``branching`` best draft tokens are the first level; a
+node's score is its path's cumulative log-probability under the drafter; at every further level the
+``branching`` best nodes of the level are expanded in one batched drafter forward (each node's token at its
+parent's position + 1, its feature the parent's ``hidden`` output, a tree attention mask over the cache and
+the node's ancestors), their ``branching`` best children each forming the next level (EAGLE-2's code calls
+this width ``top_k``). Finally the ``total_tokens`` best nodes overall (ties: the older node) form the
+draft; a child never scores above its parent, so a kept node's ancestors are kept. Tree nodes never stay
+in the drafter's cache: it is cropped back to the committed positions after every draft.
 
 ``depth`` is the tree's maximum depth (the most draft tokens one block can accept; ``depth - 1``
 batched forwards after the catch-up). The authors' code counts its ``depth`` in forwards, one less
@@ -48,6 +48,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from train.config import renamed_keywords
 from train.decoding.cache import buffered_cache, cache_length, crop_cache
 from train.decoding.draft import Draft
 from train.decoding.metrics import DecodeStats
@@ -83,32 +84,33 @@ def node_mask(cached: int, width: int, seen: Sequence[Sequence[int]], device: to
     return mask.to(device)  # built on the host, one copy: not a device write per row
 
 
+@renamed_keywords(top_k="branching")
 @dataclass(frozen=True)
 class Eagle3Tree:
     """The shape of an EAGLE-3 draft, shared by :class:`Eagle3Proposer` and the decoder that holds it
     (validated here): trees of at most ``total_tokens`` nodes and ``depth`` levels, each expanded level
-    its ``top_k`` best nodes, each node its ``top_k`` best children (``top_k=1``: a chain);
+    its ``branching`` best nodes, each node its ``branching`` best children (``branching=1``: a chain);
     ``sampled_chain``: at T > 0 a chain of ``depth`` tokens sampled from the drafter's logits divided by
     ``draft_temperature``; ``sampled_tree``: children per depth of a tree sampled at T > 0 without
     replacement (empty: not sampled)."""
 
     depth: int = 5
-    top_k: int = 8
+    branching: int = 8
     total_tokens: int = 32
     sampled_chain: bool = False
     draft_temperature: float = 1.0
     sampled_tree: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("depth", "top_k", "total_tokens"):
+        for name in ("depth", "branching", "total_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        branching = self.sampled_tree
-        if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in branching):
-            raise ValueError(f"sampled_tree must be a non-empty list of integers >= 1, got {branching!r}")
-        object.__setattr__(self, "sampled_tree", tuple(branching))
-        if branching and self.sampled_chain:
+        sampled = self.sampled_tree
+        if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sampled):
+            raise ValueError(f"sampled_tree must be a non-empty list of integers >= 1, got {sampled!r}")
+        object.__setattr__(self, "sampled_tree", tuple(sampled))
+        if sampled and self.sampled_chain:
             raise ValueError(
                 "sampled_chain and sampled_tree exclude each other (a chain is sampled_tree [1, 1, ...])"
             )
@@ -338,7 +340,7 @@ class Eagle3Proposer:
 
         Node lists grow level by level (parents before children); the drafter's cache gains one entry
         per expanded node, at slots ``self._fed + j`` in the order they were expanded."""
-        k = min(self.tree.top_k, root_logits.shape[-1])
+        k = min(self.tree.branching, root_logits.shape[-1])
         logp = root_logits.float().log_softmax(-1).clamp(max=0.0)
         top = logp.topk(k)
         ids: list[int] = top.indices.tolist()  # draft-vocabulary indices
@@ -350,7 +352,7 @@ class Eagle3Proposer:
         ancestors: dict[int, list[int]] = {i: [] for i in level}
         base = self._fed
         for d in range(1, depth):
-            frontier = sorted(level, key=lambda i: (-scores[i], i))[: self.tree.top_k]
+            frontier = sorted(level, key=lambda i: (-scores[i], i))[: self.tree.branching]
             for i in frontier:
                 slot[i] = len(slot)
             seen = [[slot[a] for a in (*ancestors[i], i)] for i in frontier]
