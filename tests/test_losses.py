@@ -258,11 +258,26 @@ def test_shared_zeros_give_finite_gradients(name):
     assert (xs.grad[:, :3] == 0).all()
 
 
-def test_teacher_receives_no_gradient():
+def test_verifier_receives_no_gradient():
     s = _logits(2, 5, seed=25).requires_grad_(True)
     t = _logits(2, 5, seed=26).requires_grad_(True)
     forward_kl(s, t).backward()
     assert s.grad is not None and t.grad is None
+
+
+def test_the_arguments_are_drafter_and_verifier_and_the_old_keywords_name_them():
+    """Issue 53: the divergences' arguments are ``drafter_logits`` / ``verifier_logits`` (GKD's student and
+    teacher); a call with an old keyword raises a TypeError naming the new one."""
+    s, t = _logits(2, 5, seed=29), _logits(2, 5, seed=30)
+    by_keyword = divergence("fkl", drafter_logits=s, verifier_logits=t)
+    assert float(by_keyword) == pytest.approx(float(divergence("fkl", s, t)))
+    assert float(acceptance_from_logits(drafter_logits=s, verifier_logits=t)) == pytest.approx(
+        float(acceptance_from_logits(s, t))
+    )
+    with pytest.raises(TypeError, match="'student_logits', renamed .*: use drafter_logits="):
+        divergence("fkl", student_logits=s, verifier_logits=t)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="'teacher_logits', renamed .*: use verifier_logits="):
+        acceptance_from_logits(s, teacher_logits=t)  # type: ignore[call-arg]
 
 
 # ---- chunking ----------------------------------------------------------------------------------------------

@@ -14,23 +14,23 @@ from torch import Tensor
 __all__ = ["Chunk", "check_shapes", "chunks", "compute_dtype", "selection"]
 
 
-def check_shapes(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor | None) -> None:
+def check_shapes(drafter_logits: Tensor, verifier_logits: Tensor, mask: Tensor | None) -> None:
     """ValueError unless the logits share their leading shape, have a vocabulary, and ``mask`` matches."""
-    student, teacher = tuple(student_logits.shape), tuple(teacher_logits.shape)
-    if len(student) < 2 or len(teacher) < 2:
+    q_shape, p_shape = tuple(drafter_logits.shape), tuple(verifier_logits.shape)
+    if len(q_shape) < 2 or len(p_shape) < 2:
         raise ValueError(
-            f"logits must have shape (B, T, V) or (N, V); got student {student}, teacher {teacher}"
+            f"logits must have shape (B, T, V) or (N, V); got drafter {q_shape}, verifier {p_shape}"
         )
-    if student[:-1] != teacher[:-1]:
+    if q_shape[:-1] != p_shape[:-1]:
         raise ValueError(
-            "student and teacher logits disagree on the leading (position) shape: "
-            f"{student[:-1]} vs {teacher[:-1]}"
+            "drafter and verifier logits disagree on the leading (position) shape: "
+            f"{q_shape[:-1]} vs {p_shape[:-1]}"
         )
-    if student[-1] < 1 or teacher[-1] < 1:
+    if q_shape[-1] < 1 or p_shape[-1] < 1:
         raise ValueError("vocabulary size must be at least 1")
-    if mask is not None and tuple(mask.shape) != student[:-1]:
+    if mask is not None and tuple(mask.shape) != q_shape[:-1]:
         raise ValueError(
-            f"mask shape {tuple(mask.shape)} must equal the logits' leading shape {student[:-1]}"
+            f"mask shape {tuple(mask.shape)} must equal the logits' leading shape {q_shape[:-1]}"
         )
 
 
@@ -51,16 +51,16 @@ def _viewable(x: Tensor) -> bool:
 
 
 def selection(
-    student_logits: Tensor, teacher_logits: Tensor, mask: Tensor | None
+    drafter_logits: Tensor, verifier_logits: Tensor, mask: Tensor | None
 ) -> tuple[Tensor | None, int]:
     """The selected positions as ``(n, ndim - 1)`` coordinates (None: every position, both tensors
     viewable flat) and their count n."""
-    lead = student_logits.shape[:-1]
+    lead = drafter_logits.shape[:-1]
     if mask is None:
-        if _viewable(student_logits) and _viewable(teacher_logits):
+        if _viewable(drafter_logits) and _viewable(verifier_logits):
             return None, math.prod(lead)
-        mask = torch.ones(lead, dtype=torch.bool, device=student_logits.device)
-    coords = mask.to(device=student_logits.device).nonzero()
+        mask = torch.ones(lead, dtype=torch.bool, device=drafter_logits.device)
+    coords = mask.to(device=drafter_logits.device).nonzero()
     return coords, int(coords.shape[0])
 
 
@@ -95,21 +95,21 @@ class Chunk:
 
 
 def chunks(
-    student: Tensor,
-    teacher: Tensor,
+    drafter_logits: Tensor,
+    verifier_logits: Tensor,
     coords: Tensor | None,
     n: int,
     temperature: float,
     chunk_size: int | None,
 ) -> Iterator[Chunk]:
     """The n selected positions (:func:`selection`) in pieces of ``chunk_size`` rows (None: one piece),
-    each upcast to :func:`compute_dtype` over the shared vocabulary ``min(V_s, V_t)``."""
-    dtype = compute_dtype(student, teacher)
-    vocab = min(student.shape[-1], teacher.shape[-1])
+    each upcast to :func:`compute_dtype` over the shared vocabulary ``min(V_d, V_v)``."""
+    dtype = compute_dtype(drafter_logits, verifier_logits)
+    vocab = min(drafter_logits.shape[-1], verifier_logits.shape[-1])
     step = n if chunk_size is None else int(chunk_size)
     for start in range(0, n, step):
         length = min(step, n - start)
         index = None if coords is None else tuple(coords[start : start + length].unbind(1))
-        log_q = _log_probs(_rows(student, start, length, index), temperature, vocab, dtype)
-        log_p = _log_probs(_rows(teacher, start, length, index), temperature, vocab, dtype)
+        log_q = _log_probs(_rows(drafter_logits, start, length, index), temperature, vocab, dtype)
+        log_p = _log_probs(_rows(verifier_logits, start, length, index), temperature, vocab, dtype)
         yield Chunk(start, length, index, log_q, log_p)

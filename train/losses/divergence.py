@@ -1,4 +1,4 @@
-"""The mean divergence between teacher and student logits, with a gradient computed in closed form during
+"""The mean divergence between verifier and drafter logits, with a gradient computed in closed form during
 the forward pass, and the acceptance metric ``sum_v min(p, q)`` (conventions: :mod:`train.losses`)."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from train.config import renamed_keywords
 from train.losses.chunks import check_shapes, chunks, compute_dtype, selection
 from train.losses.rows import DIVERGENCES, canonical, row_divergence, row_gradient, unknown_divergence
 
@@ -34,8 +35,8 @@ def _validate(beta: float, temperature: float, chunk_size: int | None) -> None:
 # more than 8 parameters: what autograd.Function.forward passes on, positionally
 def _mean_and_gradient(
     name: str,
-    student: Tensor,
-    teacher: Tensor,
+    drafter_logits: Tensor,
+    verifier_logits: Tensor,
     coords: Tensor | None,
     n: int,
     temperature: float,
@@ -44,11 +45,13 @@ def _mean_and_gradient(
     want_grad: bool,
 ) -> tuple[Tensor, Tensor | None]:
     """The mean divergence over the n selected positions and, with ``want_grad``, its gradient w.r.t.
-    ``student`` (already divided by n), written chunk by chunk into one zero buffer shaped like
-    ``student``."""
-    grad = torch.zeros_like(student, memory_format=torch.contiguous_format) if want_grad else None
-    total = torch.zeros((), dtype=compute_dtype(student, teacher), device=student.device)
-    for chunk in chunks(student, teacher, coords, n, temperature, chunk_size):
+    ``drafter_logits`` (already divided by n), written chunk by chunk into one zero buffer shaped like
+    ``drafter_logits``."""
+    grad = torch.zeros_like(drafter_logits, memory_format=torch.contiguous_format) if want_grad else None
+    total = torch.zeros(
+        (), dtype=compute_dtype(drafter_logits, verifier_logits), device=drafter_logits.device
+    )
+    for chunk in chunks(drafter_logits, verifier_logits, coords, n, temperature, chunk_size):
         per_row = row_divergence(name, chunk.log_q, chunk.log_p, beta)
         total += per_row.sum()
         if grad is None:
@@ -69,8 +72,8 @@ class _FusedDivergence(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any,
-        student: Tensor,
-        teacher: Tensor,
+        drafter_logits: Tensor,
+        verifier_logits: Tensor,
         coords: Tensor | None,
         n: int,
         name: str,
@@ -79,7 +82,7 @@ class _FusedDivergence(torch.autograd.Function):
         chunk_size: int | None,
     ) -> Tensor:
         value, grad = _mean_and_gradient(
-            name, student, teacher, coords, n, temperature, beta, chunk_size, True
+            name, drafter_logits, verifier_logits, coords, n, temperature, beta, chunk_size, True
         )
         # Kept as attributes, not save_for_backward, because backward scales the buffer in place.
         ctx.grad = grad
@@ -89,7 +92,7 @@ class _FusedDivergence(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:
-        # Scaled in place: an out-of-place ``grad * grad_output`` would hold a second student-logit-sized
+        # Scaled in place: an out-of-place ``grad * grad_output`` would hold a second drafter-logit-sized
         # tensor at the start of the backward pass, usually a training step's memory peak. ``ctx.applied``
         # keeps a backward through a retained graph correct; ctx's reference to the returned buffer keeps
         # it safe from autograd's in-place accumulation.
@@ -110,22 +113,23 @@ class _FusedDivergence(torch.autograd.Function):
         return grad, None, None, None, None, None, None, None
 
 
+@renamed_keywords(student_logits="drafter_logits", teacher_logits="verifier_logits")
 def divergence(
     name: str,
-    student_logits: Tensor,
-    teacher_logits: Tensor,
+    drafter_logits: Tensor,
+    verifier_logits: Tensor,
     mask: Tensor | None = None,
     temperature: float = 1.0,
     beta: float = 0.5,
     chunk_size: int | None = DEFAULT_CHUNK_SIZE,
 ) -> Tensor:
-    """Mean per-token divergence ``D(p || q)`` between teacher ``p`` and student ``q`` (DistillSpec eq. 1).
+    """Mean per-token divergence ``D(p || q)`` between verifier ``p`` and drafter ``q`` (DistillSpec eq. 1).
 
     Args:
         name: ``"fkl"``, ``"rkl"``, ``"jsd"`` or ``"tvd"`` (:mod:`train.losses.rows`; DistillSpec arXiv
             2310.08461 Sec. 4, GKD arXiv 2306.13649 Sec. 3).
-        student_logits: ``(B, T, V_s)`` or ``(N, V_s)``, any float dtype; gradients flow here.
-        teacher_logits: ``(B, T, V_t)`` or ``(N, V_t)``; detached. Compared over ``min(V_s, V_t)`` ids.
+        drafter_logits: ``(B, T, V_d)`` or ``(N, V_d)``, any float dtype; gradients flow here.
+        verifier_logits: ``(B, T, V_v)`` or ``(N, V_v)``; detached. Compared over ``min(V_d, V_v)`` ids.
         mask: ``(B, T)`` / ``(N,)`` bool or 0/1; nonzero positions count. None: all positions.
         temperature: > 0; divides both logits before the softmax.
         beta: JSD's interpolation in ``[0, 1]`` (the other divergences ignore it), ``m = beta p +
@@ -135,7 +139,7 @@ def divergence(
 
     Returns:
         A 0-d tensor (float32, or float64 for float64 inputs): the mean over the selected tokens. An empty
-        selection gives exactly 0 with an all-zero (finite) gradient w.r.t. ``student_logits``.
+        selection gives exactly 0 with an all-zero (finite) gradient w.r.t. ``drafter_logits``.
 
     Raises:
         ValueError: an unknown ``name`` (the message lists the allowed ones), ``beta`` outside ``[0, 1]``,
@@ -145,23 +149,24 @@ def divergence(
         raise unknown_divergence(name)
     _validate(beta, temperature, chunk_size)
     name = canonical(name, beta)
-    check_shapes(student_logits, teacher_logits, mask)
-    teacher_logits = teacher_logits.detach()
-    coords, n = selection(student_logits, teacher_logits, mask)
-    if n == 0:  # an exact 0, still attached to the student's graph: backward() gives an all-zero gradient
-        return student_logits.narrow(-1, 0, 0).sum().to(compute_dtype(student_logits, teacher_logits))
-    args = (student_logits, teacher_logits, coords, n, name, temperature, beta, chunk_size)
-    if torch.is_grad_enabled() and student_logits.requires_grad:
+    check_shapes(drafter_logits, verifier_logits, mask)
+    verifier_logits = verifier_logits.detach()
+    coords, n = selection(drafter_logits, verifier_logits, mask)
+    if n == 0:  # an exact 0, still attached to the drafter's graph: backward() gives an all-zero gradient
+        return drafter_logits.narrow(-1, 0, 0).sum().to(compute_dtype(drafter_logits, verifier_logits))
+    args = (drafter_logits, verifier_logits, coords, n, name, temperature, beta, chunk_size)
+    if torch.is_grad_enabled() and drafter_logits.requires_grad:
         return _FusedDivergence.apply(*args)
     return _mean_and_gradient(
-        name, student_logits, teacher_logits, coords, n, temperature, beta, chunk_size, False
+        name, drafter_logits, verifier_logits, coords, n, temperature, beta, chunk_size, False
     )[0]
 
 
+@renamed_keywords(student_logits="drafter_logits", teacher_logits="verifier_logits")
 @torch.no_grad()
 def acceptance_from_logits(
-    student_logits: Tensor,
-    teacher_logits: Tensor,
+    drafter_logits: Tensor,
+    verifier_logits: Tensor,
     mask: Tensor | None = None,
     temperature: float = 1.0,
     chunk_size: int | None = DEFAULT_CHUNK_SIZE,
@@ -172,11 +177,13 @@ def acceptance_from_logits(
     (Leviathan et al. 2023, arXiv 2211.17192; DistillSpec arXiv 2310.08461). Shapes, masking, temperature
     and vocabularies as in :func:`divergence`; an empty mask gives 0. A detached 0-d tensor."""
     _validate(0.5, temperature, chunk_size)
-    check_shapes(student_logits, teacher_logits, mask)
-    coords, n = selection(student_logits, teacher_logits, mask)
-    total = torch.zeros((), dtype=compute_dtype(student_logits, teacher_logits), device=student_logits.device)
+    check_shapes(drafter_logits, verifier_logits, mask)
+    coords, n = selection(drafter_logits, verifier_logits, mask)
+    total = torch.zeros(
+        (), dtype=compute_dtype(drafter_logits, verifier_logits), device=drafter_logits.device
+    )
     if n == 0:
         return total
-    for chunk in chunks(student_logits, teacher_logits, coords, n, temperature, chunk_size):
+    for chunk in chunks(drafter_logits, verifier_logits, coords, n, temperature, chunk_size):
         total += torch.minimum(chunk.log_p.exp(), chunk.log_q.exp()).sum()
     return total / n

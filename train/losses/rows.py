@@ -1,5 +1,5 @@
-"""The divergences row by row, from log-probabilities, and their closed-form gradients w.r.t. the student's
-logits. ``log_q`` is the student (drafter), ``log_p`` the teacher (verifier); both ``(n, V)``.
+"""The divergences row by row, from log-probabilities, and their closed-form gradients w.r.t. the drafter's
+logits. ``log_q`` is the drafter's, ``log_p`` the verifier's; both ``(n, V)``.
 
 ==========  ===========================================================================================
 name        per-row formula
@@ -67,7 +67,7 @@ def row_divergence(name: str, log_q: Tensor, log_p: Tensor, beta: float) -> Tens
 def row_gradient(
     name: str, log_q: Tensor, log_p: Tensor, beta: float, rows: Tensor, temperature: float
 ) -> Tensor:
-    """d(row divergence) / d(student logits) for (n, V) log-probabilities; ``rows`` is
+    """d(row divergence) / d(drafter logits) for (n, V) log-probabilities; ``rows`` is
     :func:`row_divergence`'s output. With ``q = softmax(z / T)`` and ``dq_j/dz_k = q_j (delta_jk - q_k) / T``
     (each checked against autograd in float64 by the tests):
 

@@ -127,19 +127,19 @@ def block_loss(
     inside = target_pos < length
     rows = (target_pos - 1).clamp(max=length - 1)  # the verifier's row a + k - 1
     flat = rows.reshape(rows_n, -1)
-    teacher = targets.logprobs.gather(1, flat[:, :, None].expand(-1, -1, targets.logprobs.shape[-1]))
-    teacher = teacher.view(*rows.shape, -1)
+    log_p = targets.logprobs.gather(1, flat[:, :, None].expand(-1, -1, targets.logprobs.shape[-1]))
+    log_p = log_p.view(*rows.shape, -1)
     argmax = targets.argmax.gather(1, flat).view(rows.shape)
     in_vocab = targets.in_vocab.gather(1, flat).view(rows.shape)
     target_mask = loss_mask.bool().gather(1, target_pos.clamp(max=length - 1).reshape(rows_n, -1))
     eligible = valid[:, :, None] & inside & target_mask.view(rows.shape)
     kept = eligible & in_vocab
-    student = logits.float().log_softmax(-1)
-    kl = (teacher.exp() * (teacher - student)).sum(-1)  # (B, A, S - 1)
+    log_q = logits.float().log_softmax(-1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1)  # (B, A, S - 1)
     weights = slot_weights(size, gamma).to(device)[1:].expand_as(kl)
     kept_weights = torch.where(kept, weights, 0.0)
     loss = (kl * kept_weights).sum() / kept_weights.sum().clamp(min=1e-8)
-    predicted = drafter.draft_ids.to(device)[last_argmax(student.detach())]
+    predicted = drafter.draft_ids.to(device)[last_argmax(log_q.detach())]
     hits = (predicted == argmax) & kept
     result = BlockResult(loss=loss)
     for k in range(size - 1):

@@ -16,9 +16,9 @@ verifier's mass outside the draft vocabulary reaches the output through correcti
 the verifier is never cut. Only acceptance can suffer (that mass is never accepted), by at most the
 verifier's probability outside the draft vocabulary.
 
-Training over the reduced vocabulary (:func:`draft_divergence`) compares the teacher and the drafter on
-the draft ids only, the teacher renormalised over them, as FR-Spec / EAGLE-3 train their heads; the
-acceptance a decoder will see is :func:`draft_acceptance` (the teacher's whole distribution, ``q = 0``
+Training over the reduced vocabulary (:func:`draft_divergence`) compares the verifier and the drafter on
+the draft ids only, the verifier renormalised over them, as FR-Spec / EAGLE-3 train their heads; the
+acceptance a decoder will see is :func:`draft_acceptance` (the verifier's whole distribution, ``q = 0``
 outside the draft ids).
 """
 
@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from train.config import renamed_keywords
 from train.losses import acceptance_from_logits, divergence
 from train.models.introspect import cache_keyword, model_device
 
@@ -141,10 +142,11 @@ def scatter_draft_logits(draft_logits: torch.Tensor, draft_ids: torch.Tensor, vo
     return full.index_copy_(-1, draft_ids.to(draft_logits.device), draft_logits)
 
 
+@renamed_keywords(teacher_logits="verifier_logits")
 def draft_divergence(
     name: str,
     draft_logits: torch.Tensor,
-    teacher_logits: torch.Tensor,
+    verifier_logits: torch.Tensor,
     draft_ids: torch.Tensor,
     mask: torch.Tensor | None = None,
     temperature: float = 1.0,
@@ -152,59 +154,61 @@ def draft_divergence(
 ) -> torch.Tensor:
     """``D(p~ || q)`` over the draft vocabulary (FR-Spec / EAGLE-3 training of a reduced head).
 
-    draft_logits: ``(B, T, N)`` the drafter's logits over ``draft_ids`` (``N`` ids); teacher_logits:
-    ``(B, T, V)``; mask: ``(B, T)``. ``p~`` is the teacher's distribution renormalised over the draft
+    draft_logits: ``(B, T, N)`` the drafter's logits over ``draft_ids`` (``N`` ids); verifier_logits:
+    ``(B, T, V)``; mask: ``(B, T)``. ``p~`` is the verifier's distribution renormalised over the draft
     ids, ``q`` the drafter's; the rest as :func:`train.losses.divergence` (the same divergences)."""
-    teacher = restrict_logits(teacher_logits, draft_ids)
-    return divergence(name, draft_logits, teacher, mask, temperature=temperature, beta=beta)
+    restricted = restrict_logits(verifier_logits, draft_ids)
+    return divergence(name, draft_logits, restricted, mask, temperature=temperature, beta=beta)
 
 
+@renamed_keywords(teacher_logits="verifier_logits")
 @torch.no_grad()
 def draft_acceptance(
     draft_logits: torch.Tensor,
-    teacher_logits: torch.Tensor,
+    verifier_logits: torch.Tensor,
     draft_ids: torch.Tensor,
     mask: torch.Tensor | None = None,
     temperature: float = 1.0,
 ) -> torch.Tensor:
     """Mean over selected positions of ``sum_v min(p(v), q(v))``: the acceptance probability decoding
-    sees, with ``p`` the teacher's whole distribution and ``q`` the drafter's, zero outside the draft ids.
+    sees, with ``p`` the verifier's whole distribution and ``q`` the drafter's, zero outside the draft ids.
 
-    Lower than the acceptance over the renormalised teacher (the teacher's mass outside the draft ids is
+    Lower than the acceptance over the renormalised verifier (the verifier's mass outside the draft ids is
     never accepted). Shapes as :func:`draft_divergence`; a detached 0-d tensor."""
-    full = scatter_draft_logits(draft_logits, draft_ids, teacher_logits.shape[-1])
-    return acceptance_from_logits(full, teacher_logits, mask, temperature=temperature)
+    full = scatter_draft_logits(draft_logits, draft_ids, verifier_logits.shape[-1])
+    return acceptance_from_logits(full, verifier_logits, mask, temperature=temperature)
 
 
+@renamed_keywords(student_logits="drafter_logits", teacher_logits="verifier_logits")
 @torch.no_grad()
 def argmax_agreement(
-    student_logits: torch.Tensor,
-    teacher_logits: torch.Tensor,
+    drafter_logits: torch.Tensor,
+    verifier_logits: torch.Tensor,
     mask: torch.Tensor | None = None,
     draft_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Fraction of selected positions where the student's most likely token is the teacher's: the
+    """Fraction of selected positions where the drafter's most likely token is the verifier's: the
     per-token acceptance of greedy (T = 0) speculative decoding on these contexts.
 
-    ``student_logits``: ``(B, T, V_s)``, over the teacher's ids (only the first ``min(V_s, V)`` count), or,
-    with ``draft_ids`` ``(N,)``, over those ids (``V_s = N``); ``teacher_logits``: ``(B, T, V)``; ``mask``:
+    ``drafter_logits``: ``(B, T, V_d)``, over the verifier's ids (only the first ``min(V_d, V)`` count), or,
+    with ``draft_ids`` ``(N,)``, over those ids (``V_d = N``); ``verifier_logits``: ``(B, T, V)``; ``mask``:
     ``(B, T)``. An empty mask gives 0. A detached 0-d float32 tensor."""
-    if student_logits.shape[:-1] != teacher_logits.shape[:-1] or (
-        mask is not None and mask.shape != student_logits.shape[:-1]
+    if drafter_logits.shape[:-1] != verifier_logits.shape[:-1] or (
+        mask is not None and mask.shape != drafter_logits.shape[:-1]
     ):
         raise ValueError(
-            "student logits, teacher logits and mask disagree on the leading (position) shape: "
-            f"{tuple(student_logits.shape[:-1])}, {tuple(teacher_logits.shape[:-1])}, "
+            "drafter logits, verifier logits and mask disagree on the leading (position) shape: "
+            f"{tuple(drafter_logits.shape[:-1])}, {tuple(verifier_logits.shape[:-1])}, "
             f"{None if mask is None else tuple(mask.shape)}"
         )
     if draft_ids is None:
-        vocab = min(student_logits.shape[-1], teacher_logits.shape[-1])
-        student_top = student_logits[..., :vocab].argmax(-1)
-        teacher_top = teacher_logits[..., :vocab].argmax(-1)
+        vocab = min(drafter_logits.shape[-1], verifier_logits.shape[-1])
+        drafter_top = drafter_logits[..., :vocab].argmax(-1)
+        verifier_top = verifier_logits[..., :vocab].argmax(-1)
     else:
-        student_top = draft_ids.to(student_logits.device)[student_logits.argmax(-1)]
-        teacher_top = teacher_logits.argmax(-1)
-    hit = (student_top == teacher_top).float()
+        drafter_top = draft_ids.to(drafter_logits.device)[drafter_logits.argmax(-1)]
+        verifier_top = verifier_logits.argmax(-1)
+    hit = (drafter_top == verifier_top).float()
     if mask is None:
         return hit.mean() if hit.numel() else hit.new_zeros(())
     keep = mask.to(torch.bool)

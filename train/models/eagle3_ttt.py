@@ -203,12 +203,12 @@ def targets_loss(
         zero = logits.new_zeros((), dtype=torch.float32)
         return zero + 0.0 * logits.sum(), zero.detach(), kept
     rows = kept[:, : length - shift]
-    teacher = targets.logprobs[:, shift:]
-    student = logits[:, : length - shift].float().log_softmax(-1)
-    row_kl = (teacher.exp() * (teacher - student)).sum(-1)
+    log_p = targets.logprobs[:, shift:]
+    log_q = logits[:, : length - shift].float().log_softmax(-1)
+    row_kl = (log_p.exp() * (log_p - log_q)).sum(-1)
     count = rows.sum().clamp(min=1)
     loss = torch.where(rows, row_kl, 0.0).sum() / count
-    predicted = draft_ids.to(logits.device)[last_argmax(student.detach())]
+    predicted = draft_ids.to(logits.device)[last_argmax(log_q.detach())]
     accuracy = ((predicted == targets.argmax[:, shift:]) & rows).sum() / count
     return loss, accuracy.float().detach(), kept
 

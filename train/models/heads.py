@@ -32,9 +32,10 @@ import torch.nn.functional as F
 from huggingface_hub import PyTorchModelHubMixin
 from torch import nn
 
+from train.config import renamed_keywords
 from train.models.draft_vocab import draft_rows_of, restrict_logits, scatter_draft_logits
 
-__all__ = ["MedusaBlock", "MedusaHeads", "medusa_loss", "shifted_targets", "shifted_teacher"]
+__all__ = ["MedusaBlock", "MedusaHeads", "medusa_loss", "shifted_targets", "shifted_verifier"]
 
 
 class MedusaBlock(nn.Module):
@@ -194,30 +195,31 @@ def shifted_targets(input_ids: torch.Tensor, head: int) -> tuple[torch.Tensor, t
     return targets, valid
 
 
-def shifted_teacher(teacher_logits: torch.Tensor, head: int) -> torch.Tensor:
+def shifted_verifier(verifier_logits: torch.Tensor, head: int) -> torch.Tensor:
     """The verifier's logits for head ``head``'s target at every position t: its row t + head + 1
-    (which predicts token t + head + 2). teacher_logits: (B, T, V); rows past the end wrap around and
+    (which predicts token t + head + 2). verifier_logits: (B, T, V); rows past the end wrap around and
     are invalid exactly where :func:`shifted_targets` says so."""
-    return torch.roll(teacher_logits, -(head + 1), dims=-2)
+    return torch.roll(verifier_logits, -(head + 1), dims=-2)
 
 
+@renamed_keywords(teacher_logits="verifier_logits")
 def medusa_loss(
     head_logits: torch.Tensor,
     input_ids: torch.Tensor,
     mask: torch.Tensor | None = None,
     decay: float = 0.8,
-    teacher_logits: torch.Tensor | None = None,
+    verifier_logits: torch.Tensor | None = None,
     draft_ids: torch.Tensor | None = None,
     target_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Sum over heads of ``decay**k`` x head k's loss against the token k + 2 ahead.
 
-    Hard labels (``teacher_logits`` None): cross-entropy against ``input_ids`` shifted by k + 2.
-    Self-distillation (``teacher_logits`` (B, T, V), the verifier's logits on the same ids): forward
+    Hard labels (``verifier_logits`` None): cross-entropy against ``input_ids`` shifted by k + 2.
+    Self-distillation (``verifier_logits`` (B, T, V), the verifier's logits on the same ids): forward
     KL(p_verifier || q_head) against the verifier's distribution at the shifted position (soft targets).
     head_logits: (K, B, T, N) from :meth:`MedusaHeads.draft_logits` on the verifier's last hidden states,
     N = V, or N = len(``draft_ids``) for heads over a draft vocabulary: then the targets are the draft
-    rows (a hard target outside the draft vocabulary is skipped: no head can guess it) and the teacher is
+    rows (a hard target outside the draft vocabulary is skipped: no head can guess it) and the verifier is
     renormalised over the draft ids (FR-Spec / EAGLE-3 training).
     input_ids: (B, T); mask: (B, T), 1 where a token is real (a target must be real too);
     target_mask: (B, T), True on the tokens that may be targets (e.g. the answer's, not the prompt's).
@@ -232,19 +234,19 @@ def medusa_loss(
         targets, valid = shifted_targets(target_ids, k)
         target_ok, _ = shifted_targets(targetable.long(), k)
         keep = valid & real & target_ok.bool()
-        if draft_ids is not None and teacher_logits is None:
+        if draft_ids is not None and verifier_logits is None:
             keep = keep & (targets >= 0)
         if not bool(keep.any()):
             per_head.append(total.new_zeros(()))
             continue
         log_q = head_logits[k][keep].float().log_softmax(dim=-1)
-        if teacher_logits is None:
+        if verifier_logits is None:
             loss = F.nll_loss(log_q, targets[keep])
         else:
-            teacher = shifted_teacher(teacher_logits, k)[keep]
+            rows = shifted_verifier(verifier_logits, k)[keep]
             if draft_ids is not None:
-                teacher = restrict_logits(teacher, draft_ids)
-            log_p = teacher.float().log_softmax(dim=-1)
+                rows = restrict_logits(rows, draft_ids)
+            log_p = rows.float().log_softmax(dim=-1)
             loss = F.kl_div(log_q, log_p, log_target=True, reduction="batchmean")
         per_head.append(loss.detach())
         total = total + (decay**k) * loss

@@ -249,13 +249,13 @@ class MedusaModule(MedusaFinish, WholeNormClipping, L.LightningModule):
         head_logits, logits = self._forward(
             ids, attention_mask, logits=self.cfg.self_distill or self._backbone_trains()
         )
-        teacher = logits.detach() if self.cfg.self_distill else None
+        soft_targets = logits.detach() if self.cfg.self_distill else None  # the verifier's, self-distilling
         heads_loss, per_head = medusa_loss(
             head_logits,
             ids,
             mask=attention_mask,
             decay=self.cfg.decay,
-            teacher_logits=teacher,
+            verifier_logits=soft_targets,
             draft_ids=self._draft_ids(),
             target_mask=targets,
         )
