@@ -201,7 +201,7 @@ def test_at_zero_initialisation_the_steered_arm_equals_the_distilled_arm():
 
 def test_the_first_block_is_unsteered_and_later_blocks_one_to_offset_stale():
     """Offset o simulates verifications committing o tokens each (decoding's guide positions): the first
-    o response tokens are drafted before any verification, unsteered, as in decoding; then guides are
+    o answer tokens are drafted before any verification, unsteered, as in decoding; then guides are
     1..o positions stale."""
     module, data = _module(_cfg())
     batch = _batch(module, data)

@@ -14,7 +14,7 @@ from train.losses import DIVERGENCES
 
 
 def check_prompt_settings(cfg: Any) -> None:
-    """Validate the prompt and response sizes a method config shares (``max_new_tokens``, ``prompt_len``,
+    """Validate the prompt and continuation sizes a method config shares (``max_new_tokens``, ``prompt_len``,
     ``batch_size``, ``num_prompts``, ``num_val_prompts``); errors name ``method.<key>``."""
     require(cfg.max_new_tokens >= 1, "method.max_new_tokens", ">= 1", cfg.max_new_tokens)
     require(cfg.prompt_len >= 2, "method.prompt_len", ">= 2", cfg.prompt_len)
@@ -29,28 +29,29 @@ def check_prompt_settings(cfg: Any) -> None:
 
 
 @dataclass(kw_only=True)
-class ResponseDistillSettings:
-    """What DistillSpec and SD^2 share: a drafter trained on sampled responses to prompts, under a
-    divergence from the verifier (their configs extend this)."""
+class RolloutDistillSettings:
+    """What DistillSpec and SD^2 share: a drafter trained on continuations of prompts sampled during
+    training (rollouts: the drafter's own or the verifier's answers), under a divergence from the verifier
+    (their configs extend this)."""
 
     divergence: str = "fkl"
     """One of ``fkl``, ``rkl``, ``jsd``, ``tvd`` (:func:`train.losses.divergence`)."""
     beta: float = 0.5
     """JSD interpolation in [0, 1]; 0 is FKL, 1 is RKL (GKD's convention)."""
     temperature: float = 1.0
-    """Sampling temperature of the responses, also the loss's softmax temperature; > 0."""
+    """Sampling temperature of the rollouts, also the loss's softmax temperature; > 0."""
     max_new_tokens: int = 32
     prompt_len: int = 64
     batch_size: int = 16
     num_prompts: int = 1024
     """Training prompts cut from the corpus's train split."""
     num_val_prompts: int = 32
-    """Held-out prompts (validation split) whose responses are generated once per run."""
+    """Held-out prompts (validation split) whose continuations are generated once per run."""
     gamma: int = 4
     """The chain length the drafter is meant for: DistillSpec's ``val/simulated_block_efficiency``, SD^2's
     guide staleness 1..gamma."""
 
-    def check_response_settings(self) -> None:
+    def check_rollout_settings(self) -> None:
         """Validate the shared settings; errors name ``method.<key>``."""
         require(self.divergence in DIVERGENCES, "method.divergence", f"one of {DIVERGENCES}", self.divergence)
         require(
@@ -64,11 +65,18 @@ class ResponseDistillSettings:
             and math.isfinite(self.temperature)
             and self.temperature > 0,
             "method.temperature",
-            "> 0 (responses are sampled; greedy rollouts are not supported)",
+            "> 0 (rollouts are sampled; greedy rollouts are not supported)",
             self.temperature,
         )
         check_prompt_settings(self)
         require(self.gamma >= 1, "method.gamma", ">= 1", self.gamma)
+
+    #: The name before issue 53; DistillSpec's config still calls it.
+    check_response_settings = check_rollout_settings
+
+
+#: The name before issue 53 (the glossary's "rollout"); DistillSpec's config still extends it.
+ResponseDistillSettings = RolloutDistillSettings
 
 
 def prompt_data(cfg: Any, tokenizer: Any, data: Any, seed: int) -> PromptDataModule:

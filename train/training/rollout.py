@@ -23,7 +23,7 @@ from train.decoding.sampling import SamplingParams, sample, warp
 from train.models.introspect import cache_keyword, output_vocab_size, returned_cache, supports_logits_to_keep
 from train.models.loading import eos_token_ids
 
-__all__ = ["ResponseSampler", "Rollout", "position_ids_from_mask", "rollout"]
+__all__ = ["ResponseSampler", "Rollout", "RolloutSampler", "position_ids_from_mask", "rollout"]
 
 
 @dataclass
@@ -185,9 +185,10 @@ def _as_rollout(
 
 
 @dataclass(frozen=True)
-class ResponseSampler:
-    """How a method samples its training responses (DistillSpec, SD^2): their length and temperature,
-    the ids that end them, the pad id, and the vocabulary prefix all the method's models share."""
+class RolloutSampler:
+    """How a method samples its rollouts (DistillSpec's on-policy and verifier batches, SD^2's verifier
+    answers): their length and temperature, the ids that end them, the pad id, and the vocabulary prefix
+    all the method's models share."""
 
     max_new_tokens: int
     params: SamplingParams
@@ -198,7 +199,7 @@ class ResponseSampler:
     @classmethod
     def for_models(
         cls, tokenizer: Any, max_new_tokens: int, temperature: float, *models: torch.nn.Module
-    ) -> ResponseSampler:
+    ) -> RolloutSampler:
         """EOS ids of the tokenizer and every model, the tokenizer's pad id (else the first EOS id), the
         smallest output vocabulary of ``models``."""
         eos = eos_token_ids(tokenizer, *models)
@@ -232,3 +233,7 @@ class ResponseSampler:
             vocab_size=self.vocab_size,
             keep_scores=keep_scores,
         )
+
+
+#: The name before issue 53 (the glossary's "rollout"); still imported by DistillSpec's module.
+ResponseSampler = RolloutSampler

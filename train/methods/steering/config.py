@@ -11,7 +11,7 @@ from train.models.lora import LoraSettings
 from train.training.optim import (
     check_optimizer,
 )
-from train.training.prompt_data import ResponseDistillSettings
+from train.training.prompt_data import RolloutDistillSettings
 
 __all__ = ["SteeringConfig"]
 
@@ -23,7 +23,7 @@ DISTILLSPEC_STEERED_ARM = "distillspec_steered"
 
 
 @dataclass
-class SteeringConfig(ResponseDistillSettings):
+class SteeringConfig(RolloutDistillSettings):
     """Hyperparameters of SD^2 training (``method=steering``); validated before any model loads."""
 
     optimizer: Any
@@ -45,7 +45,7 @@ class SteeringConfig(ResponseDistillSettings):
 
     def __post_init__(self) -> None:
         check_optimizer("method", self.optimizer, self.scheduler)
-        self.check_response_settings()
+        self.check_rollout_settings()
         require(
             self.steering_lr_multiplier > 0,
             "method.steering_lr_multiplier",

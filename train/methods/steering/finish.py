@@ -121,7 +121,7 @@ class SteeringFinish:
         return [
             "## Arms (last validation)",
             table.rstrip(),
-            f"Every arm trained on the same verifier responses (T = {self.cfg.temperature}), steps and loss "
+            f"Every arm trained on the same verifier answers (T = {self.cfg.temperature}), steps and loss "
             f"({self.cfg.divergence}). Steered arms are measured with guides 1..{self.cfg.gamma} positions "
             "stale (block position i with staleness i); the evaluation below decodes with them."
             + (

@@ -21,13 +21,13 @@ The drafters train fully, through LoRA (``lora``) or not at all (``train_drafter
 steering modules alone; no ``distilled`` arm, since nothing of it would train, and the baseline of the
 ratios is the untouched drafter, ``pretrained``). The loss is a divergence of
 :mod:`train.losses` by name (forward KL by default) between the verifier's and the drafter's
-distributions on response tokens. Gradients are clipped per arm, so arms never interact.
+distributions on the answer tokens. Gradients are clipped per arm, so arms never interact.
 
 **Stale guides.** Training steers each drafter position with the guide decoding would give it, by
 the same rule (:func:`train.models.steering_module.guide_for`: the latest guide position strictly before
 it). Guide positions are the verifier positions that produced each verification's last committed token;
 each batch draws one o in 1..gamma (the authors' draw) and simulates verifications that commit o
-tokens each (:func:`~train.models.steering_module.simulated_guides`): the first o response tokens are drafted
+tokens each (:func:`~train.models.steering_module.simulated_guides`): the first o answer tokens are drafted
 unsteered (decoding's first block, before any verification), then staleness runs 1..o in every block.
 Validation measures each steered arm at every o and logs ``val/expected_acceptance`` (mean over
 staleness 1..gamma) and ``val/simulated_block_efficiency`` (block position i with the acceptance at
@@ -69,7 +69,7 @@ from train.training.optim import (
     partial_kwarg,
     weights_dtype,
 )
-from train.training.rollout import ResponseSampler, Rollout, position_ids_from_mask
+from train.training.rollout import Rollout, RolloutSampler, position_ids_from_mask
 from train.training.seeding import mix_seed, seeded_generator
 
 #: Checkpoints saved before issue 53 kept the verifier's answers as ``verifier_responses``.
@@ -126,7 +126,7 @@ class SteeringTrainingModule(SteeringFinish, L.LightningModule):
         float32_trainables(self.drafters)  # float32 master weights for all that trains (docs/scale.md)
         float32_trainables(self.steering)
         self.layers = list(self.steering_of(MAIN_ARM).verifier_layers)
-        self.sampler = ResponseSampler.for_models(
+        self.sampler = RolloutSampler.for_models(
             tokenizer, cfg.max_new_tokens, cfg.temperature, verifier, *self.drafters.values()
         )
         self.answers = AnswerCache(self._generate, self.sampler.pad_token_id)
@@ -199,7 +199,7 @@ class SteeringTrainingModule(SteeringFinish, L.LightningModule):
 
     @torch.no_grad()
     def verifier_view(self, rollouts: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
-        """The verifier's logits on the response positions (B, N, V) and its states entering the guide's
+        """The verifier's logits on the answer positions (B, N, V) and its states entering the guide's
         layers at every position (B, T, S, d), from one forward."""
         out = self.verifier(
             input_ids=rollouts.sequences,
@@ -213,7 +213,7 @@ class SteeringTrainingModule(SteeringFinish, L.LightningModule):
         return out.logits[:, :-1], states
 
     def arm_logits(self, label: str, rollouts: Rollout, states: torch.Tensor, offset: int) -> torch.Tensor:
-        """The arm's drafter logits on the response positions, steered with guides ``offset`` stale."""
+        """The arm's drafter logits on the answer positions, steered with guides ``offset`` stale."""
         drafter = self.drafters[label]
         if label not in self.steering:
             return continuation_logits(drafter, rollouts)
@@ -228,7 +228,7 @@ class SteeringTrainingModule(SteeringFinish, L.LightningModule):
             return continuation_logits(drafter, rollouts)
 
     def staleness(self, rollouts: Rollout, offset: int) -> torch.Tensor:
-        """(N,) how stale the guide of each response logit is in :meth:`arm_logits` (t - guide of its
+        """(N,) how stale the guide of each answer logit is in :meth:`arm_logits` (t - guide of its
         drafter position t; 0: no guide, the first block)."""
         width, length = rollouts.prompt_width, rollouts.sequences.shape[1]
         guides = simulated_guides(width, offset, length)
@@ -273,7 +273,7 @@ class SteeringTrainingModule(SteeringFinish, L.LightningModule):
             )
         self.log("train/loss", total, prog_bar=True, batch_size=batch_size)
         self.log("train/guide_offset", float(offset), batch_size=batch_size)
-        self.log("train/response_tokens", float(mask.sum()), batch_size=batch_size, reduce_fx="sum")
+        self.log("train/answer_tokens", float(mask.sum()), batch_size=batch_size, reduce_fx="sum")
         return total
 
     # ---------------------------------------------------------------- validation
