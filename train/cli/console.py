@@ -22,9 +22,10 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig, OmegaConf
 
-from train.config import ConfigError, renamed_keys_of, unknown_key_message
+from train.config import ConfigError, unknown_key_message
 from train.data.sources import DataError
 from train.models.loading import CorruptModelError, TokenizerMismatchError, resolve_device
+from train.renames import renamed_keys_of
 from train.rundir import RunDirLocked
 from train.training.callbacks import NonFiniteLossError
 
@@ -196,7 +197,7 @@ def _log_to_files_only(err: BaseException) -> None:
 def check_overrides(config_dir: str, config_name: str, argv: Sequence[str]) -> list[str]:
     """Before Hydra starts the job: an override of a key the config lacks (a typo such as
     ``method.divergance=fkl``) exits 2 naming the valid keys, instead of Hydra's advice to append it
-    with ``+``. An override of a renamed key (:data:`train.config.RENAMED_KEYS`, such as
+    with ``+``. An override of a renamed key (:data:`train.renames.RENAMED_KEYS`, such as
     ``method.cache_teacher=false``) is kept as an addition (``+``) that instantiation renames, with its
     deprecation line. Returns the overrides the job runs with (``argv``, renamed keys prefixed). Only plain
     single runs are checked (no ``-m`` sweeps or Hydra flags); any other composition problem is left to

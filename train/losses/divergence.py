@@ -10,9 +10,9 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from train.config import renamed_keywords
 from train.losses.chunks import check_shapes, chunks, compute_dtype, selection
 from train.losses.rows import DIVERGENCES, canonical, row_divergence, row_gradient, unknown_divergence
+from train.renames import renamed_keywords
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "acceptance_from_logits", "divergence"]
 

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from train.config import renamed_keywords
 from train.data.lm import collate_left_pad
+from train.renames import renamed_keywords
 
 
 @dataclass

@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from train.config import renamed_keywords
 from train.models.answers import Answer, generate_answers
 from train.models.loading import on_device
+from train.renames import renamed_keywords
 from train.vllm import VllmNotInstalledError, run_vllm_job
 from train.vllm.run import ENV_VAR
 

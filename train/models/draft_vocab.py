@@ -33,9 +33,9 @@ import torch
 import torch.nn.functional as F
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from train.config import renamed_keywords
 from train.losses import acceptance_from_logits, divergence
 from train.models.introspect import cache_keyword, model_device
+from train.renames import renamed_keywords
 
 __all__ = [
     "DraftVocabModel",

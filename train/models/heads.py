@@ -32,8 +32,8 @@ import torch.nn.functional as F
 from huggingface_hub import PyTorchModelHubMixin
 from torch import nn
 
-from train.config import renamed_keywords
 from train.models.draft_vocab import draft_rows_of, restrict_logits, scatter_draft_logits
+from train.renames import renamed_keywords
 
 __all__ = ["MedusaBlock", "MedusaHeads", "medusa_loss", "shifted_targets", "shifted_verifier"]
 

@@ -43,7 +43,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from train.config import renamed_keywords, require, require_decoder_shape
+from train.config import require, require_decoder_shape
 from train.data.chat import chat_set_fingerprint
 from train.data.generic_text import generic_text, generic_text_fingerprint
 from train.data.lm import pack_sequences
@@ -55,6 +55,7 @@ from train.models.draft_vocab import frequent_tokens, set_draft_vocab
 from train.models.loading import one_local_device
 from train.models.smollm2 import ensure_smollm2, eos_ids
 from train.progress import StepProgressBar
+from train.renames import renamed_keywords
 
 log = logging.getLogger(__name__)
 

@@ -14,12 +14,12 @@ from typing import Any
 import torch
 from rich.progress import Progress
 
-from train.config import renamed_keywords
 from train.data.lm import make_prompts
 from train.data.sources import load_text_dataset
 from train.models.answers import Answer
 from train.models.answers_vllm import answer_prompts
 from train.models.fingerprint import verifier_fingerprint
+from train.renames import renamed_keywords
 from train.training.answer_data import answer_eos_ids, cached_answers
 from train.training.answer_share import (
     answer_device,

@@ -15,12 +15,12 @@ from typing import ClassVar
 
 import torch
 
-from train.config import renamed_keywords
 from train.decoding.decoders.base import DraftTreeDecoder, check_feature_drafter
 from train.decoding.model_call import TimedModel
 from train.decoding.proposers.eagle3_proposer import Eagle3Proposer, Eagle3Tree
 from train.decoding.proposers.lookup_proposer import prompt_lookup
 from train.models.eagle3_drafter import Eagle3Drafter
+from train.renames import renamed_keywords
 
 __all__ = ["Eagle3Decoder", "check_eagle3"]
 

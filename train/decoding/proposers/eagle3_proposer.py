@@ -48,13 +48,13 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from train.config import renamed_keywords
 from train.decoding.cache import buffered_cache, cache_length, crop_cache
 from train.decoding.draft import Draft
 from train.decoding.metrics import DecodeStats
 from train.decoding.proposers.tree_proposers import gumbel_top_k
 from train.decoding.sampling import SamplingParams, draw_index, uniforms, warp
 from train.models.eagle3_drafter import Eagle3Drafter
+from train.renames import renamed_keywords
 
 __all__ = ["Eagle3Proposer", "node_mask", "select_nodes"]
 
