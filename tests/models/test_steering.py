@@ -135,11 +135,11 @@ def test_guide_rule_by_hand():
 
 
 def test_simulated_guides_by_hand():
-    # response from position 3, blocks of 2: the first block (drafter positions 2, 3) is unsteered, then
+    # answer from position 3, blocks of 2: the first block (drafter positions 2, 3) is unsteered, then
     # staleness 1, 2, 1, 2, ...
     assert simulated_guides(3, 2, 10) == [3, 5, 7]
     assert simulated_guides(3, 2, 10) == guide_positions(3, [2, 2, 2])
-    # blocks of one: every response position t is steered by t - 1, from the last prompt position on
+    # blocks of one: every answer position t is steered by t - 1, from the last prompt position on
     assert simulated_guides(3, 1, 6) == [2, 3, 4]
     states = torch.arange(1, 11, dtype=torch.float32).view(1, 10, 1, 1).expand(2, 10, 2, 3).clone()
     out, has_guide = stale_guide_states(states, simulated_guides(3, 2, 10))

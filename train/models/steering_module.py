@@ -26,6 +26,8 @@ import torch
 from huggingface_hub import PyTorchModelHubMixin
 from torch import nn
 
+from train.renames import renamed_keywords
+
 __all__ = [
     "SteeredDrafter",
     "SteeringHandle",
@@ -86,25 +88,26 @@ def guide_for(position: int, guides: Sequence[int]) -> int:
     return guides[i - 1] if i else -1
 
 
-def simulated_guides(response_start: int, offset: int, length: int) -> list[int]:
-    """Training's guide positions for a sequence of ``length`` whose response starts at
-    ``response_start``: decoding's (:func:`guide_positions`) when every verification commits ``offset``
-    tokens (the authors draw one o in 1..gamma per batch). The response's first ``offset`` tokens are
+@renamed_keywords(response_start="answer_start")
+def simulated_guides(answer_start: int, offset: int, length: int) -> list[int]:
+    """Training's guide positions for a sequence of ``length`` whose answer starts at
+    ``answer_start``: decoding's (:func:`guide_positions`) when every verification commits ``offset``
+    tokens (the authors draw one o in 1..gamma per batch). The answer's first ``offset`` tokens are
     drafted unsteered (the first block), then block after block the drafter sees staleness 1..offset,
     as decoding's draft i of a block is predicted with staleness i."""
     if offset < 1:
         raise ValueError(f"offset must be >= 1, got {offset}")
-    if response_start < 1:
-        raise ValueError(f"response_start must be >= 1 (a prompt of one token or more), got {response_start}")
-    blocks = max(0, (length - response_start) // offset + 1)
-    return [g for g in guide_positions(response_start, [offset] * blocks) if g < length - 1]
+    if answer_start < 1:
+        raise ValueError(f"answer_start must be >= 1 (a prompt of one token or more), got {answer_start}")
+    blocks = max(0, (length - answer_start) // offset + 1)
+    return [g for g in guide_positions(answer_start, [offset] * blocks) if g < length - 1]
 
 
 def stale_guide_states(states: torch.Tensor, guides: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """The verifier states each drafter position is steered with in training, exactly as in decoding.
 
     states: (B, T, S, d), the verifier's states at every position; guides: the guide positions
-    (:func:`simulated_guides`; the same for every row: responses start at one column). Position t gets
+    (:func:`simulated_guides`; the same for every row: answers start at one column). Position t gets
     the states of ``guide_for(t, guides)``; positions with no guide (the prompt and the first block) get
     zeros and ``has_guide`` False, where the caller must zero the biases (a trained module maps zero
     states to a nonzero bias). Returns (states (B, T, S, d), has_guide (B, T) bool)."""

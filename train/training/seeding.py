@@ -7,7 +7,7 @@ import torch
 
 def mix_seed(*values: int) -> int:
     """A seed from integers (run seed, step, rank, ...), stable across processes, unlike ``hash``:
-    a resumed run draws the same responses the killed one would have."""
+    a resumed run draws the same rollouts the killed one would have."""
     seed = 0
     for v in values:
         seed = (seed * 1_000_003 + int(v)) % (2**61 - 1)
