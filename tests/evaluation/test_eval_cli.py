@@ -32,6 +32,7 @@ def test_decoding_choice_labels_the_default_entry():
             "gamma": 2,
             "lenience": "squared",
             "eps": 0.5,
+            "plain_steps": "auto",
         }
     }
 

@@ -13,9 +13,12 @@ from typing import Any, ClassVar
 
 import torch
 
+from train.decoding.costs import StepCosts
+from train.decoding.draft_gate import DraftGate
 from train.decoding.loop import run_synchronous
 from train.decoding.metrics import DecodeResult
 from train.decoding.model_call import TimedModel
+from train.decoding.proposers.gated_proposer import GatedProposer
 from train.decoding.proposers.lookup_proposer import PromptLookupProposer, lookup_first
 from train.decoding.proposers.protocol import Proposer
 from train.decoding.rules.rejection import LOSSLESS
@@ -133,13 +136,21 @@ class DraftTreeDecoder(Decoder):
     tree) under the synchronous schedule, verified by ``_rule`` (lossless rejection sampling unless a
     subclass sets Medusa's lossy rule). Subclasses set ``_verifier``, ``_proposer`` and ``depth``, and
     ``_lookup`` for prompt lookup first (:func:`~train.decoding.proposers.lookup_proposer.prompt_lookup`;
-    the proposer drafts where the context offers nothing to copy)."""
+    the proposer drafts where the context offers nothing to copy). ``_gate`` (a subclass's
+    ``plain_steps="auto"``): the proposer drafts only in blocks where its drafts have paid for their cost
+    so far, a plain verifier step elsewhere (:mod:`train.decoding.draft_gate`; the costs measured at the
+    first call by :meth:`measure_costs`)."""
 
     _verifier: TimedModel
     _proposer: Proposer
     depth: int
     _rule: VerificationRule = LOSSLESS
     _lookup: PromptLookupProposer | None = None
+    _gate: DraftGate | None = None
+
+    def measure_costs(self) -> StepCosts:
+        """The pair's step costs the gate weighs drafted blocks by (a subclass with a gate says how)."""
+        raise NotImplementedError(f"{type(self).__name__} has no plain-step gate")
 
     def decode(
         self,
@@ -149,7 +160,12 @@ class DraftTreeDecoder(Decoder):
         eos: frozenset[int],
         generator: torch.Generator | None,
     ) -> DecodeResult:
-        proposer, max_draft = lookup_first(self._proposer, self.depth, self._lookup)
+        proposer = self._proposer
+        if self._gate is not None:
+            if self._gate.costs is None:
+                self._gate.costs = self.measure_costs()
+            proposer = GatedProposer(proposer, self._gate)
+        proposer, max_draft = lookup_first(proposer, self.depth, self._lookup)
         return run_synchronous(
             self._verifier,
             proposer,

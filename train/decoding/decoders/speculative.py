@@ -17,12 +17,15 @@ import torch
 from train.decoding.cost_probe import step_costs
 from train.decoding.costs import StepCosts
 from train.decoding.decoders.base import Decoder
+from train.decoding.draft_gate import plain_step_gate
 from train.decoding.length_policy import CostAwareLength
 from train.decoding.loop import run_synchronous
 from train.decoding.metrics import DecodeResult
 from train.decoding.model_call import TimedModel
+from train.decoding.proposers.gated_proposer import GatedProposer
 from train.decoding.proposers.lookup_proposer import lookup_first, prompt_lookup
 from train.decoding.proposers.model_proposer import ModelProposer
+from train.decoding.proposers.protocol import Proposer
 from train.decoding.proposers.steered_proposer import SteeredProposer
 from train.decoding.rules.rejection import RejectionRule
 from train.decoding.sampling import SamplingParams
@@ -79,6 +82,7 @@ class SpeculativeDecoder(Decoder):
         lookup_min_ngram: int = 2,
         draft_length: str = "fixed",
         costs: StepCosts | None = None,
+        plain_steps: str = "never",
     ) -> None:
         if getattr(drafter, "drafter_kind", "model") == "steered":
             if steering is not None:
@@ -97,6 +101,14 @@ class SpeculativeDecoder(Decoder):
         #: The cost-aware draft length (``draft_length="cost"``), else None.
         self.length = CostAwareLength(costs) if draft_length == "cost" else None
         self.draft_length = draft_length
+        if plain_steps == "auto" and draft_length == "cost":
+            raise ValueError(
+                "plain_steps='auto' is for draft_length='fixed': a length chosen by cost takes plain steps"
+            )
+        self._gate = plain_step_gate(plain_steps)
+        if self._gate is not None:
+            self._gate.costs = costs
+        self.plain_steps = plain_steps
         self._proposer = ModelProposer(
             TimedModel(drafter), self._verifier.vocab_size, confidence_threshold, self.length
         )
@@ -119,9 +131,11 @@ class SpeculativeDecoder(Decoder):
 
     @property
     def step_costs(self) -> StepCosts | None:
-        """The pair's measured step costs this decoder chooses its draft lengths by (None: not chosen by
-        cost, or not measured yet)."""
-        return self.length.costs if self.length is not None else None
+        """The pair's measured step costs this decoder chooses its draft lengths or its plain steps by
+        (None: chosen by neither, or not measured yet)."""
+        if self.length is not None:
+            return self.length.costs
+        return self._gate.costs if self._gate is not None else None
 
     def measure_costs(self) -> StepCosts:
         """The pair's step costs for checks of 1 .. the most tokens a block can verify, measured once per
@@ -140,11 +154,16 @@ class SpeculativeDecoder(Decoder):
     ) -> DecodeResult:
         if self.length is not None and self.length.costs is None:
             self.length.costs = self.measure_costs()
+        if self._gate is not None and self._gate.costs is None:
+            self._gate.costs = self.measure_costs()
         # SD^2: hooks on the drafter for the duration of this call only (the drafter stays plain)
         attached = self.steering.attach(self.drafter) if self.steering is not None else nullcontext(None)
         with attached as handle:
             steered = SteeredProposer(self._proposer, self.steering, handle) if handle is not None else None
-            proposer, max_draft = lookup_first(steered or self._proposer, self.gamma, self._lookup)
+            drafting: Proposer = steered or self._proposer
+            if self._gate is not None:
+                drafting = GatedProposer(drafting, self._gate)
+            proposer, max_draft = lookup_first(drafting, self.gamma, self._lookup)
             result = run_synchronous(
                 self._verifier,
                 proposer,

@@ -15,7 +15,10 @@ from collections.abc import Sequence
 
 import torch
 
+from train.decoding.cost_probe import step_costs
+from train.decoding.costs import StepCosts
 from train.decoding.decoders.base import DraftTreeDecoder
+from train.decoding.draft_gate import plain_step_gate
 from train.decoding.model_call import TimedModel
 from train.decoding.proposers.lookup_proposer import prompt_lookup
 from train.decoding.proposers.tree_proposers import TREE_METHODS, TreeProposer
@@ -38,8 +41,12 @@ class TreeSpeculativeDecoder(DraftTreeDecoder):
     ``method="specinfer"`` or ``"rsd_c"`` with ``branching`` (children of every depth-d node, so depth
     d + 1 holds prod(branching[:d + 1]) nodes); ``method="rsd_s"`` with ``depth`` and ``beam_width``
     (at most ``beam_width`` nodes per depth). ``lookup_tokens`` K > 0: prompt lookup first, the tree
-    where the context offers nothing to copy (docs/decoding.md#prompt-lookup). Same ``generate``
-    interface and result as :class:`~train.decoding.decoders.speculative.SpeculativeDecoder`.
+    where the context offers nothing to copy (docs/decoding.md#prompt-lookup). ``plain_steps="auto"``:
+    the tree is drafted only in blocks where trees have paid for their measured cost so far, a plain
+    verifier step elsewhere (:mod:`train.decoding.draft_gate`; lossless), under ``costs`` or the pair's
+    step costs measured at the first call; ``"never"`` (the default): a tree every block, the method as
+    published. Same ``generate`` interface and result as
+    :class:`~train.decoding.decoders.speculative.SpeculativeDecoder`.
     """
 
     # more than 8 parameters: each is a key of the decoder configs Hydra instantiates
@@ -54,6 +61,8 @@ class TreeSpeculativeDecoder(DraftTreeDecoder):
         lookup_tokens: int = 0,
         lookup_max_ngram: int = 3,
         lookup_min_ngram: int = 2,
+        plain_steps: str = "never",
+        costs: StepCosts | None = None,
     ) -> None:
         if method not in TREE_METHODS:
             raise ValueError(f"method must be one of {sorted(TREE_METHODS)}, got {method!r}")
@@ -80,7 +89,7 @@ class TreeSpeculativeDecoder(DraftTreeDecoder):
         self.beam_width = beam_width
         self._verifier = TimedModel(verifier)
         self._lookup = prompt_lookup(lookup_tokens, lookup_max_ngram, lookup_min_ngram)
-        self._proposer = TreeProposer(
+        self._proposer: TreeProposer = TreeProposer(
             TimedModel(drafter),
             self._verifier.vocab_size,
             method,
@@ -89,6 +98,16 @@ class TreeSpeculativeDecoder(DraftTreeDecoder):
             beam_width=beam_width or 0,
         )
         self.vocab_size = self._verifier.vocab_size
+        self._gate = plain_step_gate(plain_steps)
+        if self._gate is not None:
+            self._gate.costs = costs
+        self.plain_steps = plain_steps
+
+    def measure_costs(self) -> StepCosts:
+        """Checks of 1 .. the tree's nodes + 1 tokens and a drafter step, measured once per machine and
+        setting (:func:`~train.decoding.cost_probe.step_costs`)."""
+        nodes = self.depth * (self.beam_width or 0) if self.method == "rsd_s" else tree_size(self.branching)
+        return step_costs(self._verifier, self._proposer.drafter, nodes + 1)
 
     def models(self) -> tuple[torch.nn.Module, ...]:
         return (self.verifier, self.drafter)

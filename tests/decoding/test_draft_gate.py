@@ -1,0 +1,155 @@
+"""The plain-step gate for fixed-shape drafts (train/decoding/draft_gate.py, proposers/gated_proposer.py)
+and the decoders that take it (``plain_steps="auto"``: trees, RSD, chains of set gamma).
+
+The gate's arithmetic by hand; the decoders' greedy output equal to Hugging Face's where drafting pays
+and where it does not (then plain steps, bar the probes); EOS and every short limit; the exact output law
+at T = 1 by chi-square while the gate switches between drafted blocks and plain steps. Broken on purpose
+(in the suite): a gate that decides after the draft is drawn, dropping drafts whose first token the
+drafter found unlikely, fails the law test.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from train.decoding import SamplingParams, SpeculativeDecoder, TreeSpeculativeDecoder
+from train.decoding.costs import StepCosts
+from train.decoding.draft import Draft
+from train.decoding.draft_gate import DraftGate, drafting_pays, plain_step_gate
+from train.decoding.proposers.gated_proposer import GatedProposer
+
+from .decoding_helpers import hf_greedy
+from .spec_reference import chi2_critical, chi_square, run_many, table_next, verifier_joint
+from .test_tree import EOS, METHODS, PROMPT, fake_pair
+
+#: checks as a float32 CPU shipped them: a check of n > 1 tokens costs about twice a step
+STEEP = StepCosts(verify=(1.0, 2.0, 2.1, 2.2, 2.3, 2.4, 2.5, 2.6, 2.7, 2.8, 2.9, 3.0), draft=0.2)
+#: checks as a bfloat16 machine runs them: nearly flat, a cheap drafter
+FLAT = StepCosts(verify=(1.0, 1.02, 1.04, 1.06, 1.08, 1.1, 1.12, 1.14, 1.16, 1.18, 1.2, 1.22), draft=0.02)
+
+
+def test_the_gate_by_hand():
+    assert drafting_pays(3.0, 2.9, 1.0) and not drafting_pays(3.0, 3.1, 1.0)
+    with pytest.raises(ValueError):
+        drafting_pays(1.0, 0.0, 1.0)
+    gate = DraftGate(StepCosts(verify=(1.0, 1.5, 2.0), draft=0.25), warmup=2, probe_every=3, decay=0.5)
+    assert gate.block_seconds(2, 2) == pytest.approx(2.0 + 0.5)
+    assert gate.should_draft("greedy") and gate.should_draft("greedy")  # warm-up
+    gate.record("greedy", 1, 2.5)
+    gate.record("greedy", 2, 2.5)  # decayed sums: 0.5 + 2 = 2.5 tokens in 1.25 + 2.5 = 3.75 s
+    assert gate.rate("greedy").tokens == pytest.approx(2.5) and gate.rate("greedy").seconds == pytest.approx(
+        3.75
+    )
+    assert [gate.should_draft("greedy") for _ in range(6)] == [False, False, True] * 2  # 0.67 < 1 token/s
+    assert gate.should_draft(("sampled", 1.0))  # another regime warms up on its own
+    gate.record("greedy", 4, 2.5)  # 1.25 + 4 = 5.25 tokens in 1.875 + 2.5 = 4.375 s: 1.2 tokens/s
+    assert gate.should_draft("greedy")
+    with pytest.raises(RuntimeError, match="no step costs"):
+        DraftGate().block_seconds(1, 1)
+    for bad in ({"warmup": 0}, {"probe_every": 0}, {"decay": 0.0}, {"decay": 1.5}):
+        with pytest.raises(ValueError):
+            DraftGate(**bad)  # type: ignore[arg-type]
+    assert plain_step_gate("never") is None and isinstance(plain_step_gate("auto"), DraftGate)
+    with pytest.raises(ValueError, match="plain_steps"):
+        plain_step_gate("sometimes")
+
+
+def _close_drafter(verifier: torch.nn.Module) -> torch.nn.Module:
+    drafter = copy.deepcopy(verifier)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(1e-3 * torch.randn(p.shape, generator=gen))
+    return drafter
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_trees_that_do_not_pay_become_plain_steps_and_keep_the_greedy_output(method, tiny_pairs):
+    """A random drafter on steep checks: after the warm-up the decoder stops drafting (bar a probe every
+    8 blocks); a drafter close to the verifier on flat checks: it drafts every block. The greedy output
+    is the verifier's either way."""
+    verifier, drafter = tiny_pairs["llama"]
+    ids = torch.tensor([[0, 5, 9, 3, 7]])
+    ref = hf_greedy(verifier, ids, 60)
+    dec = TreeSpeculativeDecoder(verifier, drafter, **METHODS[method], plain_steps="auto", costs=STEEP)
+    res = dec.generate(ids, 60)
+    assert res.tokens.tolist() == ref
+    never = TreeSpeculativeDecoder(verifier, drafter, **METHODS[method]).generate(ids, 60)
+    assert res.stats.verifier_calls > 45 and res.stats.drafter_calls < never.stats.drafter_calls / 3, (
+        res.stats.verifier_calls,
+        res.stats.drafter_calls,
+        never.stats.drafter_calls,
+    )
+    close = TreeSpeculativeDecoder(
+        verifier, _close_drafter(verifier), **METHODS[method], plain_steps="auto", costs=FLAT
+    )
+    res = close.generate(ids, 60)
+    assert res.tokens.tolist() == ref
+    assert res.stats.accepted >= 30 and res.stats.verifier_calls < 25, res.stats
+
+
+def test_a_gated_chain_and_a_gated_tree_stop_at_eos_and_at_every_limit(tiny_pairs):
+    verifier, drafter = tiny_pairs["llama"]
+    ids = torch.tensor([[0, 5, 9, 3, 7]])
+    ref = hf_greedy(verifier, ids, 30)
+    for costs in (STEEP, FLAT):
+        decoders = [
+            SpeculativeDecoder(verifier, drafter, gamma=3, plain_steps="auto", costs=costs),
+            TreeSpeculativeDecoder(
+                verifier, drafter, **METHODS["rsd_c"], plain_steps="auto", costs=costs, lookup_tokens=3
+            ),
+        ]
+        for dec in decoders:
+            for eos in ref[1:10]:
+                assert dec.generate(ids, 30, eos_token_id=eos).tokens.tolist() == ref[: ref.index(eos) + 1]
+            for n in (0, 1, 2, 5):
+                assert dec.generate(ids, n).tokens.tolist() == ref[:n]
+
+
+def test_bad_settings_raise(tiny_pairs):
+    verifier, drafter = tiny_pairs["llama"]
+    with pytest.raises(ValueError, match="plain_steps"):
+        TreeSpeculativeDecoder(verifier, drafter, **METHODS["rsd_c"], plain_steps="always")
+    with pytest.raises(ValueError, match="plain_steps='auto' is for draft_length='fixed'"):
+        SpeculativeDecoder(verifier, drafter, draft_length="cost", plain_steps="auto")
+
+
+class _DecidesAfterTheDraw(GatedProposer):
+    """Broken on purpose: drafts first, then keeps the draft only when the drafter found its first token
+    likely (a decision that depends on this block's draw)."""
+
+    def propose(self, sequence, budget, params, generator, eos, stats):  # type: ignore[no-untyped-def]
+        draft = self.inner.propose(sequence, budget, params, generator, eos, stats)
+        if draft.tokens and draft.q is not None and float(draft.q[0, draft.tokens[0]]) < 0.4:
+            return Draft()
+        return draft
+
+
+T1 = SamplingParams(temperature=1.0)
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["gate", "broken_on_purpose"])
+def test_the_output_law_is_the_verifiers_while_the_gate_switches(broken, monkeypatch):
+    """3,000 sampled decodes of the table pair (q != p, EOS in play) through RSD-C behind the gate, on
+    checks that cost about what the trees yield, so that runs mix drafted blocks and plain steps;
+    chi-square (alpha 1e-4) against the verifier's enumerated law."""
+    import train.decoding.decoders.base as base
+
+    if broken:
+        monkeypatch.setattr(base, "GatedProposer", _DecidesAfterTheDraw)
+    verifier, drafter, table = fake_pair("q!=p")
+    costs = StepCosts(verify=tuple(1.0 + 0.12 * i for i in range(12)), draft=0.05)
+    dec = TreeSpeculativeDecoder(verifier, drafter, **METHODS["rsd_c"], plain_steps="auto", costs=costs)
+    n, max_new = 3000, 4
+    runs = run_many(dec, PROMPT, max_new, T1, n, seed=0, eos=EOS)
+    law = verifier_joint(table_next(table, T1), PROMPT, max_new, (EOS,))
+    stat, df = chi_square(runs.counts, law, n)
+    if broken:
+        assert stat > chi2_critical(df), (stat, df)
+        return
+    assert stat < chi2_critical(df), (stat, df)
+    drafted_runs = sum(1 for s in runs.stats if s.drafter_calls > 0)
+    assert 300 < drafted_runs < n - 300, drafted_runs  # runs with trees and runs of plain steps alone

@@ -1,0 +1,113 @@
+"""Draft or take a plain step: a gate for decoders whose draft has a fixed shape (:class:`DraftGate`).
+
+A chain whose length is chosen by cost (:mod:`train.decoding.length_policy`) already takes a plain
+verifier step where no draft pays. A fixed shape (a tree of set branching, RSD's beams, a chain of set
+gamma) cannot shorten itself, so on a machine where its check and its drafter steps cost more than the
+tokens it adds, every block loses time. The gate asks, before the drafter runs, whether the shape's
+drafted blocks have been worth their cost so far:
+
+    drafted rate = tokens the drafted blocks committed / what they cost (their measured step costs)
+    plain rate   = 1 / V(1)
+
+A drafted block costs ``V(n + 1) + s * D`` (n draft tokens checked, s drafter forwards; the pair's
+measured :class:`~train.decoding.costs.StepCosts`) and commits its accepted tokens plus one. Both sums
+decay by ``decay`` per drafted block, so the rate follows the text. Until ``warmup`` blocks of a
+sampling regime have been drafted the gate drafts; after ``probe_every`` plain steps in a row it drafts
+once, so a rate that was low can recover.
+
+**Lossless.** The decision depends only on earlier blocks (what they committed) and on the costs measured
+before generation, never on this block's draws; a plain step draws the next token from the verifier's
+p, a drafted block is verified by the decoder's rule as before. So every block is exact given the
+sequence before it, whichever it is, and so is the whole output (the argument of docs/decoding.md,
+"A draft length chosen by cost"). The costs come from the cache of measured costs, not from this run's
+clock, so a seed reproduces the output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from train.decoding.costs import StepCosts
+
+__all__ = ["PLAIN_STEPS", "DraftGate", "drafting_pays", "plain_step_gate"]
+
+
+def drafting_pays(tokens: float, seconds: float, plain_seconds: float) -> bool:
+    """Whether blocks that committed ``tokens`` in ``seconds`` beat plain steps of ``plain_seconds``
+    (one token each): ``tokens / seconds >= 1 / plain_seconds``. Pure."""
+    if seconds <= 0 or plain_seconds <= 0:
+        raise ValueError(f"seconds must be positive, got {seconds!r} and {plain_seconds!r}")
+    return tokens * plain_seconds >= seconds
+
+
+@dataclass
+class _Rate:
+    """Decayed sums of what drafted blocks committed and cost."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    blocks: int = 0
+    skipped: int = 0
+
+
+@dataclass
+class DraftGate:
+    """Whether the next block drafts (see the module docstring). ``costs`` may be set after construction
+    (a decoder measures them at its first call)."""
+
+    costs: StepCosts | None = None
+    warmup: int = 4
+    probe_every: int = 8
+    decay: float = 0.9
+    _rates: dict[object, _Rate] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.warmup < 1 or self.probe_every < 1:
+            raise ValueError(f"warmup and probe_every must be >= 1, got {self.warmup}, {self.probe_every}")
+        if not 0.0 < self.decay <= 1.0:
+            raise ValueError(f"decay must be in (0, 1], got {self.decay!r}")
+
+    def _costs(self) -> StepCosts:
+        if self.costs is None:
+            raise RuntimeError("DraftGate: no step costs yet (the decoder measures them at its first call)")
+        return self.costs
+
+    def rate(self, regime: object) -> _Rate:
+        return self._rates.setdefault(regime, _Rate())
+
+    def should_draft(self, regime: object) -> bool:
+        """Draft this block (True) or take a plain verifier step."""
+        rate = self.rate(regime)
+        if rate.blocks < self.warmup or drafting_pays(rate.tokens, rate.seconds, self._costs().check(1)):
+            rate.skipped = 0
+            return True
+        rate.skipped += 1
+        if rate.skipped >= self.probe_every:
+            rate.skipped = 0
+            return True
+        return False
+
+    def block_seconds(self, checked: int, drafter_steps: int) -> float:
+        """What a drafted block costs: a verifier forward over ``checked`` draft tokens and the last
+        committed one, and ``drafter_steps`` drafter forwards."""
+        costs = self._costs()
+        return costs.check(checked + 1) + drafter_steps * costs.draft
+
+    def record(self, regime: object, committed: int, seconds: float) -> None:
+        """A drafted block committed ``committed`` tokens (its accepted drafts and one more) and cost
+        ``seconds`` (:meth:`block_seconds`)."""
+        rate = self.rate(regime)
+        rate.tokens = rate.tokens * self.decay + committed
+        rate.seconds = rate.seconds * self.decay + seconds
+        rate.blocks += 1
+
+
+#: A decoder's ``plain_steps`` values: ``auto`` (gated) and ``never`` (a draft every block).
+PLAIN_STEPS = ("auto", "never")
+
+
+def plain_step_gate(plain_steps: str) -> DraftGate | None:
+    """A decoder's ``plain_steps`` setting, checked, as a gate (None for ``never``)."""
+    if plain_steps not in PLAIN_STEPS:
+        raise ValueError(f"plain_steps must be one of {PLAIN_STEPS}, got {plain_steps!r}")
+    return DraftGate() if plain_steps == "auto" else None

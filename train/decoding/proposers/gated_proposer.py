@@ -1,0 +1,75 @@
+"""A proposer behind a :class:`~train.decoding.draft_gate.DraftGate`: the inner proposer's draft in
+blocks the gate lets draft, no draft (a plain verifier step) in the others.
+
+The inner proposer hears every ``start``, ``commit`` and ``observe``, drafted block or not, as behind
+:class:`~train.decoding.proposers.fallback_proposer.FallbackProposer`: a model proposer crops its cache
+to the committed length and feeds what it has not seen at its next draft. A drafted block is recorded
+at its ``commit``: the accepted path plus the correction or bonus token, at the cost of its checked
+tokens and the drafter forwards it ran (``stats.drafter_calls`` before and after). A block that ends the
+generation is never committed, so it is not recorded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from train.decoding.draft import Draft
+from train.decoding.draft_gate import DraftGate
+from train.decoding.length_policy import regime
+from train.decoding.metrics import DecodeStats
+from train.decoding.proposers.protocol import Proposer
+from train.decoding.sampling import SamplingParams
+
+__all__ = ["GatedProposer"]
+
+_EMPTY = Draft()
+
+
+class GatedProposer:
+    """``inner``'s draft where ``gate`` says drafting pays, else none."""
+
+    def __init__(self, inner: Proposer, gate: DraftGate) -> None:
+        self.inner = inner
+        self.gate = gate
+        #: (regime, cost) of the block drafted last, until its commit records it.
+        self._pending: tuple[object, float] | None = None
+
+    @property
+    def hidden_layers(self) -> tuple[int, ...] | None:
+        return self.inner.hidden_layers
+
+    def start(self) -> None:
+        self._pending = None
+        self.inner.start()
+
+    def propose(
+        self,
+        sequence: list[int],
+        budget: int,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        eos: frozenset[int],
+        stats: DecodeStats,
+    ) -> Draft:
+        self._pending = None
+        key = regime(params)
+        if not self.gate.should_draft(key):
+            return _EMPTY
+        calls = stats.drafter_calls
+        draft = self.inner.propose(sequence, budget, params, generator, eos, stats)
+        if draft.tokens:
+            seconds = self.gate.block_seconds(len(draft.tokens), stats.drafter_calls - calls)
+            self._pending = (key, seconds)
+        return draft
+
+    def commit(self, length: int, path: Sequence[int] | None = None) -> None:
+        if self._pending is not None:
+            key, seconds = self._pending
+            self.gate.record(key, len(path or ()) + 1, seconds)
+            self._pending = None
+        self.inner.commit(length, path)
+
+    def observe(self, states: torch.Tensor) -> None:
+        self.inner.observe(states)
