@@ -162,14 +162,3 @@ def test_zero_new_tokens_and_bad_input(model):
         rollout(model, ids, None, -1, GREEDY)
     with pytest.raises(ValueError, match=r"\(B, P\)"):
         rollout(model, ids[0], None, 2, GREEDY)
-
-
-def test_the_names_before_issue_53_are_the_same_classes():
-    """``ResponseSampler`` / ``ResponseDistillSettings`` became ``RolloutSampler`` /
-    ``RolloutDistillSettings`` (the glossary's "rollout"); the old names still import as the same classes
-    (DistillSpec's module and config still use them), and the settings' old check is the new one."""
-    from train.training.prompt_data import ResponseDistillSettings, RolloutDistillSettings
-    from train.training.rollout import ResponseSampler, RolloutSampler
-
-    assert ResponseSampler is RolloutSampler and ResponseDistillSettings is RolloutDistillSettings
-    assert RolloutDistillSettings.check_response_settings is RolloutDistillSettings.check_rollout_settings

@@ -71,13 +71,6 @@ class RolloutDistillSettings:
         check_prompt_settings(self)
         require(self.gamma >= 1, "method.gamma", ">= 1", self.gamma)
 
-    #: The name before issue 53; DistillSpec's config still calls it.
-    check_response_settings = check_rollout_settings
-
-
-#: The name before issue 53 (the glossary's "rollout"); DistillSpec's config still extends it.
-ResponseDistillSettings = RolloutDistillSettings
-
 
 def prompt_data(cfg: Any, tokenizer: Any, data: Any, seed: int) -> PromptDataModule:
     """Training and held-out prompts of ``data`` (a data config) sized by ``cfg`` (see

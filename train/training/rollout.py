@@ -23,7 +23,7 @@ from train.decoding.sampling import SamplingParams, sample, warp
 from train.models.introspect import cache_keyword, output_vocab_size, returned_cache, supports_logits_to_keep
 from train.models.loading import eos_token_ids
 
-__all__ = ["ResponseSampler", "Rollout", "RolloutSampler", "position_ids_from_mask", "rollout"]
+__all__ = ["Rollout", "RolloutSampler", "position_ids_from_mask", "rollout"]
 
 
 @dataclass
@@ -233,7 +233,3 @@ class RolloutSampler:
             vocab_size=self.vocab_size,
             keep_scores=keep_scores,
         )
-
-
-#: The name before issue 53 (the glossary's "rollout"); still imported by DistillSpec's module.
-ResponseSampler = RolloutSampler

@@ -12,7 +12,7 @@ from train.models.lora import LoraSettings
 from train.training.optim import (
     check_optimizer,
 )
-from train.training.prompt_data import ResponseDistillSettings
+from train.training.prompt_data import RolloutDistillSettings
 
 log = logging.getLogger(__name__)
 
@@ -20,10 +20,10 @@ DATA_SOURCES: tuple[str, ...] = ("fixed", "verifier", "drafter", "mixed_fixed", 
 
 
 @dataclass
-class DistillSpecConfig(ResponseDistillSettings):
+class DistillSpecConfig(RolloutDistillSettings):
     """Hyperparameters of DistillSpec (``method=distillspec``); validated before any model loads.
     The divergence, sampling and prompt settings are
-    :class:`~train.training.prompt_data.ResponseDistillSettings`."""
+    :class:`~train.training.prompt_data.RolloutDistillSettings`."""
 
     optimizer: Any
     scheduler: Any = None
@@ -60,7 +60,7 @@ class DistillSpecConfig(ResponseDistillSettings):
 
     def __post_init__(self) -> None:
         check_optimizer("method", self.optimizer, self.scheduler)
-        self.check_response_settings()
+        self.check_rollout_settings()
         require(
             isinstance(self.validate_before, bool),
             "method.validate_before",

@@ -73,7 +73,7 @@ from train.training.optim import (
     float32_trainables,
     weights_dtype,
 )
-from train.training.rollout import ResponseSampler, Rollout
+from train.training.rollout import Rollout, RolloutSampler
 from train.training.seeding import mix_seed, seeded_generator
 from train.training.verifier_scores import PrefixScorer
 
@@ -114,7 +114,7 @@ class DistillSpecModule(DistillSpecFinish, WholeNormClipping, L.LightningModule)
         verifier.requires_grad_(False)
         self.tokenizer = tokenizer
         self.pretrained = pretrained
-        self.sampler = ResponseSampler.for_models(
+        self.sampler = RolloutSampler.for_models(
             tokenizer, cfg.max_new_tokens, cfg.temperature, verifier, drafter
         )
         ids = draft_vocab_of(drafter)
@@ -325,7 +325,7 @@ class DistillSpecModule(DistillSpecFinish, WholeNormClipping, L.LightningModule)
         )
 
     def _held_out(
-        self, cache: dict[int, Rollout], sampler: ResponseSampler, batch: dict[str, torch.Tensor], index: int
+        self, cache: dict[int, Rollout], sampler: RolloutSampler, batch: dict[str, torch.Tensor], index: int
     ) -> Rollout:
         """The verifier's continuations of validation batch ``index`` under ``sampler``: generated once per
         run (seeded), reused by every validation."""
