@@ -317,6 +317,29 @@ def test_verifier_cache_mb_is_validated_at_start_up():
         _cfg(verifier_cache_mb=-1)
 
 
+def test_drafter_context_cuts_the_drafters_prompt_in_training_only():
+    """``method.drafter_context``: a training step runs the drafter over the prompt's last C tokens and the
+    continuation; validation (eval mode) over the whole prompt; the verifier's scores see the whole prompt."""
+    with pytest.raises(ConfigError, match="method.drafter_context"):
+        _cfg(drafter_context=0)
+    module, data = _module(_cfg(data_source="mixed_verifier", drafter_context=3))
+    batch = next(iter(data.train_dataloader()))
+    widths: list[int] = []
+    hook = module.drafter.register_forward_pre_hook(
+        lambda m, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+    try:
+        _verifier_forward_widths(module, batch, "verifier")
+        n, prompt_width = module.cfg.max_new_tokens, batch["input_ids"].shape[1]
+        assert prompt_width > 3 and widths and widths[-1] <= 3 + n
+        module.eval()
+        rollouts = module.make_batch(batch, "verifier", torch.Generator().manual_seed(0))
+        module.distill_loss(rollouts)
+        assert widths[-1] == rollouts.sequences.shape[1] > 3 + rollouts.sequences.shape[1] - prompt_width
+    finally:
+        hook.remove()
+
+
 def test_answers_given_in_advance_are_used_instead_of_generating(monkeypatch):
     """The fixed-data arm: continuations given offline (cut to max_new_tokens) are what verifier batches
     train on, and the verifier generates nothing for those prompts; other prompts are still answered."""

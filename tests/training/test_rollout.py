@@ -162,3 +162,29 @@ def test_zero_new_tokens_and_bad_input(model):
         rollout(model, ids, None, -1, GREEDY)
     with pytest.raises(ValueError, match=r"\(B, P\)"):
         rollout(model, ids[0], None, 2, GREEDY)
+
+
+def test_last_prompt_tokens_keeps_the_continuation_and_the_prompts_tail():
+    """The drafter's view of a batch with ``method.drafter_context``: each prompt's last tokens (a shorter
+    prompt keeps its padding), every continuation column and the scores unchanged; positions from the
+    mask restart at 0."""
+    from train.training.rollout import Rollout, last_prompt_tokens
+
+    seqs = torch.tensor([[0, 0, 5, 6, 7, 1, 2], [3, 4, 5, 6, 7, 8, 9]])
+    attn = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]])
+    cont = torch.zeros_like(seqs, dtype=torch.bool)
+    cont[:, 5:] = True
+    scores = torch.randn(2, 2, 11)
+    ro = Rollout(seqs, attn, cont, prompt_width=5, scores=scores)
+    cut = last_prompt_tokens(ro, 3)
+    assert cut.prompt_width == 3 and cut.scores is scores
+    assert cut.sequences.tolist() == [[5, 6, 7, 1, 2], [5, 6, 7, 8, 9]]
+    assert torch.equal(cut.continuation_mask[:, 3:], cont[:, 5:]) and not cut.continuation_mask[:, :3].any()
+    assert position_ids_from_mask(cut.attention_mask).tolist() == [[0, 1, 2, 3, 4]] * 2
+    short = last_prompt_tokens(ro, 4)  # the first row's prompt (3 tokens) keeps one padding column
+    assert short.attention_mask[0].tolist() == [0, 1, 1, 1, 1, 1]
+    assert (
+        last_prompt_tokens(ro, None) is ro
+        and last_prompt_tokens(ro, 5) is ro
+        and last_prompt_tokens(ro, 9) is ro
+    )

@@ -23,7 +23,7 @@ from train.decoding.sampling import SamplingParams, sample, warp
 from train.models.introspect import cache_keyword, output_vocab_size, returned_cache, supports_logits_to_keep
 from train.models.loading import eos_token_ids
 
-__all__ = ["Rollout", "RolloutSampler", "position_ids_from_mask", "rollout"]
+__all__ = ["Rollout", "RolloutSampler", "last_prompt_tokens", "position_ids_from_mask", "rollout"]
 
 
 @dataclass
@@ -48,6 +48,22 @@ class Rollout:
     continuation_mask: torch.Tensor
     prompt_width: int
     scores: torch.Tensor | None = None
+
+
+def last_prompt_tokens(rollouts: Rollout, context: int | None) -> Rollout:
+    """``rollouts`` with each prompt cut to its last ``context`` tokens (left padding kept where a prompt is
+    shorter), the continuations and scores unchanged; as it is when ``context`` is None or covers the
+    padded prompt width. Positions restart at 0 (from the mask), which rotary attention does not see."""
+    if context is None or context >= rollouts.prompt_width:
+        return rollouts
+    cut = rollouts.prompt_width - context
+    return Rollout(
+        sequences=rollouts.sequences[:, cut:],
+        attention_mask=rollouts.attention_mask[:, cut:],
+        continuation_mask=rollouts.continuation_mask[:, cut:],
+        prompt_width=context,
+        scores=rollouts.scores,
+    )
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -53,6 +53,11 @@ class DistillSpecConfig(RolloutDistillSettings):
     key/value cache (on-policy batches then run the verifier over the continuation only) and the logits of
     its cached answers (verifier batches and validation then run no verifier forward at all). 0: the
     verifier scores every batch with one full forward, as before."""
+    drafter_context: int | None = None
+    """Training steps run the drafter over only the last ``drafter_context`` prompt tokens before the
+    continuation (the verifier's scores still see the whole prompt): a step's drafter forward and backward
+    then cost ``drafter_context + max_new_tokens`` positions instead of ``prompt_len + max_new_tokens``.
+    Validation always gives the drafter the whole prompt. None: the whole prompt."""
     validate_before: bool = False
     """Also validate the starting drafter before the first step (not on resume): the report then
     compares the same held-out measurements before and after training. The verifier's validation
@@ -72,6 +77,13 @@ class DistillSpecConfig(RolloutDistillSettings):
             self.data_source in DATA_SOURCES, "method.data_source", f"one of {DATA_SOURCES}", self.data_source
         )
         require(self.ce_weight >= 0, "method.ce_weight", ">= 0", self.ce_weight)
+        c = self.drafter_context
+        require(
+            c is None or (isinstance(c, int) and not isinstance(c, bool) and c >= 1),
+            "method.drafter_context",
+            "null or an integer >= 1",
+            c,
+        )
         mb = self.verifier_cache_mb
         require(
             isinstance(mb, int | float) and not isinstance(mb, bool) and math.isfinite(mb) and mb >= 0,

@@ -73,7 +73,7 @@ from train.training.optim import (
     float32_trainables,
     weights_dtype,
 )
-from train.training.rollout import Rollout, RolloutSampler
+from train.training.rollout import Rollout, RolloutSampler, last_prompt_tokens
 from train.training.seeding import mix_seed, seeded_generator
 from train.training.verifier_scores import PrefixScorer
 
@@ -244,8 +244,9 @@ class DistillSpecModule(DistillSpecFinish, WholeNormClipping, L.LightningModule)
                 rollouts.scores if rollouts.scores is not None else self.verifier_scorer(rollouts)
             )
         cfg = self.cfg
+        seen = last_prompt_tokens(rollouts, cfg.drafter_context) if self.training else rollouts
         if self.draft_ids is None:
-            drafter_logits = self.logits(self.drafter, rollouts)
+            drafter_logits = self.logits(self.drafter, seen)
             loss = divergence(
                 cfg.divergence,
                 drafter_logits,
@@ -255,7 +256,7 @@ class DistillSpecModule(DistillSpecFinish, WholeNormClipping, L.LightningModule)
                 beta=cfg.beta,
             )
         else:  # (B, N, n_draft) logits; the verifier renormalised over the draft ids (FR-Spec, EAGLE-3)
-            drafter_logits = self.logits(self.drafting_model(full_logits=False), rollouts)
+            drafter_logits = self.logits(self.drafting_model(full_logits=False), seen)
             loss = draft_divergence(
                 cfg.divergence,
                 drafter_logits,
