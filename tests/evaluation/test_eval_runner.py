@@ -23,6 +23,7 @@ from train.evaluation import (
     results_table,
 )
 from train.evaluation.decoder_build import build_decoders
+from train.evaluation.eval_config import load_decoder_config
 from train.evaluation.eval_progress import progress_line
 
 GAMMA = 4
@@ -36,8 +37,15 @@ def _cfg(**kw) -> EvalConfig:
 
 
 def test_perfect_drafter_accepts_everything(verifier, prompts, tmp_path):
+    # a gamma-4 chain every block: a drafter that costs what the verifier costs never pays for its drafts,
+    # so sd's plain-step gate (plain_steps: auto) would rightly decode it as plain steps
+    sd = {**load_decoder_config("sd"), "plain_steps": "never"}
     results = evaluate_drafters(
-        verifier, {"copy": copy.deepcopy(verifier)}, prompts, _cfg(plots=True), out_dir=tmp_path
+        verifier,
+        {"copy": copy.deepcopy(verifier)},
+        prompts,
+        _cfg(plots=True, decoders=[sd]),
+        out_dir=tmp_path,
     )
     run = find_run(results, "copy", 0.0)
     m = run["metrics"]
@@ -51,6 +59,7 @@ def test_perfect_drafter_accepts_everything(verifier, prompts, tmp_path):
         "lookup_tokens": 0,
         "lookup_max_ngram": 3,
         "lookup_min_ngram": 2,
+        "plain_steps": "never",
     }
     assert m["acceptance_rate"]["mean"] == 1.0
     assert m["block_efficiency"] == {"mean": GAMMA + 1, "std": 0.0, "n": 2}
