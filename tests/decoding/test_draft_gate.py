@@ -136,10 +136,10 @@ def test_the_output_law_is_the_verifiers_while_the_gate_switches(broken, monkeyp
     """3,000 sampled decodes of the table pair (q != p, EOS in play) through RSD-C behind the gate, on
     checks that cost about what the trees yield, so that runs mix drafted blocks and plain steps;
     chi-square (alpha 1e-4) against the verifier's enumerated law."""
-    import train.decoding.decoders.base as base
+    import train.decoding.proposers.gated_proposer as gated
 
     if broken:
-        monkeypatch.setattr(base, "GatedProposer", _DecidesAfterTheDraw)
+        monkeypatch.setattr(gated, "GatedProposer", _DecidesAfterTheDraw)
     verifier, drafter, table = fake_pair("q!=p")
     costs = StepCosts(verify=tuple(1.0 + 0.12 * i for i in range(12)), draft=0.05)
     dec = TreeSpeculativeDecoder(verifier, drafter, **METHODS["rsd_c"], plain_steps="auto", costs=costs)

@@ -106,8 +106,9 @@ class DraftGate:
 PLAIN_STEPS = ("auto", "never")
 
 
-def plain_step_gate(plain_steps: str) -> DraftGate | None:
-    """A decoder's ``plain_steps`` setting, checked, as a gate (None for ``never``)."""
+def plain_step_gate(plain_steps: str, costs: StepCosts | None = None) -> DraftGate | None:
+    """A decoder's ``plain_steps`` setting, checked, as a gate under ``costs`` (None: measured by the
+    decoder at its first call); None for ``never``."""
     if plain_steps not in PLAIN_STEPS:
         raise ValueError(f"plain_steps must be one of {PLAIN_STEPS}, got {plain_steps!r}")
-    return DraftGate() if plain_steps == "auto" else None
+    return DraftGate(costs) if plain_steps == "auto" else None

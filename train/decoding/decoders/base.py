@@ -18,7 +18,7 @@ from train.decoding.draft_gate import DraftGate
 from train.decoding.loop import run_synchronous
 from train.decoding.metrics import DecodeResult
 from train.decoding.model_call import TimedModel
-from train.decoding.proposers.gated_proposer import GatedProposer
+from train.decoding.proposers.gated_proposer import behind_gate
 from train.decoding.proposers.lookup_proposer import PromptLookupProposer, lookup_first
 from train.decoding.proposers.protocol import Proposer
 from train.decoding.rules.rejection import LOSSLESS
@@ -160,12 +160,8 @@ class DraftTreeDecoder(Decoder):
         eos: frozenset[int],
         generator: torch.Generator | None,
     ) -> DecodeResult:
-        proposer = self._proposer
-        if self._gate is not None:
-            if self._gate.costs is None:
-                self._gate.costs = self.measure_costs()
-            proposer = GatedProposer(proposer, self._gate)
-        proposer, max_draft = lookup_first(proposer, self.depth, self._lookup)
+        drafting = behind_gate(self._proposer, self._gate, self.measure_costs)
+        proposer, max_draft = lookup_first(drafting, self.depth, self._lookup)
         return run_synchronous(
             self._verifier,
             proposer,

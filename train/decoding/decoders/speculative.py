@@ -22,10 +22,9 @@ from train.decoding.length_policy import CostAwareLength
 from train.decoding.loop import run_synchronous
 from train.decoding.metrics import DecodeResult
 from train.decoding.model_call import TimedModel
-from train.decoding.proposers.gated_proposer import GatedProposer
+from train.decoding.proposers.gated_proposer import behind_gate
 from train.decoding.proposers.lookup_proposer import lookup_first, prompt_lookup
 from train.decoding.proposers.model_proposer import ModelProposer
-from train.decoding.proposers.protocol import Proposer
 from train.decoding.proposers.steered_proposer import SteeredProposer
 from train.decoding.rules.rejection import RejectionRule
 from train.decoding.sampling import SamplingParams
@@ -105,9 +104,7 @@ class SpeculativeDecoder(Decoder):
             raise ValueError(
                 "plain_steps='auto' is for draft_length='fixed': a length chosen by cost takes plain steps"
             )
-        self._gate = plain_step_gate(plain_steps)
-        if self._gate is not None:
-            self._gate.costs = costs
+        self._gate = plain_step_gate(plain_steps, costs)
         self.plain_steps = plain_steps
         self._proposer = ModelProposer(
             TimedModel(drafter), self._verifier.vocab_size, confidence_threshold, self.length
@@ -154,15 +151,11 @@ class SpeculativeDecoder(Decoder):
     ) -> DecodeResult:
         if self.length is not None and self.length.costs is None:
             self.length.costs = self.measure_costs()
-        if self._gate is not None and self._gate.costs is None:
-            self._gate.costs = self.measure_costs()
         # SD^2: hooks on the drafter for the duration of this call only (the drafter stays plain)
         attached = self.steering.attach(self.drafter) if self.steering is not None else nullcontext(None)
         with attached as handle:
             steered = SteeredProposer(self._proposer, self.steering, handle) if handle is not None else None
-            drafting: Proposer = steered or self._proposer
-            if self._gate is not None:
-                drafting = GatedProposer(drafting, self._gate)
+            drafting = behind_gate(steered or self._proposer, self._gate, self.measure_costs)
             proposer, max_draft = lookup_first(drafting, self.gamma, self._lookup)
             result = run_synchronous(
                 self._verifier,

@@ -98,9 +98,7 @@ class TreeSpeculativeDecoder(DraftTreeDecoder):
             beam_width=beam_width or 0,
         )
         self.vocab_size = self._verifier.vocab_size
-        self._gate = plain_step_gate(plain_steps)
-        if self._gate is not None:
-            self._gate.costs = costs
+        self._gate = plain_step_gate(plain_steps, costs)
         self.plain_steps = plain_steps
 
     def measure_costs(self) -> StepCosts:

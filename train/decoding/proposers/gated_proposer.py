@@ -11,10 +11,11 @@ generation is never committed, so it is not recorded.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
+from train.decoding.costs import StepCosts
 from train.decoding.draft import Draft
 from train.decoding.draft_gate import DraftGate
 from train.decoding.length_policy import regime
@@ -22,7 +23,7 @@ from train.decoding.metrics import DecodeStats
 from train.decoding.proposers.protocol import Proposer
 from train.decoding.sampling import SamplingParams
 
-__all__ = ["GatedProposer"]
+__all__ = ["GatedProposer", "behind_gate"]
 
 _EMPTY = Draft()
 
@@ -73,3 +74,15 @@ class GatedProposer:
 
     def observe(self, states: torch.Tensor) -> None:
         self.inner.observe(states)
+
+
+def behind_gate(
+    proposer: Proposer, gate: DraftGate | None, measure_costs: Callable[[], StepCosts]
+) -> Proposer:
+    """``proposer`` behind ``gate`` (itself when there is none), the gate's costs measured by
+    ``measure_costs`` the first time they are needed: what a decoder with ``plain_steps`` drafts with."""
+    if gate is None:
+        return proposer
+    if gate.costs is None:
+        gate.costs = measure_costs()
+    return GatedProposer(proposer, gate)
