@@ -256,17 +256,22 @@ def test_run_answers_reads_a_folder_the_pairs_cache_or_generates(tmp_path, monke
 
     calls = []
 
-    def fake_generate(
-        verifier, tokenizer, data, counts, prompt_len, answer_tokens, batch, seed, engine, **where
-    ):
-        calls.append((data, dict(counts), prompt_len, answer_tokens, batch, seed, where["device"].type))
-        assert where["cache_dir"] == str(tmp_path / "ckpt" / "answers")
-        return {"train": [], "validation": []}
+    def fake_cut(split, tokenizer, prompt_len, count, seed, continuation_len):
+        return {"input_ids": [[split, prompt_len, count, seed]]}
+
+    def fake_greedy(verifier, eos, rows, answer_tokens, batch, engine, cache_dir, device, label):
+        calls.append((rows, answer_tokens, batch, device.type))
+        assert cache_dir == str(tmp_path / "ckpt" / "answers")
+        return []
 
     own = {
         s: [Answer([1, 2], [3, 4], torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, 1))] for s in SPLITS
     }
-    monkeypatch.setattr(answer_data, "generated_answers", fake_generate)
+    # the generated answers' prompts are cut from the run's data with its seed, then answered greedily
+    monkeypatch.setattr(answer_data, "load_text_dataset", lambda data, _: {s: f"{data}/{s}" for s in SPLITS})
+    monkeypatch.setattr(answer_data, "make_prompts", fake_cut)
+    monkeypatch.setattr(answer_data, "answer_eos_ids", lambda verifier, tokenizer: [0])
+    monkeypatch.setattr(answer_data, "greedy_answers", fake_greedy)
     monkeypatch.setattr(answer_data, "pair_answers", lambda model, v, t, **_: own if model.smollm2 else None)
     folder = tmp_path / "answers"
     folder.mkdir(parents=True)
@@ -287,7 +292,8 @@ def test_run_answers_reads_a_folder_the_pairs_cache_or_generates(tmp_path, monke
     assert not calls
     run_answers("pair", pair, tiny, counts, 16, 8, 4)
     run_answers(None, pair, real, counts, 16, 8, 4)
-    assert calls == [("d", counts, 16, 8, 4, 3, "cpu")] * 2
+    generated = [([["d/train", 16, 5, 3]], 8, 4, "cpu"), ([["d/validation", 16, 2, 3]], 8, 4, "cpu")]
+    assert calls == generated * 2
     with pytest.raises(ConfigError, match="method.answers"):
         run_answers(str(tmp_path / "nothing"), pair, tiny, counts, 16, 8, 4)
 

@@ -80,28 +80,26 @@ def method_answers(cfg: Any, pair: Any, spec: Any, prompt_len: int) -> dict[str,
     )
 
 
-# more than 8 parameters: the answers' recipe, every part of it in the cache key
 def generated_answers(
-    verifier: Any,
-    tokenizer: Any,
-    data: Any,
+    pair: Any,
+    spec: Any,
     counts: dict[str, int],
     prompt_len: int,
     answer_tokens: int,
     batch_size: int,
-    seed: int,
     engine: str = "transformers",
-    cache_dir: str | os.PathLike[str] | None = None,
-    device: torch.device | None = None,
 ) -> dict[str, list[Answer]]:
     """The verifier's greedy answers (``answer_tokens`` at most) to ``counts[split]`` prompts of each
-    split of ``data`` (a data config), each prompt at most ``prompt_len`` tokens; with a ``cache_dir``
-    generated once (:func:`greedy_answers`) and on ``device``."""
-    splits = load_text_dataset(data, tokenizer)
+    split of the run's data (``spec.data``, cut with ``spec.seed``), each prompt at most ``prompt_len``
+    tokens; generated once (:func:`greedy_answers`), cached under :func:`answers_cache_dir` and on the
+    run's accelerator."""
+    verifier, tokenizer = pair.verifier, pair.tokenizer
+    splits = load_text_dataset(spec.data, tokenizer)
     eos = answer_eos_ids(verifier, tokenizer)
+    cache_dir, device = answers_cache_dir(spec), answer_device(spec.trainer.accelerator)
     out: dict[str, list[Answer]] = {}
     for split, count in counts.items():
-        prompts = make_prompts(splits[split], tokenizer, prompt_len, count, seed, continuation_len=0)
+        prompts = make_prompts(splits[split], tokenizer, prompt_len, count, spec.seed, continuation_len=0)
         rows = [list(ids) for ids in prompts["input_ids"]]
         out[split] = greedy_answers(
             verifier, eos, rows, answer_tokens, batch_size, engine, cache_dir, device, f"answers ({split})"
@@ -180,19 +178,7 @@ def run_answers(
             return own
     elif source is not None:
         return cached_answers(source)
-    return generated_answers(
-        pair.verifier,
-        pair.tokenizer,
-        spec.data,
-        counts,
-        prompt_len,
-        answer_tokens,
-        answer_batch,
-        spec.seed,
-        engine,
-        cache_dir=answers_cache_dir(spec),
-        device=answer_device(spec.trainer.accelerator),
-    )
+    return generated_answers(pair, spec, counts, prompt_len, answer_tokens, answer_batch, engine)
 
 
 # more than 8 parameters: the answers' recipe, every part of it in the cache key
