@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from train.decoding import DecodeStats, aggregate, param_count
+from train.evaluation.decoder_build import TimedEntry
 from train.hardware import load_average
 
 __all__ = [
@@ -99,10 +100,8 @@ def pool(stats: Sequence[DecodeStats]) -> DecodeStats:
     return pooled
 
 
-# more than 8 parameters: the fields of one results entry, each passed by name
 def run_entry(
-    drafter: str,
-    decoder: str,
+    entry: TimedEntry,
     decoder_config: Mapping[str, Any],
     temperature: float,
     n_prompts: int,
@@ -110,16 +109,17 @@ def run_entry(
     per_prompt: list[dict[str, Any]],
     greedy_ties: list[dict[str, Any]],
     greedy_mismatches: list[dict[str, Any]],
-    lossless: bool = True,
 ) -> dict[str, Any]:
-    """One ``results["runs"]`` entry from its per-seed summaries and per-(prompt, seed) figures.
-    ``lossless``: False when the decoder's output does not follow the verifier's distribution at this
-    temperature (a lossy acceptance rule); tables then mark the decoder ``(lossy)``."""
+    """One ``results["runs"]`` entry for a drafter under a decoder (``entry``) from its per-seed summaries
+    and per-(prompt, seed) figures. ``lossless`` is False when the decoder's output does not follow the
+    verifier's distribution at this temperature (a lossy acceptance rule, whose decoder says
+    ``lossless = False``, above temperature 0); tables then mark the decoder ``(lossy)``."""
     settings = {k: v for k, v in decoder_config.items() if k != "_target_"}
     gamma = settings.get("gamma")
+    lossless = temperature == 0.0 or bool(getattr(entry.decoder, "lossless", True))
     return {
-        "drafter": drafter,
-        "decoder": decoder,
+        "drafter": str(entry.drafter),
+        "decoder": entry.label,
         "decoder_config": dict(decoder_config),
         "gamma": gamma if isinstance(gamma, int) else None,
         "temperature": temperature,

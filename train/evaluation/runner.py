@@ -313,8 +313,7 @@ def _runs(
     """The ``results["runs"]`` entries, one per (drafter, decoder, temperature) in the order timed."""
     return [
         run_entry(
-            str(entries[e].drafter),
-            entries[e].label,
+            entries[e],
             decoder_configs[entries[e].label],
             t,
             n_prompts,
@@ -322,7 +321,6 @@ def _runs(
             tally.per_prompt[(e, t)],
             tally.ties.get((e, t), []),
             tally.mismatches.get((e, t), []),
-            lossless=t == 0.0 or bool(getattr(entries[e].decoder, "lossless", True)),
         )
         for (e, t), seeds in tally.per_seed.items()
     ]
