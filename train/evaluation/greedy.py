@@ -129,7 +129,6 @@ def classify_difference(
     return record
 
 
-# more than 8 parameters: one entry's outputs against the baseline's, and the two lists it records into
 def check_greedy(
     verifier: torch.nn.Module,
     entry: TimedEntry,
@@ -138,11 +137,12 @@ def check_greedy(
     outputs: list[list[int]],
     seed: int,
     cfg: EvalConfig,
-    ties: list[dict[str, Any]],
-    mismatches: list[dict[str, Any]],
-) -> None:
-    """Compare one entry's temperature-0 outputs with the baseline's;
-    record ties, raise or record the rest."""
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Compare one entry's temperature-0 outputs with the baseline's: return the low-precision ties and
+    the other differences (the mismatches), in prompt order; under ``cfg.strict_greedy`` raise
+    :class:`GreedyMismatchError` at the first mismatch."""
+    ties: list[dict[str, Any]] = []
+    mismatches: list[dict[str, Any]] = []
     found = []
     for i, (ref, out) in enumerate(zip(reference, outputs, strict=True)):
         record = classify_difference(verifier, prompts[i], ref, out, cfg.tie_ulps)
@@ -177,3 +177,4 @@ def check_greedy(
         if cfg.strict_greedy:
             raise GreedyMismatchError(msg)
         log.warning(msg)
+    return ties, mismatches

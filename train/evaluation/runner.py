@@ -269,9 +269,12 @@ class _Tally:
         self.per_prompt.setdefault(key, []).extend(rows)
         self.per_seed.setdefault(key, []).append(summary)
 
-    def greedy_records(self, key: tuple[int, float]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        """The lists an entry's temperature-0 ties and mismatches go to."""
-        return self.ties.setdefault(key, []), self.mismatches.setdefault(key, [])
+    def add_greedy(
+        self, key: tuple[int, float], ties: list[dict[str, Any]], mismatches: list[dict[str, Any]]
+    ) -> None:
+        """Record one seed's temperature-0 ties and mismatches (:func:`check_greedy`)."""
+        self.ties.setdefault(key, []).extend(ties)
+        self.mismatches.setdefault(key, []).extend(mismatches)
 
 
 def _prompt_row(stats: DecodeStats, ar: DecodeStats, pair: float, seed: int, prompt: int) -> dict[str, Any]:
@@ -364,10 +367,10 @@ def _evaluate(
                     tally.add_seed((e, t), *figures)
                     if t == 0.0:
                         outputs = [o[e][1] for o in outcome]
-                        ties, mismatches = tally.greedy_records((e, t))
-                        check_greedy(
-                            verifier, entry, prompts, ar_tokens, outputs, seed, cfg, ties, mismatches
+                        ties, mismatches = check_greedy(
+                            verifier, entry, prompts, ar_tokens, outputs, seed, cfg
                         )
+                        tally.add_greedy((e, t), ties, mismatches)
 
     runs = _runs(tally, entries, cfg.decoder_configs, len(prompts))
     order = [entry.name for entry in entries]
