@@ -117,7 +117,8 @@ class _SplitDataModule(L.LightningDataModule):
 class LMDataModule(_SplitDataModule):
     """Packed ``seq_len`` blocks: batches are ``{"input_ids": LongTensor [B, seq_len]}``."""
 
-    # more than 8 parameters: the data config's keys (conf/data), passed by name by one builder
+    # more than 8 parameters: the loaders' settings (block and batch size, workers, order, seed, last batch,
+    # column, pinning), each optional and passed by name (packed_corpus, the tests)
     def __init__(
         self,
         splits: SplitsArg,
@@ -181,7 +182,8 @@ class PromptDataModule(_SplitDataModule):
     (``input_ids``/``attention_mask`` left-padded ``[B, T]``, ``continuation_ids``/``continuation_mask``
     right-padded ``[B, C]``)."""
 
-    # more than 8 parameters: the data config's keys (conf/data), passed by name by one builder
+    # more than 8 parameters: make_prompts' cut and the loaders' settings, each optional and passed by name
+    # (prompt_data, the tests)
     def __init__(
         self,
         splits: SplitsArg,

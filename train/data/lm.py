@@ -86,7 +86,8 @@ def pack_sequences(
     return packed
 
 
-# more than 8 parameters: the prompt cut's settings (conf/data keys)
+# more than 8 parameters: the prompt cut's settings, all but prompt_len with defaults; its callers (the prompt
+# data module, the evaluator's prompts, the answer sources) pass only what they change
 def make_prompts(
     dataset_split: Dataset,
     tokenizer: Any,

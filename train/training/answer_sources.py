@@ -107,7 +107,8 @@ def generated_answers(
     return out
 
 
-# more than 8 parameters: the answers' recipe, every part of it in the cache key
+# more than 8 parameters: the recipe its cache key holds (verifier, eos, prompts, answer_tokens), then how
+# and where they are generated (batch, engine, cache folder, device, progress label)
 def greedy_answers(
     verifier: Any,
     eos: Sequence[int],
@@ -181,7 +182,8 @@ def run_answers(
     return generated_answers(pair, spec, counts, prompt_len, answer_tokens, answer_batch, engine)
 
 
-# more than 8 parameters: the answers' recipe, every part of it in the cache key
+# more than 8 parameters: the recipe its cache key holds (verifier, prompts, per_prompt, temperature,
+# answer_tokens, seed, top_logprobs), then eos and where they are generated (batch, folder, engine, device)
 @renamed_keywords(top_k="top_logprobs")
 def sampled_answers(
     verifier: Any,

@@ -50,7 +50,6 @@ class AsyncSpeculativeDecoder(Decoder):
     on this generation's draws. ``"always"``: the asynchronous schedule whatever it costs.
     """
 
-    # more than 8 parameters: each is a key of the decoder configs Hydra instantiates
     def __init__(
         self,
         verifier: torch.nn.Module,

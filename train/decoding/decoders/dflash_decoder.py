@@ -40,7 +40,9 @@ class DFlashDecoder(DraftTreeDecoder):
 
     accepts: ClassVar[tuple[str, ...]] = ("dflash",)
 
-    def __init__(  # more than 8 parameters: each is a key of the decoder configs Hydra instantiates
+    # more than 8 parameters: the pair, then the keys of conf/decoding/*.yaml, which Hydra passes by name, and
+    # ``costs`` (fixed step costs that tests give instead of measuring them)
+    def __init__(
         self,
         verifier: torch.nn.Module,
         drafter: DFlashDrafter,

@@ -39,9 +39,8 @@ class Eagle3Decoder(DraftTreeDecoder):
 
     accepts: ClassVar[tuple[str, ...]] = ("eagle3",)
 
-    # the keyword settings are conf/decoding/eagle3*.yaml's keys (Hydra instantiates them by name); they
-    # travel on as one Eagle3Tree and one prompt-lookup proposer
-    # more than 8 parameters: each is a key of the decoder configs Hydra instantiates
+    # more than 8 parameters: the pair, then the keys of conf/decoding/eagle3*.yaml, which Hydra passes by
+    # name; they travel on as one Eagle3Tree and one prompt-lookup proposer
     def __init__(
         self,
         verifier: torch.nn.Module,

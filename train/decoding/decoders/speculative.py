@@ -66,7 +66,8 @@ class SpeculativeDecoder(Decoder):
 
     accepts: ClassVar[tuple[str, ...]] = ("model", "steered")
 
-    # more than 8 parameters: each is a key of the decoder configs Hydra instantiates
+    # more than 8 parameters: the pair, then the keys of conf/decoding/*.yaml, which Hydra passes by name, and
+    # ``costs`` (fixed step costs that tests give instead of measuring them)
     def __init__(
         self,
         verifier: torch.nn.Module,

@@ -49,7 +49,8 @@ class TreeSpeculativeDecoder(DraftTreeDecoder):
     :class:`~train.decoding.decoders.speculative.SpeculativeDecoder`.
     """
 
-    # more than 8 parameters: each is a key of the decoder configs Hydra instantiates
+    # more than 8 parameters: the pair, then the keys of conf/decoding/*.yaml, which Hydra passes by name, and
+    # ``costs`` (fixed step costs that tests give instead of measuring them)
     def __init__(
         self,
         verifier: torch.nn.Module,
