@@ -140,9 +140,9 @@ MAX_PARAMETERS, MAX_FUNCTION_LINES = 8, 80
 
 
 def _comments_beside(lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
-    """The comment lines right above a function (above its decorators) and its ``def`` line."""
+    """The comment lines right above a function (above or among its decorators) and its ``def`` line."""
     first = (node.decorator_list[0].lineno if node.decorator_list else node.lineno) - 1
-    above = []
+    above = [line for line in lines[first : node.lineno - 1] if line.strip().startswith("#")]
     i = first - 1
     while i >= 0 and lines[i].strip().startswith("#"):
         above.append(lines[i])
@@ -184,8 +184,23 @@ def test_no_long_function_in_train_without_a_reason_beside_it():
 
 
 def test_the_long_function_check_sees_one(tmp_path):
+    nine = "(a, b, c, d, e, f, g, h, i):\n    pass\n\n\n"
+    long = "(self):\n" + "    pass\n" * 80 + "\n\n"
     (tmp_path / "m.py").write_text(
-        "def many(a, b, c, d, e, f, g, h, i):\n    pass\n\n\n"
-        "# more than 8 parameters: a test\ndef excused(a, b, c, d, e, f, g, h, i):\n    pass\n"
+        f"def many{nine}"
+        f"# more than 8 parameters: a test\ndef excused{nine}"
+        f"# more than 8 parameters: a test\n@staticmethod\n@staticmethod\ndef above_decorators{nine}"
+        f"@staticmethod\n# more than 8 parameters: a test\ndef among_decorators{nine}"
+        f"@staticmethod\ndef decorated{nine}"
+        f"def longer{long}"
+        f"# more than 80 lines: a test\ndef long_excused{long}"
+        f"# more than 80 lines: a test\ndef wrong_reason{nine}"
     )
-    assert long_functions_without_a_reason(tmp_path, tmp_path) == ["m.py:1 many (9 parameters)"]
+    found = long_functions_without_a_reason(tmp_path, tmp_path)
+    assert found[0] == "m.py:1 many (9 parameters)"  # where, which, and why it is found
+    assert [f.split(" ", 1)[1] for f in found] == [
+        "many (9 parameters)",
+        "decorated (9 parameters)",
+        "longer (81 lines)",
+        "wrong_reason (9 parameters)",
+    ]
