@@ -74,19 +74,20 @@ def test_the_policy_drafts_long_on_flat_costs_and_short_or_nothing_on_steep_ones
     assert flat.include("greedy", [0.3], 6)  # a 30% draft pays when a check costs 3% more ...
     assert not steep.include("greedy", [0.3], 6)  # ... and does not when it costs 80% more
     assert steep.include("greedy", [0.95], 6) and not steep.include("greedy", [0.95, 0.02], 6)
-    # first drafts that are never accepted: plain steps, with a probe every probe_every blocks
+    # first drafts that are never accepted: plain steps, a probe after probe_every of them, then twice as
+    # many after each probe that does not pay
     policy = CostAwareLength(STEEP, probe_every=4)
     for _ in range(20):
         policy.record("greedy", [0.5], 1, 0)
-    drafted = [policy.should_draft("greedy", 6) for _ in range(8)]
-    assert drafted == [False, False, False, True] * 2
+    drafted = [policy.should_draft("greedy", 6) for _ in range(12)]
+    assert drafted == [False] * 3 + [True] + [False] * 7 + [True]
     assert CostAwareLength(FLAT).should_draft("greedy", 6)
     # copies: cut where the copies' acceptance so far makes the next one not pay
     assert CostAwareLength(FLAT).choose_copied("greedy", 6) == 3  # prior 0.5: 4 checked tokens, not 5
     copies = CostAwareLength(STEEP, probe_every=3)
     for _ in range(30):
         copies.record_copied("greedy", 3, 0)
-    assert [copies.choose_copied("greedy", 6) for _ in range(6)] == [0, 0, 6] * 2
+    assert [copies.choose_copied("greedy", 6) for _ in range(9)] == [0, 0, 6] + [0] * 5 + [6]
     with pytest.raises(RuntimeError, match="no step costs"):
         CostAwareLength().include("greedy", [0.5], 1)
 

@@ -43,13 +43,14 @@ def test_the_gate_by_hand():
     assert gate.rate("greedy").tokens == pytest.approx(2.5) and gate.rate("greedy").seconds == pytest.approx(
         3.75
     )
-    assert [gate.should_draft("greedy") for _ in range(6)] == [False, False, True] * 2  # 0.67 < 1 token/s
+    # 0.67 < 1 token/s: plain steps, a probe after 3, then after 6 (the probe did not pay)
+    assert [gate.should_draft("greedy") for _ in range(9)] == [False, False, True] + [False] * 5 + [True]
     assert gate.should_draft(("sampled", 1.0))  # another regime warms up on its own
     gate.record("greedy", 4, 2.5)  # 1.25 + 4 = 5.25 tokens in 1.875 + 2.5 = 4.375 s: 1.2 tokens/s
     assert gate.should_draft("greedy")
     with pytest.raises(RuntimeError, match="no step costs"):
         DraftGate().block_seconds(1, 1)
-    for bad in ({"warmup": 0}, {"probe_every": 0}, {"decay": 0.0}, {"decay": 1.5}):
+    for bad in ({"warmup": 0}, {"probe_every": 0}, {"probe_longest": 4}, {"decay": 0.0}, {"decay": 1.5}):
         with pytest.raises(ValueError):
             DraftGate(**bad)  # type: ignore[arg-type]
     assert plain_step_gate("never") is None and isinstance(plain_step_gate("auto"), DraftGate)

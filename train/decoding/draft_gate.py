@@ -13,7 +13,8 @@ A drafted block costs ``V(n + 1) + s * D`` (n draft tokens checked, s drafter fo
 measured :class:`~train.decoding.costs.StepCosts`) and commits its accepted tokens plus one. Both sums
 decay by ``decay`` per drafted block, so the rate follows the text. Until ``warmup`` blocks of a
 sampling regime have been drafted the gate drafts; after ``probe_every`` plain steps in a row it drafts
-once, so a rate that was low can recover.
+once, so a rate that was low can recover, and after each such probe that does not pay the interval
+doubles, up to ``probe_longest`` (:class:`~train.decoding.probes.Probes`).
 
 **Lossless.** The decision depends only on earlier blocks (what they committed) and on the costs measured
 before generation, never on this block's draws; a plain step draws the next token from the verifier's
@@ -28,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from train.decoding.costs import StepCosts
+from train.decoding.probes import Probes
 
 __all__ = ["PLAIN_STEPS", "DraftGate", "drafting_pays", "plain_step_gate"]
 
@@ -44,10 +46,10 @@ def drafting_pays(tokens: float, seconds: float, plain_seconds: float) -> bool:
 class _Rate:
     """Decayed sums of what drafted blocks committed and cost."""
 
+    probes: Probes
     tokens: float = 0.0
     seconds: float = 0.0
     blocks: int = 0
-    skipped: int = 0
 
 
 @dataclass
@@ -58,12 +60,14 @@ class DraftGate:
     costs: StepCosts | None = None
     warmup: int = 4
     probe_every: int = 8
+    probe_longest: int = 64
     decay: float = 0.9
     _rates: dict[object, _Rate] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        if self.warmup < 1 or self.probe_every < 1:
-            raise ValueError(f"warmup and probe_every must be >= 1, got {self.warmup}, {self.probe_every}")
+        if self.warmup < 1:
+            raise ValueError(f"warmup must be >= 1, got {self.warmup}")
+        Probes(self.probe_every, self.probe_longest)  # checks them
         if not 0.0 < self.decay <= 1.0:
             raise ValueError(f"decay must be in (0, 1], got {self.decay!r}")
 
@@ -73,19 +77,17 @@ class DraftGate:
         return self.costs
 
     def rate(self, regime: object) -> _Rate:
-        return self._rates.setdefault(regime, _Rate())
+        if regime not in self._rates:
+            self._rates[regime] = _Rate(Probes(self.probe_every, self.probe_longest))
+        return self._rates[regime]
 
     def should_draft(self, regime: object) -> bool:
         """Draft this block (True) or take a plain verifier step."""
         rate = self.rate(regime)
         if rate.blocks < self.warmup or drafting_pays(rate.tokens, rate.seconds, self._costs().check(1)):
-            rate.skipped = 0
+            rate.probes.accepted()
             return True
-        rate.skipped += 1
-        if rate.skipped >= self.probe_every:
-            rate.skipped = 0
-            return True
-        return False
+        return rate.probes.refused()
 
     def block_seconds(self, checked: int, drafter_steps: int) -> float:
         """What a drafted block costs: a verifier forward over ``checked`` draft tokens and the last

@@ -7,8 +7,9 @@ three questions per block:
 
 1. **Draft at all?** (:meth:`CostAwareLength.should_draft`) Before the drafter runs, with the running
    acceptance of first drafts as the guess for every draft: if no length beats a plain verifier step,
-   the block is a plain step (no drafter call). Every ``probe_every``-th such block drafts anyway, so the
-   estimate can recover when the text changes.
+   the block is a plain step (no drafter call). After ``probe_every`` such blocks in a row one drafts anyway,
+   so the estimate can recover when the text changes; the interval doubles after each probe that does not
+   pay, up to ``probe_longest`` (:class:`~train.decoding.probes.Probes`).
 2. **Verify this draft?** (:meth:`CostAwareLength.include`) Each time the drafter gives its distribution
    for the next position: with the calibrated acceptance of the drafts kept so far and of this one (the
    last also the guess for those to come), keep it (and draft on) while some chain through it promises
@@ -41,6 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from train.decoding.costs import StepCosts, best_length, block_rate
+from train.decoding.probes import Probes
 from train.decoding.sampling import SamplingParams
 
 __all__ = ["AcceptanceCalibration", "CostAwareLength", "PositionAcceptance", "chain_outcomes", "regime"]
@@ -126,19 +128,18 @@ class CostAwareLength:
     """The draft length that maximizes expected tokens per second (module docstring).
 
     ``costs`` may be set after construction (a decoder measures them at its first call);
-    ``probe_every``: after this many blocks in a row that skipped the drafter, draft once anyway.
+    ``probe_every``: after this many blocks in a row that skipped the drafter, draft once anyway;
+    ``probe_longest``: the longest interval, which doubles after each probe that does not pay.
     """
 
-    def __init__(self, costs: StepCosts | None = None, probe_every: int = 8) -> None:
-        if probe_every < 1:
-            raise ValueError(f"probe_every must be >= 1, got {probe_every!r}")
+    def __init__(self, costs: StepCosts | None = None, probe_every: int = 8, probe_longest: int = 64) -> None:
         self.costs = costs
         self.probe_every = probe_every
         self._calibration: dict[object, AcceptanceCalibration] = {}
         self._first: dict[object, PositionAcceptance] = {}
         self._copies: dict[object, PositionAcceptance] = {}
-        self._skipped = 0
-        self._copies_refused = 0
+        self._first_probes = Probes(probe_every, probe_longest)
+        self._copy_probes = Probes(probe_every, probe_longest)
 
     def _costs(self) -> StepCosts:
         if self.costs is None:
@@ -157,18 +158,14 @@ class CostAwareLength:
 
     def should_draft(self, regime: object, budget: int) -> bool:
         """Whether a chain of up to ``budget`` drafts, each accepted like first drafts so far, can beat a
-        plain step (with a probe every ``probe_every`` skipped blocks)."""
+        plain step (with probes, :class:`~train.decoding.probes.Probes`)."""
         costs = self._costs()
         guess = self._first.setdefault(regime, PositionAcceptance()).estimate(0)
         plain = 1.0 / costs.check(1)
         if any(block_rate([guess] * n, costs, n) > plain for n in range(1, budget + 1)):
-            self._skipped = 0
+            self._first_probes.accepted()
             return True
-        self._skipped += 1
-        if self._skipped >= self.probe_every:
-            self._skipped = 0
-            return True
-        return False
+        return self._first_probes.refused()
 
     def include(self, regime: object, confidences: Sequence[float], budget: int) -> bool:
         """Whether to verify the next draft: ``confidences`` are the drafter's confidence at each
@@ -198,17 +195,14 @@ class CostAwareLength:
 
     def choose_copied(self, regime: object, count: int) -> int:
         """How many of ``count`` copied tokens (prompt lookup, no drafter cost) to verify; after
-        ``probe_every`` refusals in a row, all of them once (so the copies' acceptance is learnt again)."""
+        ``probe_every`` refusals in a row (more after probes that do not pay), all of them once (so the
+        copies' acceptance is learnt again)."""
         copies = self._copies.setdefault(regime, PositionAcceptance())
         keep = best_length([copies.estimate(i) for i in range(count)], self._costs(), 0)[0]
         if keep:
-            self._copies_refused = 0
+            self._copy_probes.accepted()
             return keep
-        self._copies_refused += 1
-        if self._copies_refused >= self.probe_every:
-            self._copies_refused = 0
-            return count
-        return 0
+        return count if self._copy_probes.refused() else 0
 
     def record(self, regime: object, confidences: Sequence[float], tested: int, accepted: int) -> None:
         """What the verifier did with a drafted chain: ``tested`` of its drafts were verified (the
