@@ -92,6 +92,33 @@ def test_the_policy_drafts_long_on_flat_costs_and_short_or_nothing_on_steep_ones
         CostAwareLength().include("greedy", [0.5], 1)
 
 
+def test_a_first_draft_refused_by_its_calibration_is_probed_and_recovers():
+    """A block whose first draft the calibration refuses is a plain step as much as one refused before
+    the drafter ran: the probes count both, and a probe verifies its first draft whatever the calibration
+    says. Without that the policy, once its calibration turned low, never verified a draft again (the
+    real pair, 2026-11-29: 10 drafts in 487 blocks with a drafter whose first drafts pass half the time)."""
+    mid = StepCosts(verify=(1.0, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7), draft=0.05)
+    policy = CostAwareLength(mid, probe_every=3)
+    for _ in range(40):  # drafts at confidence 0.3 were never accepted; first drafts in general were
+        policy.record("greedy", [0.3], 1, 0)
+    for _ in range(40):
+        policy.record("greedy", [0.95], 1, 1)
+    verified = []
+    for _ in range(9):
+        assert policy.should_draft("greedy", 6)  # first drafts pay on the whole ...
+        verified.append(policy.include("greedy", [0.3], 6))  # ... this one's calibration does not
+    assert verified == [False, False, True] + [False] * 5 + [True]  # probes, backing off
+    assert policy.should_draft("greedy", 6) and policy.include("greedy", [0.95], 6)  # on its merits
+    assert not policy.include("greedy", [0.95, 0.02], 6)  # later positions are never probed
+    # one forward's drafts (DFlash): none pays, so none is verified but the first, as a probe
+    cut = CostAwareLength(STEEP, probe_every=2)
+    for _ in range(40):
+        cut.record("greedy", [0.3], 1, 0)
+    assert [cut.cut("greedy", [0.3, 0.3], STEEP) for _ in range(4)] == [0, 1, 0, 0]
+    assert cut.cut("greedy", [], STEEP) == 0
+    assert CostAwareLength(FLAT).cut("greedy", [0.95, 0.9, 0.9], FLAT) == 3
+
+
 def _repetitive_prompt(seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     motif = torch.randint(2, 128, (5,), generator=gen)

@@ -35,7 +35,9 @@ def test_the_gate_by_hand():
     assert drafting_pays(3.0, 2.9, 1.0) and not drafting_pays(3.0, 3.1, 1.0)
     with pytest.raises(ValueError):
         drafting_pays(1.0, 0.0, 1.0)
-    gate = DraftGate(StepCosts(verify=(1.0, 1.5, 2.0), draft=0.25), warmup=2, probe_every=3, decay=0.5)
+    gate = DraftGate(
+        StepCosts(verify=(1.0, 1.5, 2.0), draft=0.25), warmup=2, probe_every=3, probe_blocks=1, decay=0.5
+    )
     assert gate.block_seconds(2, 2) == pytest.approx(2.0 + 0.5)
     assert gate.should_draft("greedy") and gate.should_draft("greedy")  # warm-up
     gate.record("greedy", 1, 2.5)
@@ -48,9 +50,23 @@ def test_the_gate_by_hand():
     assert gate.should_draft(("sampled", 1.0))  # another regime warms up on its own
     gate.record("greedy", 4, 2.5)  # 1.25 + 4 = 5.25 tokens in 1.875 + 2.5 = 4.375 s: 1.2 tokens/s
     assert gate.should_draft("greedy")
+    # a probe of several blocks: each drafts, then the gate judges again
+    burst = DraftGate(StepCosts(verify=(1.0, 1.5, 2.0), draft=0.25), warmup=1, probe_every=2, probe_blocks=3)
+    assert burst.should_draft("greedy")  # warm-up
+    burst.record("greedy", 1, 2.5)
+    assert [burst.should_draft("greedy") for _ in range(9)] == [False, True, True, True] + [False] * 3 + [
+        True
+    ] * 2
     with pytest.raises(RuntimeError, match="no step costs"):
         DraftGate().block_seconds(1, 1)
-    for bad in ({"warmup": 0}, {"probe_every": 0}, {"probe_longest": 4}, {"decay": 0.0}, {"decay": 1.5}):
+    bad_settings = (
+        {"warmup": 0},
+        {"probe_every": 0},
+        {"probe_longest": 4},
+        {"probe_blocks": 0},
+        {"decay": 0.0},
+    )
+    for bad in bad_settings:
         with pytest.raises(ValueError):
             DraftGate(**bad)  # type: ignore[arg-type]
     assert plain_step_gate("never") is None and isinstance(plain_step_gate("auto"), DraftGate)
@@ -69,13 +85,14 @@ def _close_drafter(verifier: torch.nn.Module) -> torch.nn.Module:
 
 @pytest.mark.parametrize("method", list(METHODS))
 def test_trees_that_do_not_pay_become_plain_steps_and_keep_the_greedy_output(method, tiny_pairs):
-    """A random drafter on steep checks: after the warm-up the decoder stops drafting (bar a probe every
-    8 blocks); a drafter close to the verifier on flat checks: it drafts every block. The greedy output
-    is the verifier's either way."""
+    """A random drafter on steep checks: after the warm-up (the first generation's 16 blocks; the gate
+    lives as long as the decoder) it stops drafting, bar the probes; a drafter close to the verifier on
+    flat checks: it drafts every block. The greedy output is the verifier's either way."""
     verifier, drafter = tiny_pairs["llama"]
     ids = torch.tensor([[0, 5, 9, 3, 7]])
     ref = hf_greedy(verifier, ids, 60)
     dec = TreeSpeculativeDecoder(verifier, drafter, **METHODS[method], plain_steps="auto", costs=STEEP)
+    assert dec.generate(ids, 60).tokens.tolist() == ref  # the warm-up
     res = dec.generate(ids, 60)
     assert res.tokens.tolist() == ref
     never = TreeSpeculativeDecoder(verifier, drafter, **METHODS[method]).generate(ids, 60)

@@ -32,7 +32,6 @@ from dataclasses import replace
 
 import torch
 
-from train.decoding.costs import best_length
 from train.decoding.draft import Draft
 from train.decoding.length_policy import CostAwareLength, regime
 from train.decoding.metrics import DecodeStats
@@ -45,20 +44,20 @@ __all__ = ["DFlashProposer"]
 
 class DFlashProposer:
     """Chains of up to ``block_size - 1`` tokens from a :class:`DFlashDrafter`, one forward each (see the
-    module docstring). ``max_draft`` caps the chain (None: the whole block)."""
+    module docstring). ``gamma`` caps the chain (None: the whole block)."""
 
     def __init__(
         self,
         drafter: DFlashDrafter,
         vocab_size: int,
-        max_draft: int | None = None,
+        gamma: int | None = None,
         draft_temperature: float = 1.0,
         length: CostAwareLength | None = None,
         tree_nodes: int = 0,
     ) -> None:
         slots = drafter.block_size - 1
-        if max_draft is not None and (isinstance(max_draft, bool) or not 1 <= int(max_draft) <= slots):
-            raise ValueError(f"max_draft must be in [1, block_size - 1 = {slots}], got {max_draft!r}")
+        if gamma is not None and (isinstance(gamma, bool) or not 1 <= int(gamma) <= slots):
+            raise ValueError(f"gamma must be in [1, block_size - 1 = {slots}], got {gamma!r}")
         if isinstance(draft_temperature, bool) or not draft_temperature > 0:
             raise ValueError(f"draft_temperature must be > 0, got {draft_temperature!r}")
         if isinstance(tree_nodes, bool) or not isinstance(tree_nodes, int) or tree_nodes < 0:
@@ -67,7 +66,7 @@ class DFlashProposer:
             raise ValueError("a tree (tree_nodes > 0) is not cut by cost: use draft_length='fixed' with it")
         self.drafter = drafter
         self.vocab_size = vocab_size
-        self.max_draft = int(max_draft) if max_draft is not None else slots
+        self.gamma = int(gamma) if gamma is not None else slots
         self.draft_temperature = float(draft_temperature)
         #: The cost-aware cut of the chain (None: the whole chain).
         self.length = length
@@ -153,7 +152,7 @@ class DFlashProposer:
         )
         positions = torch.arange(anchor, anchor + size, device=self._device)[None]
         logits = self.drafter(ids, positions, self._context)[0, 1:].float()  # (B - 1, N)
-        count = min(self.max_draft, budget)
+        count = min(self.gamma, budget)
         spent = time.perf_counter() - block_start
         if self.tree_nodes:
             draft = self._tree(logits[:count], params, eos)
@@ -195,9 +194,8 @@ class DFlashProposer:
         keep = len(columns)
         key = regime(params)
         if self.length is not None and self.length.costs is not None:
-            acceptance = self.length.acceptances(key, confidences)
             spent_costs = replace(self.length.costs, draft=max(self._forward_time, spent))
-            keep = best_length(acceptance, spent_costs, 1)[0]
+            keep = self.length.cut(key, confidences, spent_costs)
         tokens: list[int] = []
         for column in columns[:keep]:
             tokens.append(self._target_ids[column])
