@@ -182,6 +182,33 @@ def test_renamed_top_k_settings_still_build_with_a_deprecation_line(tmp_path: Pa
         SmolPairConfig(out_dir=str(tmp_path), drafter=SmolDrafterRecipe(), top_k=8)  # type: ignore[call-arg]
 
 
+def test_dflash_gamma_is_read_as_slot_decay_with_a_deprecation_line() -> None:
+    """DFlash's slot weight decay was ``gamma``, the chain's draft length everywhere else: the old key, on
+    the command line, builds ``slot_decay`` with a deprecation line naming both."""
+    from train.cli.console import check_overrides
+    from train.config import instantiate_group
+
+    argv = check_overrides(str(CONF_DIR), "train", ["method=dflash", "method.gamma=3.0"])
+    assert argv == ["method=dflash", "+method.gamma=3.0"]
+    with pytest.warns(DeprecationWarning, match="method.gamma is deprecated; it is now method.slot_decay"):
+        settings = instantiate_group(_compose("train", argv), "method")
+    assert settings.slot_decay == 3.0 and not hasattr(settings, "gamma")
+
+
+def test_the_async_decoders_max_block_is_read_as_gamma_with_a_deprecation_line() -> None:
+    """The asynchronous decoder's draft length was ``max_block``; it is ``gamma`` as every chain's. An old
+    decoder config builds with a deprecation line; a Python call with the old keyword names the new one."""
+    from train.config import renamed_targets
+    from train.decoding import AsyncSpeculativeDecoder
+
+    old_file = {"_target_": "train.decoding.AsyncSpeculativeDecoder", "max_block": 4, "idle": "step"}
+    with pytest.warns(DeprecationWarning, match="max_block is deprecated; it is now gamma"):
+        renamed_targets(old_file)
+    assert old_file == {"_target_": "train.decoding.AsyncSpeculativeDecoder", "gamma": 4, "idle": "step"}
+    with pytest.raises(TypeError, match="'max_block', renamed .*: use gamma="):
+        AsyncSpeculativeDecoder(None, None, max_block=4)  # type: ignore[arg-type,call-arg]
+
+
 def test_the_old_decoder_name_still_imports_with_a_deprecation_line():
     import train.decoding as decoding
 

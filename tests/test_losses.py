@@ -200,14 +200,14 @@ def _extreme_pair():
     s = _logits(2, 4, 16, seed=17, scale=3.0)
     t = _logits(2, 4, 16, seed=18, scale=3.0)
     t[..., :5] = -1e4  # probabilities underflow to exact zeros in float32
-    t[0, 0, 7] = 1e4  # one-hot teacher row
-    s[1, 2, 3] = 80.0  # near one-hot student row
+    t[0, 0, 7] = 1e4  # one-hot verifier row
+    s[1, 2, 3] = 80.0  # near one-hot drafter row
     return s, t
 
 
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
-def test_finite_gradients_with_underflowing_teacher(name, beta):
+def test_finite_gradients_with_underflowing_verifier(name, beta):
     s, t = _extreme_pair()
     assert (torch.softmax(t, -1) == 0).any()
     xs = s.requires_grad_(True)
@@ -219,7 +219,7 @@ def test_finite_gradients_with_underflowing_teacher(name, beta):
 
 
 @pytest.mark.parametrize("name", ["fkl", "jsd", "tvd"])
-def test_finite_gradients_with_minus_inf_teacher_logits(name):
+def test_finite_gradients_with_minus_inf_verifier_logits(name):
     s = _logits(3, 10, seed=19)
     t = _logits(3, 10, seed=20)
     t[:, :4] = -float("inf")  # p has exact zeros
@@ -233,7 +233,7 @@ def test_finite_gradients_with_minus_inf_teacher_logits(name):
 
 
 @pytest.mark.parametrize("name", ["rkl", "jsd", "tvd"])
-def test_finite_gradients_with_student_zeros(name):
+def test_finite_gradients_with_drafter_zeros(name):
     s = _logits(3, 10, seed=21)
     t = _logits(3, 10, seed=22)
     s[:, 7:] = -float("inf")  # q has exact zeros
@@ -357,7 +357,7 @@ def test_gradient_through_shared_logits_and_upstream_graph():
 
 @pytest.mark.parametrize("name", NAMES)
 def test_backward_keeps_no_full_vocab_intermediates(name):
-    # Autograd keeps exactly one student-sized gradient buffer, whatever the chunking; a naive
+    # Autograd keeps exactly one drafter-sized gradient buffer, whatever the chunking; a naive
     # implementation keeps several (M, V) float tensors (log-probs, probs, mixture, ...).
     s = _logits(4, 16, 50, seed=42)
     t = _logits(4, 16, 50, seed=43)
@@ -417,7 +417,7 @@ def test_empty_mask(name):
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("use_mask", [False, True])
 def test_non_contiguous_inputs(name, use_mask):
-    # logits[:, :-1] (the usual next-token shift) and a transposed teacher are read in place
+    # logits[:, :-1] (the usual next-token shift) and a transposed verifier are read in place
     s = _logits(2, 6, 13, seed=46)
     t = _logits(6, 2, 13, seed=47).transpose(0, 1)
     mask = torch.tensor([[1, 0, 1, 1, 0], [0, 1, 1, 1, 1]]) if use_mask else None
@@ -442,7 +442,7 @@ def test_vocab_mismatch_uses_common_prefix(name):
     t = _logits(2, 3, 24, seed=36)
     want = _ref(name, s, t[..., :20])
     torch.testing.assert_close(divergence(name, s, t).double(), want, atol=1e-6, rtol=1e-6)
-    # student padded beyond the teacher: padding ids are dropped before the softmax and get no gradient
+    # drafter padded beyond the verifier: padding ids are dropped before the softmax and get no gradient
     pad = torch.cat([t[..., :20] * 0 + s, torch.full((2, 3, 4), 50.0)], -1).requires_grad_(True)
     d = divergence(name, pad, t[..., :20])
     torch.testing.assert_close(d.double(), want, atol=1e-6, rtol=1e-6)

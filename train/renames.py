@@ -50,6 +50,13 @@ RENAMED_KEYS: dict[str, dict[str, str]] = {
     # EAGLE's tree width: top_k is the sampling cut-off only (eval.top_k)
     "train.decoding.Eagle3Decoder": {"top_k": "branching"},
     "train.decoding.decoders.eagle3_decoder.Eagle3Decoder": {"top_k": "branching"},
+    # the asynchronous and DFlash decoders' draft length: gamma, as every chain's
+    "train.decoding.AsyncSpeculativeDecoder": {"max_block": "gamma"},
+    "train.decoding.decoders.async_decoder.AsyncSpeculativeDecoder": {"max_block": "gamma"},
+    "train.decoding.DFlashDecoder": {"max_draft": "gamma"},
+    "train.decoding.decoders.dflash_decoder.DFlashDecoder": {"max_draft": "gamma"},
+    # DFlash's slot weight decay: gamma is the chain's draft length everywhere else
+    "train.methods.dflash.config.DFlashConfig": {"gamma": "slot_decay"},
     # the log-probabilities kept per answer token (model.smollm2.top_logprobs)
     "train.pairs.smollm2_pair.SmolPairConfig": {"top_k": "top_logprobs"},
 }

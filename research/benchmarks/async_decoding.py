@@ -84,17 +84,17 @@ def run_pair(
                 decoder = AsyncSpeculativeDecoder(
                     verifier,
                     drafter,
-                    max_block=block,
+                    gamma=block,
                     max_ahead=block,
                     min_ahead=min_ahead,
                     idle=idle,
                     pin_cores=(0, 1) if args.devices[0].type == "cpu" else None,
                     overlap="always",
                 )
-                decoders[f"async max_block {block}, idle {idle}, min_ahead {min_ahead}"] = (decoder, 1)
+                decoders[f"async gamma {block}, idle {idle}, min_ahead {min_ahead}"] = (decoder, 1)
         # the default: overlapped only where the measured costs say it pays, else synchronous
-        decoders[f"async max_block {block}, overlap auto"] = (
-            AsyncSpeculativeDecoder(verifier, drafter, max_block=block, max_ahead=block),
+        decoders[f"async gamma {block}, overlap auto"] = (
+            AsyncSpeculativeDecoder(verifier, drafter, gamma=block, max_ahead=block),
             max(args.threads),
         )
     reference: dict[int, list[int]] = {}

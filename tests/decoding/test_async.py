@@ -53,7 +53,7 @@ def _threads() -> int:
 @pytest.mark.parametrize("idle,min_ahead", [("step", 1), ("wait", 1), ("wait", "auto"), ("step", "auto")])
 def test_greedy_equals_hf_generate(arch, idle, min_ahead, tiny_pairs):
     verifier, drafter = tiny_pairs[arch]
-    decoder = overlapped(verifier, drafter, max_block=4, idle=idle, min_ahead=min_ahead)
+    decoder = overlapped(verifier, drafter, gamma=4, idle=idle, min_ahead=min_ahead)
     for prompt, n in (([0, 5, 9, 3, 7], 30), ([0, 44], 5), ([1, 2, 3], 1)):
         ids = torch.tensor([prompt])
         assert decoder.generate(ids, n).tokens.tolist() == hf_greedy(verifier, ids, n)
@@ -72,9 +72,9 @@ def test_a_slow_side_changes_nothing_but_the_block_lengths(slow, tiny_pairs):
     ids = torch.tensor([[0, 5, 9, 3, 7]])
     reference = hf_greedy(verifier, ids, 24)
     if slow == "drafter":
-        decoder = overlapped(verifier, Slow(drafter, 0.02), max_block=6)
+        decoder = overlapped(verifier, Slow(drafter, 0.02), gamma=6)
     else:
-        decoder = overlapped(Slow(verifier, 0.03), drafter, max_block=6)
+        decoder = overlapped(Slow(verifier, 0.03), drafter, gamma=6)
     result = decoder.generate(ids, 24)
     assert result.tokens.tolist() == reference
     stats = result.stats
@@ -107,7 +107,7 @@ def test_sampled_output_law_is_the_verifiers(delays, min_ahead):
     plain = verifier.model if isinstance(verifier, Slow) else verifier
     law = verifier_joint(table_next(plain, T1), PROMPT, 5, (EOS,))
     # idle="wait": every verification holds drafts, so the rule is exercised on every call
-    decoder = overlapped(verifier, drafter, max_block=4, idle="wait", min_ahead=min_ahead)
+    decoder = overlapped(verifier, drafter, gamma=4, idle="wait", min_ahead=min_ahead)
     runs = 2000 if delays is None else 3000
     result = run_many(decoder, PROMPT, 5, T1, runs, seed=0, eos=EOS)
     stat, df = chi_square(result.counts, law, runs)
@@ -129,7 +129,7 @@ def test_sampling_law_test_catches_a_biased_acceptance(monkeypatch):
     verifier, drafter = _law_case(None)
     law = verifier_joint(table_next(verifier, T1), PROMPT, 5, (EOS,))
     runs = 2000
-    decoder = overlapped(verifier, drafter, max_block=4, idle="wait")
+    decoder = overlapped(verifier, drafter, gamma=4, idle="wait")
     result = run_many(decoder, PROMPT, 5, T1, runs, seed=0, eos=EOS)
     stat, df = chi_square(result.counts, law, runs)
     assert stat > chi2_critical(df), (stat, df)
@@ -173,7 +173,7 @@ def test_every_draft_comes_from_a_cache_equal_to_a_fresh_forward(tiny_pairs, mon
         return draft
 
     monkeypatch.setattr(ModelProposer, "propose", checking)
-    decoder = overlapped(verifier, drafter, max_block=4, idle="wait")
+    decoder = overlapped(verifier, drafter, gamma=4, idle="wait")
     assert _decode_until_rollbacks(decoder) >= 3
     assert checked and all(checked)
 
@@ -193,7 +193,7 @@ def test_skipping_the_crop_is_caught(tiny_pairs, monkeypatch):
         return draft
 
     monkeypatch.setattr(ModelProposer, "propose", checking)
-    decoder = overlapped(verifier, drafter, max_block=4, idle="wait")
+    decoder = overlapped(verifier, drafter, gamma=4, idle="wait")
     crashed = False
     try:
         _decode_until_rollbacks(decoder)
@@ -205,7 +205,7 @@ def test_skipping_the_crop_is_caught(tiny_pairs, monkeypatch):
 
 def test_statistics_record_blocks_overlap_and_busy_time(tiny_pairs):
     verifier, drafter = tiny_pairs["llama"]
-    decoder = overlapped(Slow(verifier, 0.003), Slow(drafter, 0.003), max_block=4)
+    decoder = overlapped(Slow(verifier, 0.003), Slow(drafter, 0.003), gamma=4)
     stats = decoder.generate(torch.tensor([[0, 5, 9, 3, 7]]), 24).stats
     assert stats.verifier_calls > 0 and stats.drafter_calls > 0 and stats.new_tokens == 24
     # both sides sleep inside their forwards, so they are busy at the same time for a good part of it
@@ -240,7 +240,7 @@ def test_an_error_on_either_side_is_raised_and_leaves_no_thread(tiny_pairs):
 def test_bad_settings_are_refused(tiny_pairs):
     verifier, drafter = tiny_pairs["llama"]
     for kwargs in (
-        {"max_block": 0},
+        {"gamma": 0},
         {"idle": "spin"},
         {"min_ahead": 9, "max_ahead": 8},
         {"pin_cores": [0]},
@@ -267,7 +267,7 @@ def test_auto_min_ahead_waits_longer_for_a_better_drafter(tiny_pairs):
         SamplingParams(),
         frozenset(),
         None,
-        AsyncSchedule(max_block=6, max_ahead=6, min_ahead="auto", idle="wait", on_block=blocks.append),
+        AsyncSchedule(gamma=6, max_ahead=6, min_ahead="auto", idle="wait", on_block=blocks.append),
     )
     assert result.tokens.tolist() == reference
     assert blocks[0] == 1  # nothing measured yet
@@ -294,7 +294,7 @@ def test_on_a_cpu_the_two_models_split_the_intra_op_threads(tiny_pairs):
     before = torch.get_num_threads()
     torch.set_num_threads(4)
     try:
-        overlapped(v, d, max_block=4).generate(torch.tensor([[0, 5, 9, 3, 7]]), 12)
+        overlapped(v, d, gamma=4).generate(torch.tensor([[0, 5, 9, 3, 7]]), 12)
         assert torch.get_num_threads() == 4
     finally:
         torch.set_num_threads(before)

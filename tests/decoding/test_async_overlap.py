@@ -97,18 +97,18 @@ def test_it_overlaps_where_overlap_pays_and_runs_synchronously_where_not(tiny_pa
     verifier, _ = tiny_pairs["llama"]
     drafter = copy.deepcopy(verifier)  # every draft accepted
     reference = hf_greedy(verifier, torch.tensor([PROMPT]), 30)
-    two_devices = AsyncSpeculativeDecoder(verifier, drafter, max_block=4)
+    two_devices = AsyncSpeculativeDecoder(verifier, drafter, gamma=4)
     for _ in range(2):
         assert two_devices.generate(torch.tensor([PROMPT]), 30).tokens.tolist() == reference
     assert runs == ["async", "async"]
     assert two_devices.step_costs == ALONE  # the report's bound uses the costs alone
     costs["together"] = SHARED
-    shared_cores = AsyncSpeculativeDecoder(verifier, drafter, max_block=4)
+    shared_cores = AsyncSpeculativeDecoder(verifier, drafter, gamma=4)
     result = shared_cores.generate(torch.tensor([PROMPT]), 30)
     assert result.tokens.tolist() == reference
     assert runs == ["async", "async"]  # synchronous: no drafter thread ran
     assert result.stats.overlap_time == 0
-    always = AsyncSpeculativeDecoder(verifier, drafter, max_block=4, overlap="always")
+    always = AsyncSpeculativeDecoder(verifier, drafter, gamma=4, overlap="always")
     assert always.generate(torch.tensor([PROMPT]), 30).tokens.tolist() == reference
     assert runs == ["async", "async", "async"]
 
@@ -118,7 +118,7 @@ def test_a_drafter_that_is_never_accepted_stops_being_overlapped(tiny_pairs, cou
     _, runs = counted
     verifier, drafter = tiny_pairs["llama"]  # an unrelated random drafter: acceptance near 0
     reference = hf_greedy(verifier, torch.tensor([PROMPT]), 40)
-    decoder = AsyncSpeculativeDecoder(verifier, drafter, max_block=4, idle="wait")
+    decoder = AsyncSpeculativeDecoder(verifier, drafter, gamma=4, idle="wait")
     for _ in range(3):
         assert decoder.generate(torch.tensor([PROMPT]), 40).tokens.tolist() == reference
     assert runs == ["async"]

@@ -57,7 +57,7 @@ def test_both_loops_commit_through_the_block_step(monkeypatch):
     table = chain_table(8, [5, 2, 3, EOS, 4])
     decoders = {
         "sync": SpeculativeDecoder(TableLM(table), TableLM(table), gamma=6),
-        "async": overlapped(TableLM(table), TableLM(table), max_block=6, idle="wait"),
+        "async": overlapped(TableLM(table), TableLM(table), gamma=6, idle="wait"),
     }
     for decoder in decoders.values():
         assert decoder.generate(torch.tensor([[5]]), 20, eos_token_id=EOS).tokens.tolist() == [2, 3, EOS]

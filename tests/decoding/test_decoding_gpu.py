@@ -162,7 +162,7 @@ def test_async_decoder_on_devices_keeps_greedy_output(cpu_pair, placement, idle)
         verifier, drafter = placed(cpu_pair, placement)
     ids = torch.tensor([[0, 5, 9, 3, 7]])
     expected = AutoregressiveDecoder(cpu_pair[0]).generate(ids, 40).tokens
-    result = overlapped(verifier, drafter, max_block=6, idle=idle).generate(ids, 40)
+    result = overlapped(verifier, drafter, gamma=6, idle=idle).generate(ids, 40)
     assert torch.equal(result.tokens, expected)
     if idle == "wait":
         assert result.stats.accepted > 0 and result.stats.verifier_calls < 40
@@ -191,7 +191,7 @@ def test_async_benchmark_on_two_gpus():
     proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     print(proc.stdout)
-    assert "async max_block" in proc.stdout
+    assert "async gamma" in proc.stdout
 
 
 # ------------------------------------------------------------------ EAGLE-3 on CUDA

@@ -71,10 +71,10 @@ class Spy:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("vocab", ["full", "reduced"])
-@pytest.mark.parametrize(("block_size", "max_draft"), [(4, None), (2, None), (8, 5)])
-def test_greedy_equals_hf_generate(arch, vocab, block_size, max_draft, eagle3_verifiers):
+@pytest.mark.parametrize(("block_size", "gamma"), [(4, None), (2, None), (8, 5)])
+def test_greedy_equals_hf_generate(arch, vocab, block_size, gamma, eagle3_verifiers):
     verifier = eagle3_verifiers[arch]
-    decoder = DFlashDecoder(verifier, drafter_for(verifier, vocab, block_size=block_size), max_draft)
+    decoder = DFlashDecoder(verifier, drafter_for(verifier, vocab, block_size=block_size), gamma)
     for prompt in PROMPTS:
         ids = torch.tensor([prompt])
         reference = hf_greedy(verifier, ids, 17)
@@ -156,8 +156,8 @@ def test_mismatched_drafters_are_refused(eagle3_verifiers):
         DFlashDecoder(build(tiny_config("llama", 64, layers=4), 1), drafter)
     with pytest.raises(ValueError, match="vocabulary"):
         DFlashDecoder(build(tiny_config("llama", 32, vocab=100, layers=4), 1), drafter)
-    with pytest.raises(ValueError, match="max_draft"):
-        DFlashDecoder(llama, drafter, max_draft=4)  # block of 4: three slots
+    with pytest.raises(ValueError, match="gamma"):
+        DFlashDecoder(llama, drafter, gamma=4)  # block of 4: three slots
     with pytest.raises(ValueError, match="draft_length"):
         DFlashDecoder(llama, drafter, draft_length="short")
 

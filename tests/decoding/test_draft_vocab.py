@@ -141,7 +141,7 @@ def test_no_deprecated_cache_name_is_used(llama_pair, monkeypatch):
     decoders = [
         SpeculativeDecoder(verifier, model, gamma=3),
         TreeSpeculativeDecoder(verifier, model, method="rsd_c", branching=(2, 2)),
-        overlapped(verifier, model, max_block=3),
+        overlapped(verifier, model, gamma=3),
     ]
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)

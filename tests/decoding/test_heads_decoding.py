@@ -144,8 +144,12 @@ def exact_law(model, prompt: list[int], n: int, params: SamplingParams) -> dict[
 
 @pytest.mark.parametrize(
     ("params", "draft_vocab"),
-    [(SamplingParams(1.0), None), (SamplingParams(0.7, top_k=4), None), (SamplingParams(1.0), [0, 2, 3, 5])],
-    ids=["T1", "T0.7-top_k4", "T1-draft-vocab"],
+    [
+        pytest.param(SamplingParams(1.0), None, id="T1"),
+        # 20-30 s each: slow (CI runs them), with the default suite kept near its 5 minutes
+        pytest.param(SamplingParams(0.7, top_k=4), None, id="T0.7-top_k4", marks=pytest.mark.slow),
+        pytest.param(SamplingParams(1.0), [0, 2, 3, 5], id="T1-draft-vocab", marks=pytest.mark.slow),
+    ],
 )
 def test_sampled_output_law_is_the_verifiers(small_verifier, params, draft_vocab):
     prompt, n_new, runs = [1, 2], 3, 3000
@@ -158,6 +162,7 @@ def test_sampled_output_law_is_the_verifiers(small_verifier, params, draft_vocab
     assert sum(s.accepted for s in result.stats) > 0.2 * runs  # the tree's candidates were accepted often
 
 
+@pytest.mark.slow  # the same break of the same rule fails test_tree.py's law test in the default suite
 def test_sampling_test_catches_a_residual_drawn_from_p(small_verifier, monkeypatch):
     """Broken on purpose: after every candidate is rejected, draw from p instead of p without them."""
     import train.decoding.rules.recursive as rules

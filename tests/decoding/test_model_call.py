@@ -108,7 +108,7 @@ def test_models_are_called_the_way_the_installed_transformers_wants(arch, tiny_p
         SpeculativeDecoder(verifier, drafter, gamma=3),
         TreeSpeculativeDecoder(verifier, drafter, method="rsd_c", branching=(2, 2)),
         TreeSpeculativeDecoder(verifier, drafter, method="rsd_s", depth=2, beam_width=2),
-        overlapped(verifier, drafter, max_block=3),
+        overlapped(verifier, drafter, gamma=3),
         HeadsDecoder(verifier, MedusaHeads.from_verifier(verifier, 2, 1)),
     ]
     with warnings.catch_warnings():

@@ -130,7 +130,7 @@ def decoders(verifier, drafter):
         "specinfer": TreeSpeculativeDecoder(verifier, drafter, method="specinfer", branching=(2, 2, 1)),
         "rsd_c": TreeSpeculativeDecoder(verifier, drafter, method="rsd_c", branching=(2, 2, 1)),
         "rsd_s": TreeSpeculativeDecoder(verifier, drafter, method="rsd_s", depth=3, beam_width=3),
-        "async": overlapped(verifier, drafter, max_block=4),
+        "async": overlapped(verifier, drafter, gamma=4),
         "medusa": HeadsDecoder(verifier, heads),
     }
 

@@ -78,7 +78,7 @@ def _logits(drafter: DFlashDrafter, seed: int = 0) -> torch.Tensor:
         ({"block_size": 1}, "method.block_size"),
         ({"num_layers": 0}, "method.num_layers"),
         ({"num_anchors": 0}, "method.num_anchors"),
-        ({"gamma": 0.0}, "method.gamma"),
+        ({"slot_decay": 0.0}, "method.slot_decay"),
         ({"max_len": 4}, "method.max_len"),
         ({"feature_cache_dir": "x"}, "method.feature_cache_dir"),
         ({"answer_engine": "spark"}, "method.answer_engine"),

@@ -284,16 +284,16 @@ def test_each_rank_regenerates_its_own_blocks(monkeypatch):
 
 def test_soft_targets_are_the_verifiers_shifted_distributions():
     torch.manual_seed(0)
-    teacher = torch.randn(2, 7, 11)
+    verifier_logits = torch.randn(2, 7, 11)
     ids = torch.randint(0, 11, (2, 7))
     # heads that predict exactly the verifier's distribution at t + k + 1: zero KL
-    exact = torch.stack([torch.roll(teacher, -(k + 1), dims=1) for k in range(2)])
-    loss, per_head = medusa_loss(exact, ids, verifier_logits=teacher)
+    exact = torch.stack([torch.roll(verifier_logits, -(k + 1), dims=1) for k in range(2)])
+    loss, per_head = medusa_loss(exact, ids, verifier_logits=verifier_logits)
     assert float(loss) == pytest.approx(0.0, abs=1e-6)
     # by hand for head 1 with uniform heads: mean over the 4 valid positions of KL(p || uniform)
     uniform = torch.zeros(2, 2, 7, 11)
-    _, per_head = medusa_loss(uniform, ids, verifier_logits=teacher)
-    p = teacher[:, 2:6].softmax(-1)  # head 1 at t = 0..3 (t + 3 < 7) reads the verifier's row t + 2
+    _, per_head = medusa_loss(uniform, ids, verifier_logits=verifier_logits)
+    p = verifier_logits[:, 2:6].softmax(-1)  # head 1 at t = 0..3 (t + 3 < 7) reads the verifier's row t + 2
     kl = (p * (p.log() + torch.log(torch.tensor(11.0)))).sum(-1).mean()
     assert float(per_head[1]) == pytest.approx(float(kl), rel=1e-5)
 

@@ -139,10 +139,10 @@ def test_hard_loss_over_draft_rows_skips_targets_outside_the_draft_vocabulary():
 def test_soft_loss_renormalises_the_teacher_over_the_draft_ids():
     ids = torch.tensor([[0, 2, 3, 4, 5, 8]])
     logits = torch.randn(1, 1, 6, len(DRAFT))
-    teacher = torch.randn(1, 6, 11)
-    _, (loss,) = medusa_loss(logits, ids, verifier_logits=teacher, draft_ids=torch.tensor(DRAFT))
+    verifier_logits = torch.randn(1, 6, 11)
+    _, (loss,) = medusa_loss(logits, ids, verifier_logits=verifier_logits, draft_ids=torch.tensor(DRAFT))
     log_q = logits[0, 0, :4].log_softmax(-1)
-    log_p = teacher[0, 1:5][:, DRAFT].log_softmax(-1)  # row t + 1 predicts token t + 2
+    log_p = verifier_logits[0, 1:5][:, DRAFT].log_softmax(-1)  # row t + 1 predicts token t + 2
     expected = (log_p.exp() * (log_p - log_q)).sum(-1).mean()
     torch.testing.assert_close(loss, expected)
 

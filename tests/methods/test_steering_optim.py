@@ -55,10 +55,10 @@ def test_the_loss_uses_the_configured_jsd_beta():
         total = module.training_step(batch, 0)
         ro = module.answers(batch["input_ids"], batch["attention_mask"], module._generator(0, 0))
         mask = ro.continuation_mask[:, ro.prompt_width :]
-        teacher, states = module.verifier_view(ro)
+        verifier_logits, states = module.verifier_view(ro)
         logits = {a: module.arm_logits(a, ro, states, module.offset_for(0)) for a in module.drafters}
         want, other = (
-            sum(divergence("jsd", x, teacher, mask, beta=beta) for x in logits.values())
+            sum(divergence("jsd", x, verifier_logits, mask, beta=beta) for x in logits.values())
             for beta in (0.1, 0.5)
         )
     torch.testing.assert_close(total, want)

@@ -1,6 +1,6 @@
 """The pure functions of train/models/draft_vocab.py against hand computations: the most frequent ids,
-the divergence over the draft vocabulary (teacher renormalised there) and the acceptance decoding sees
-(the teacher's whole distribution, q = 0 outside the draft ids). The wrapper itself and decoding with
+the divergence over the draft vocabulary (verifier renormalised there) and the acceptance decoding sees
+(the verifier's whole distribution, q = 0 outside the draft ids). The wrapper itself and decoding with
 it: tests/decoding/test_draft_vocab.py; DistillSpec on such a drafter:
 tests/methods/test_draft_vocab_training.py."""
 
@@ -54,37 +54,37 @@ def _hand(name: str, q: torch.Tensor, p: torch.Tensor, beta: float) -> torch.Ten
 
 @pytest.mark.parametrize("name", ["fkl", "rkl", "jsd", "tvd"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_draft_divergence_renormalises_the_teacher_over_the_draft_ids(name, temperature):
-    student = _logits(0, 2, 3, len(IDS))
-    teacher = _logits(1, 2, 3, V)
+def test_draft_divergence_renormalises_the_verifier_over_the_draft_ids(name, temperature):
+    drafter = _logits(0, 2, 3, len(IDS))
+    verifier = _logits(1, 2, 3, V)
     mask = torch.tensor([[True, True, False], [True, False, True]])
-    p = torch.softmax(teacher / temperature, -1)[..., IDS]
+    p = torch.softmax(verifier / temperature, -1)[..., IDS]
     p = p / p.sum(-1, keepdim=True)  # renormalised over the draft ids
-    q = torch.softmax(student / temperature, -1)
+    q = torch.softmax(drafter / temperature, -1)
     want = _hand(name, q, p, 0.3)[mask].mean()
-    got = draft_divergence(name, student, teacher, IDS, mask, temperature=temperature, beta=0.3)
+    got = draft_divergence(name, drafter, verifier, IDS, mask, temperature=temperature, beta=0.3)
     torch.testing.assert_close(got, want)
 
 
 def test_draft_divergence_trains_the_draft_logits():
-    student = _logits(0, 4, len(IDS)).float().requires_grad_()
-    draft_divergence("fkl", student, _logits(1, 4, V).float(), IDS).backward()
-    assert student.grad is not None and torch.isfinite(student.grad).all() and student.grad.abs().sum() > 0
+    drafter = _logits(0, 4, len(IDS)).float().requires_grad_()
+    draft_divergence("fkl", drafter, _logits(1, 4, V).float(), IDS).backward()
+    assert drafter.grad is not None and torch.isfinite(drafter.grad).all() and drafter.grad.abs().sum() > 0
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.5])
 def test_draft_acceptance_is_sum_min_p_q_with_q_zero_outside_the_draft_ids(temperature):
-    student = _logits(2, 2, 3, len(IDS))
-    teacher = _logits(3, 2, 3, V)
+    drafter = _logits(2, 2, 3, len(IDS))
+    verifier = _logits(3, 2, 3, V)
     mask = torch.tensor([[True, False, True], [True, True, True]])
-    p = torch.softmax(teacher / temperature, -1)  # the whole teacher: its mass outside is never accepted
+    p = torch.softmax(verifier / temperature, -1)  # the whole verifier: its mass outside is never accepted
     q = torch.zeros_like(p)
-    q[..., IDS] = torch.softmax(student / temperature, -1)
+    q[..., IDS] = torch.softmax(drafter / temperature, -1)
     want = torch.minimum(p, q).sum(-1)[mask].mean()
-    got = draft_acceptance(student, teacher, IDS, mask, temperature=temperature)
+    got = draft_acceptance(drafter, verifier, IDS, mask, temperature=temperature)
     torch.testing.assert_close(got, want)
     over_draft_ids = acceptance_from_logits(
-        student, restrict_logits(teacher, IDS), mask, temperature=temperature
+        drafter, restrict_logits(verifier, IDS), mask, temperature=temperature
     )
     assert float(got) < float(over_draft_ids)  # the renormalised figure would overstate it
 
@@ -106,23 +106,23 @@ def test_draft_rows_of_is_vocab_index_without_the_vocabulary_size():
 
 
 def test_argmax_agreement_counts_matching_top_tokens():
-    teacher = torch.tensor([[[0.0, 3.0, 1.0], [2.0, 0.0, 1.0], [0.0, 0.0, 5.0]]])  # tops 1, 0, 2
-    student = torch.tensor([[[0.0, 9.0, 1.0], [0.0, 4.0, 1.0], [1.0, 0.0, 2.0]]])  # tops 1, 1, 2
-    assert float(argmax_agreement(student, teacher)) == pytest.approx(2 / 3)
+    verifier = torch.tensor([[[0.0, 3.0, 1.0], [2.0, 0.0, 1.0], [0.0, 0.0, 5.0]]])  # tops 1, 0, 2
+    drafter = torch.tensor([[[0.0, 9.0, 1.0], [0.0, 4.0, 1.0], [1.0, 0.0, 2.0]]])  # tops 1, 1, 2
+    assert float(argmax_agreement(drafter, verifier)) == pytest.approx(2 / 3)
     mask = torch.tensor([[True, True, False]])
-    assert float(argmax_agreement(student, teacher, mask)) == pytest.approx(0.5)
-    assert float(argmax_agreement(student, teacher, torch.zeros_like(mask))) == 0.0
-    # a student padded past the teacher's vocabulary: only the common ids count
-    padded = torch.cat([student, torch.full((1, 3, 2), 50.0)], dim=-1)
-    assert float(argmax_agreement(padded, teacher)) == pytest.approx(2 / 3)
+    assert float(argmax_agreement(drafter, verifier, mask)) == pytest.approx(0.5)
+    assert float(argmax_agreement(drafter, verifier, torch.zeros_like(mask))) == 0.0
+    # a drafter padded past the verifier's vocabulary: only the common ids count
+    padded = torch.cat([drafter, torch.full((1, 3, 2), 50.0)], dim=-1)
+    assert float(argmax_agreement(padded, verifier)) == pytest.approx(2 / 3)
 
 
 def test_argmax_agreement_over_a_draft_vocabulary():
-    teacher = torch.full((1, 2, 6), -1.0)
-    teacher[0, 0, 4] = 2.0  # the teacher's top: id 4, then id 1
-    teacher[0, 1, 1] = 2.0
-    draft_ids = torch.tensor([1, 4])  # the student's rows are ids 1 and 4
-    student = torch.tensor([[[0.0, 3.0], [0.0, 3.0]]])  # picks id 4 both times
-    assert float(argmax_agreement(student, teacher, draft_ids=draft_ids)) == pytest.approx(0.5)
+    verifier = torch.full((1, 2, 6), -1.0)
+    verifier[0, 0, 4] = 2.0  # the verifier's top: id 4, then id 1
+    verifier[0, 1, 1] = 2.0
+    draft_ids = torch.tensor([1, 4])  # the drafter's rows are ids 1 and 4
+    drafter = torch.tensor([[[0.0, 3.0], [0.0, 3.0]]])  # picks id 4 both times
+    assert float(argmax_agreement(drafter, verifier, draft_ids=draft_ids)) == pytest.approx(0.5)
     with pytest.raises(ValueError, match="leading"):
-        argmax_agreement(student[:, :1], teacher, draft_ids=draft_ids)
+        argmax_agreement(drafter[:, :1], verifier, draft_ids=draft_ids)

@@ -423,6 +423,14 @@ def test_sampled_answers_are_cached_per_recipe(sampling_verifier, tmp_path, monk
     assert calls == [6, 6, 4, 4, 4] and [a.answer for a in old] == [a.answer for a in wide]
     with pytest.raises(TypeError, match="use top_logprobs="):
         sampled_answers(sampling_verifier, [0], prompts[:2], 2, 0.5, 6, 4, 0, tmp_path, top_k=3)  # type: ignore[call-arg]
+    # other stop tokens: regenerated; a manifest from before the stop tokens were recorded serves
+    sampled_answers(sampling_verifier, [0, 7], prompts[:2], 2, 0.5, 6, 4, 0, tmp_path, top_logprobs=3)
+    assert calls == [6, 6, 4, 4, 4, 4]
+    meta = json.loads(manifest.read_text())
+    del meta["recipe"]["eos"]
+    manifest.write_text(json.dumps(meta))
+    sampled_answers(sampling_verifier, [0], prompts[:2], 2, 0.5, 6, 4, 0, tmp_path, top_logprobs=3)
+    assert calls == [6, 6, 4, 4, 4, 4]
 
 
 def test_eagle3_config_checks_the_sampled_answers_keys():

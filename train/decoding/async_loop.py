@@ -3,7 +3,7 @@
 The drafter runs in its own thread and never waits for verification: it keeps drafting one token at
 a time ahead of the verified sequence (up to ``max_ahead`` tokens) and publishes each with the q it
 was drawn from. The verifier, in the calling thread, takes every published draft beyond the verified
-prefix (up to ``max_block``), verifies the chain in one forward with the same rule as the synchronous
+prefix (up to ``gamma``), verifies the chain in one forward with the same rule as the synchronous
 loop and commits the accepted drafts plus its own token through the same block step
 (:mod:`train.decoding.block_step`); this module keeps only what is asynchronous.
 
@@ -86,7 +86,7 @@ def auto_block(
     drafter_stats: DecodeStats,
     calls: CostLine,
     ready: int,
-    max_block: int,
+    gamma: int,
     wait: bool,
 ) -> int:
     """``min_ahead="auto"``: how many drafts this verification takes
@@ -97,10 +97,10 @@ def auto_block(
     line = calls.line()
     steps = drafter_stats.drafter_calls - drafter_stats.drafter_prefill_calls
     if line is None or steps <= 0:
-        return 1 if wait else min(ready, max_block)
+        return 1 if wait else min(ready, gamma)
     draft = (drafter_stats.drafter_time - drafter_stats.drafter_prefill_time) / steps
     acceptance = acceptance_estimate(stats.accepted, stats.tested)
-    return best_wait(acceptance, draft, line[0], ready, max_block, verify_per_token=line[1], wait=wait)
+    return best_wait(acceptance, draft, line[0], ready, gamma, verify_per_token=line[1], wait=wait)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -205,7 +205,7 @@ def _take_block(
             shared.cond.wait(_WAIT)
         if shared.error is not None:
             raise shared.error
-        k = min(len(shared.drafts), schedule.max_block, limit - len(seq) - 1)
+        k = min(len(shared.drafts), schedule.gamma, limit - len(seq) - 1)
         if not isinstance(min_ahead, int):
             k = min(k, auto(ready=len(shared.drafts)))
         elif k and len(shared.drafts) < target and not schedule.waits:
@@ -231,7 +231,7 @@ def run_asynchronous(
     drafter's generator is seeded from it."""
     schedule = schedule or AsyncSchedule()
     t_start = time.perf_counter()
-    stats = DecodeStats(max_draft=schedule.max_block)
+    stats = DecodeStats(max_draft=schedule.gamma)
     drafter_stats = DecodeStats()
     limit = len(prompt) + max_new_tokens
     if max_new_tokens == 0:
@@ -259,8 +259,8 @@ def run_asynchronous(
     seq = shared.verified  # only this thread appends to it, under the lock
     scored = VerifierCache(verifier, stats)
     calls = CostLine()  # the verifier's decoding calls: tokens scored, seconds
-    cap = min(schedule.max_block, schedule.max_ahead)
-    auto = functools.partial(auto_block, stats, drafter_stats, calls, max_block=cap, wait=schedule.waits)
+    cap = min(schedule.gamma, schedule.max_ahead)
+    auto = functools.partial(auto_block, stats, drafter_stats, calls, gamma=cap, wait=schedule.waits)
     stop = functools.partial(_stop, shared)
     with beside(drafting, stop, stop, (verifier.device, proposer.drafter.device), schedule.pin_cores):
         done = False

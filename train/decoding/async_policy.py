@@ -57,18 +57,18 @@ def best_wait(
     draft_seconds: float,
     verify_seconds: float,
     ready: int,
-    max_block: int,
+    gamma: int,
     verify_per_token: float = 0.0,
     wait: bool = True,
 ) -> int:
     """The block length that maximises expected tokens per second when ``ready`` drafts are published
     and each further one takes ``draft_seconds``; a verification of ``k`` drafts takes
-    ``verify_seconds + k * verify_per_token``. ``wait``: choose among 1 ... ``max_block`` (waiting for
-    drafts not yet published); else among 0 ... ``min(ready, max_block)`` (0: the verifier steps alone).
+    ``verify_seconds + k * verify_per_token``. ``wait``: choose among 1 ... ``gamma`` (waiting for
+    drafts not yet published); else among 0 ... ``min(ready, gamma)`` (0: the verifier steps alone).
     Ties go to the shorter block."""
-    if max_block < 1:
-        raise ValueError(f"max_block must be >= 1, got {max_block}")
-    choices = range(1, max_block + 1) if wait else range(0, min(ready, max_block) + 1)
+    if gamma < 1:
+        raise ValueError(f"gamma must be >= 1, got {gamma}")
+    choices = range(1, gamma + 1) if wait else range(0, min(ready, gamma) + 1)
     best, best_rate = choices[0], -1.0
     for k in choices:
         seconds = max(verify_seconds + k * verify_per_token, 1e-9) + max(0, k - ready) * draft_seconds
@@ -118,21 +118,21 @@ def acceptance_estimate(accepted: int, tested: int, prior: float = 0.5, prior_we
     return (accepted + prior * prior_weight) / (tested + prior_weight)
 
 
-def synchronous_speedup(acceptance: float, alone: StepCosts, max_block: int) -> tuple[int, float]:
-    """(k, speedup over plain decoding) of the best synchronous chain of 0 .. ``max_block`` drafts, each
+def synchronous_speedup(acceptance: float, alone: StepCosts, gamma: int) -> tuple[int, float]:
+    """(k, speedup over plain decoding) of the best synchronous chain of 0 .. ``gamma`` drafts, each
     accepted with ``acceptance``, under the costs measured with each model alone."""
-    return speedup_bound([acceptance] * max_block, alone)
+    return speedup_bound([acceptance] * gamma, alone)
 
 
 def overlapped_speedup(
-    acceptance: float, together: StepCosts, alone: StepCosts, max_block: int
+    acceptance: float, together: StepCosts, alone: StepCosts, gamma: int
 ) -> tuple[int, float]:
     """(k, speedup over plain decoding at ``alone``'s one-token step) of the best overlapped block of
-    1 .. ``max_block`` drafts under the costs measured with both models computing at once (module
+    1 .. ``gamma`` drafts under the costs measured with both models computing at once (module
     docstring)."""
     best_k, best = 1, 0.0
     a = min(max(acceptance, 0.0), 1.0)
-    for k in range(1, max_block + 1):
+    for k in range(1, gamma + 1):
         seconds = together.check(k + 1) + (1.0 - a**k) * k * together.draft
         value = expected_block_tokens(a, k) * alone.check(1) / seconds
         if value > best:
@@ -140,11 +140,11 @@ def overlapped_speedup(
     return best_k, best
 
 
-def overlap_pays(acceptance: float, together: StepCosts, alone: StepCosts, max_block: int) -> bool:
+def overlap_pays(acceptance: float, together: StepCosts, alone: StepCosts, gamma: int) -> bool:
     """Whether the best overlapped block is expected to beat the best synchronous one (a tie does not)."""
     return (
-        overlapped_speedup(acceptance, together, alone, max_block)[1]
-        > synchronous_speedup(acceptance, alone, max_block)[1]
+        overlapped_speedup(acceptance, together, alone, gamma)[1]
+        > synchronous_speedup(acceptance, alone, gamma)[1]
     )
 
 
@@ -158,14 +158,14 @@ IDLE_POLICIES: tuple[str, ...] = ("step", "wait")
 
 @dataclass(frozen=True)
 class AsyncSchedule:
-    """The asynchronous schedule's settings. ``max_block``: most drafts one verification takes;
+    """The asynchronous schedule's settings. ``gamma``: most drafts one verification takes;
     ``max_ahead``: most drafts published ahead of the verified sequence; ``min_ahead``: drafts needed before
     verifying them, or ``"auto"`` (each verification takes :func:`auto_block` drafts, waiting for them with
     ``idle="wait"``; with ``idle="step"`` at most those ready, none to step alone); ``idle``: ``step`` (a
     plain verifier step when fewer are ready) or ``wait``; ``pin_cores``: (verifier core, drafter core) on
     a CPU; ``on_block``: called with each block's length (tests)."""
 
-    max_block: int = 8
+    gamma: int = 8
     max_ahead: int = 8
     min_ahead: int | str = 1
     idle: str = "step"
@@ -173,7 +173,7 @@ class AsyncSchedule:
     on_block: Callable[[int], None] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        _check_count("max_block", self.max_block)
+        _check_count("gamma", self.gamma)
         _check_count("max_ahead", self.max_ahead)
         if self.min_ahead != "auto":
             _check_count("min_ahead", self.min_ahead, " or 'auto'")

@@ -59,7 +59,7 @@ class DecodeStats:
     """
 
     #: The most draft tokens a block may verify: a chain's gamma, a tree's depth, an asynchronous
-    #: ``max_block`` (informational: simulated tau uses it).
+    #: ``gamma`` (informational: simulated tau uses it).
     max_draft: int = 0
     drafted: int = 0
     accepted: int = 0

@@ -11,7 +11,7 @@ and its distributions (row r: what the verifier predicts for position r + 1):
 - slot k >= 1 of the block at a is scored against the verifier's distribution at row a + k - 1
   (renormalised over the draft vocabulary): forward KL, kept where position a + k is inside the sequence
   and the loss mask and the verifier's argmax there is a draft id; slot 0 (the anchor) is not scored;
-- slot k's weight is ``exp(-(k - 1) / gamma)`` (the authors' decay: an early slot's miss ends the
+- slot k's weight is ``exp(-(k - 1) / slot_decay)`` (the authors' decay: an early slot's miss ends the
   accepted run, a late slot matters only when all before it hit); the loss is the weighted mean over
   kept slots.
 
@@ -31,10 +31,10 @@ from train.models.eagle3_ttt import VerifierTargets, last_argmax
 __all__ = ["BlockResult", "block_mask", "block_loss", "sample_anchors", "slot_weights"]
 
 
-def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
-    """(block_size,) float32: 0 for the anchor slot, ``exp(-(k - 1) / gamma)`` for slot k >= 1."""
+def slot_weights(block_size: int, slot_decay: float) -> torch.Tensor:
+    """(block_size,) float32: 0 for the anchor slot, ``exp(-(k - 1) / slot_decay)`` for slot k >= 1."""
     k = torch.arange(block_size, dtype=torch.float32)
-    weights = torch.exp(-(k - 1) / gamma)
+    weights = torch.exp(-(k - 1) / slot_decay)
     weights[0] = 0.0
     return weights
 
@@ -98,7 +98,7 @@ def block_loss(
     batch: dict[str, torch.Tensor],
     targets: VerifierTargets,
     num_anchors: int,
-    gamma: float,
+    slot_decay: float,
     generator: torch.Generator | None = None,
 ) -> BlockResult:
     """The loss of :func:`sample_anchors`' blocks (see the module docstring).
@@ -136,7 +136,7 @@ def block_loss(
     kept = eligible & in_vocab
     log_q = logits.float().log_softmax(-1)
     kl = (log_p.exp() * (log_p - log_q)).sum(-1)  # (B, A, S - 1)
-    weights = slot_weights(size, gamma).to(device)[1:].expand_as(kl)
+    weights = slot_weights(size, slot_decay).to(device)[1:].expand_as(kl)
     kept_weights = torch.where(kept, weights, 0.0)
     loss = (kl * kept_weights).sum() / kept_weights.sum().clamp(min=1e-8)
     predicted = drafter.draft_ids.to(device)[last_argmax(log_q.detach())]

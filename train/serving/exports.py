@@ -80,7 +80,7 @@ class ServedExport:
                 "acceptance": "rejection",
             }
         if self.kind == "dflash_speculators":
-            return {"name": f"dflash_chain{k}", "_target_": "train.decoding.DFlashDecoder", "max_draft": k}
+            return {"name": f"dflash_chain{k}", "_target_": "train.decoding.DFlashDecoder", "gamma": k}
         return {
             "name": f"eagle3_chain{k}",
             "_target_": "train.decoding.Eagle3Decoder",

@@ -182,8 +182,8 @@ def run_answers(
     return generated_answers(pair, spec, counts, prompt_len, answer_tokens, answer_batch, engine)
 
 
-# more than 8 parameters: the recipe its cache key holds (verifier, prompts, per_prompt, temperature,
-# answer_tokens, seed, top_logprobs), then eos and where they are generated (batch, folder, engine, device)
+# more than 8 parameters: the recipe its cache key holds (verifier, eos, prompts, per_prompt, temperature,
+# answer_tokens, seed, top_logprobs), then where they are generated (batch, folder, engine, device)
 @renamed_keywords(top_k="top_logprobs")
 def sampled_answers(
     verifier: Any,
@@ -217,6 +217,7 @@ def sampled_answers(
         "seed": seed,
         "verifier": str(getattr(verifier.config, "_name_or_path", "")),
         "top_logprobs": top_logprobs,
+        "eos": [int(i) for i in eos],
     }
     rows = [list(p) for p in prompts for _ in range(per_prompt)]
 
@@ -244,11 +245,13 @@ def _serves(cached: Any, wanted: dict[str, Any]) -> bool:
     """Whether sampled answers cached under recipe ``cached`` serve ``wanted``: the same recipe, keeping
     at least as many top tokens (a recipe from before ``top_logprobs`` was recorded kept 1; one written
     before issue 53 names it ``top_k``, read as ``top_logprobs`` by
-    :func:`~train.training.answer_share.stored_recipe`)."""
+    :func:`~train.training.answer_share.stored_recipe`). A recipe from before the stop tokens were
+    recorded (2026-11-29) serves any: every run then stopped at its tokenizer's eos."""
     if not isinstance(cached, dict):
         return False
-    rest = {k: v for k, v in cached.items() if k != "top_logprobs"}
+    loose = ("top_logprobs",) if "eos" in cached else ("top_logprobs", "eos")
     kept = int(cached.get("top_logprobs", 1))
-    return rest == {k: v for k, v in wanted.items() if k != "top_logprobs"} and kept >= int(
-        wanted["top_logprobs"]
-    )
+    same = {k: v for k, v in cached.items() if k not in loose} == {
+        k: v for k, v in wanted.items() if k not in loose
+    }
+    return same and kept >= int(wanted["top_logprobs"])

@@ -23,17 +23,19 @@ from train.decoding.model_call import TimedModel
 from train.decoding.overlap_probe import together_costs
 from train.decoding.proposers.model_proposer import ModelProposer
 from train.decoding.sampling import SamplingParams
+from train.renames import renamed_keywords
 
 __all__ = ["AsyncSpeculativeDecoder"]
 
 log = logging.getLogger(__name__)
 
 
+@renamed_keywords(max_block="gamma")
 class AsyncSpeculativeDecoder(Decoder):
     """AMUSD (:mod:`train.decoding.async_loop`): the drafter drafts in its own thread while the verifier
     verifies. Same ``generate`` as the other decoders; lossless at every temperature.
 
-    max_block: most drafts one verification takes; max_ahead: most drafts published ahead of the
+    gamma: most drafts one verification takes; max_ahead: most drafts published ahead of the
     verified sequence; min_ahead: drafts needed before verifying them, or ``"auto"``: per block, the
     count that maximises expected tokens per second under the acceptance, drafter step and verifier
     cost measured so far in the generation (:mod:`train.decoding.async_policy`; with ``idle="step"``
@@ -45,7 +47,7 @@ class AsyncSpeculativeDecoder(Decoder):
     (:func:`~train.decoding.async_policy.overlap_pays`), from the pair's step costs measured alone and
     with both models computing at once (each measured once per machine and setting,
     :mod:`train.decoding.overlap_probe`) and the acceptance of the generations so far; where it does not,
-    the generation runs synchronously, a chain of up to ``max_block`` drafts of cost-chosen length
+    the generation runs synchronously, a chain of up to ``gamma`` drafts of cost-chosen length
     (``SpeculativeDecoder(draft_length="cost")``). Lossless either way: which schedule runs never depends
     on this generation's draws. ``"always"``: the asynchronous schedule whatever it costs.
     """
@@ -54,7 +56,7 @@ class AsyncSpeculativeDecoder(Decoder):
         self,
         verifier: torch.nn.Module,
         drafter: torch.nn.Module,
-        max_block: int = 8,
+        gamma: int = 8,
         max_ahead: int = 8,
         min_ahead: int | str = 1,
         idle: str = "step",
@@ -66,7 +68,7 @@ class AsyncSpeculativeDecoder(Decoder):
         self.verifier, self.drafter = verifier, drafter
         #: The schedule's settings, validated there.
         self.schedule = AsyncSchedule(
-            max_block,
+            gamma,
             max_ahead,
             min_ahead,
             idle,
@@ -79,7 +81,7 @@ class AsyncSpeculativeDecoder(Decoder):
         #: Where overlapping does not pay (``overlap="auto"``): a synchronous chain of cost-chosen length.
         self.synchronous = None
         if overlap == "auto":
-            self.synchronous = SpeculativeDecoder(verifier, drafter, gamma=max_block, draft_length="cost")
+            self.synchronous = SpeculativeDecoder(verifier, drafter, gamma=gamma, draft_length="cost")
         self._accepted = self._tested = 0
         self._overlapping: bool | None = None
         #: The pair's step costs alone and with both models computing at once, measured at the first call.
@@ -98,7 +100,7 @@ class AsyncSpeculativeDecoder(Decoder):
         """Whether the next generation runs the asynchronous schedule (class docstring)."""
         if self.synchronous is None:
             return True
-        cap = self.schedule.max_block
+        cap = self.schedule.gamma
         if self._costs is None:  # once per decoder: a cost key reads the processor and hashes the pair
             alone = self.synchronous.measure_costs()
             self.synchronous.length.costs = alone  # type: ignore[union-attr]

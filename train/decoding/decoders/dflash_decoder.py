@@ -24,13 +24,15 @@ from train.decoding.proposers.dflash_proposer import DFlashProposer
 from train.decoding.proposers.lookup_proposer import prompt_lookup
 from train.decoding.sampling import SamplingParams
 from train.models.dflash_drafter import DFlashDrafter
+from train.renames import renamed_keywords
 
 __all__ = ["DFlashDecoder", "check_dflash"]
 
 
+@renamed_keywords(max_draft="gamma")
 class DFlashDecoder(DraftTreeDecoder):
     """Speculative decoding with a :class:`~train.models.dflash_drafter.DFlashDrafter`: a chain of at most
-    ``max_draft`` tokens (None: the block's ``block_size - 1``) from one drafter forward per block;
+    ``gamma`` tokens (None: the block's ``block_size - 1``) from one drafter forward per block;
     ``draft_temperature`` divides the drafter's logits at T > 0 (any value stays lossless: q is what the
     tokens are drawn from); ``draft_length``: ``"fixed"`` (the whole chain) or ``"cost"`` (the prefix
     that pays, ``costs`` or measured at the first call); ``tree_nodes`` N > 0: instead of the chain, a tree
@@ -46,7 +48,7 @@ class DFlashDecoder(DraftTreeDecoder):
         self,
         verifier: torch.nn.Module,
         drafter: DFlashDrafter,
-        max_draft: int | None = None,
+        gamma: int | None = None,
         draft_temperature: float = 1.0,
         draft_length: str = "fixed",
         costs: StepCosts | None = None,
@@ -65,9 +67,9 @@ class DFlashDecoder(DraftTreeDecoder):
         self.length = CostAwareLength(costs) if draft_length == "cost" else None
         self.draft_length = draft_length
         self._proposer = DFlashProposer(
-            drafter, self._verifier.vocab_size, max_draft, draft_temperature, self.length, tree_nodes
+            drafter, self._verifier.vocab_size, gamma, draft_temperature, self.length, tree_nodes
         )
-        self.depth = self._proposer.max_draft
+        self.depth = self._proposer.gamma
         self.draft_temperature = self._proposer.draft_temperature
         self._lookup = prompt_lookup(lookup_tokens, lookup_max_ngram, lookup_min_ngram)
         if self._lookup is not None:

@@ -23,8 +23,9 @@ class DFlashConfig(FeatureDrafterSettings):
     ``num_speculative_tokens``)."""
     num_anchors: int = 64
     """Blocks trained per row in one forward, their anchors drawn at random among the answer's positions."""
-    gamma: float = 4.0
-    """Slot k's loss weight: exp(-(k - 1) / gamma)."""
+    slot_decay: float = 4.0
+    """Slot k's loss weight: exp(-(k - 1) / slot_decay) (the authors' gamma; renamed: ``gamma`` is the chain's
+    draft length everywhere else)."""
     mask_token_id: int | None = None
     """The id the draft slots carry; None: the last id of the vocabulary that is no special token."""
     compare_eagle3: str | None = "auto"
@@ -40,10 +41,12 @@ class DFlashConfig(FeatureDrafterSettings):
         )
         require(self.num_anchors >= 1, "method.num_anchors", ">= 1", self.num_anchors)
         require(
-            isinstance(self.gamma, int | float) and not isinstance(self.gamma, bool) and self.gamma > 0,
-            "method.gamma",
+            isinstance(self.slot_decay, int | float)
+            and not isinstance(self.slot_decay, bool)
+            and self.slot_decay > 0,
+            "method.slot_decay",
             "> 0",
-            self.gamma,
+            self.slot_decay,
         )
         if self.compare_eagle3 not in (None, "auto"):
             check_model_source("method.compare_eagle3", str(self.compare_eagle3))

@@ -72,7 +72,7 @@ class DFlashFinish(Eagle3Finish):
             "num_layers",
             "block_size",
             "num_anchors",
-            "gamma",
+            "slot_decay",
             "batch_size",
             "max_len",
             "draft_vocab_size",

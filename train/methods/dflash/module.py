@@ -6,7 +6,7 @@ Each step reads the frozen verifier's states at the drafter's ``aux_layers`` ove
 and trains ``num_anchors`` blocks per row in one forward (:func:`train.models.dflash_loss.block_loss`): each
 block is an answer token (the anchor) and ``block_size - 1`` mask tokens, sees the context before its anchor
 and its own block, and slot k is scored against the verifier's distribution for position anchor + k
-(forward KL over the draft vocabulary, weight ``exp(-(k - 1) / gamma)``).
+(forward KL over the draft vocabulary, weight ``exp(-(k - 1) / slot_decay)``).
 
 The verifier is frozen and stays outside the module's children; the drafter trains in float32 master
 weights whatever ``model.dtype`` is, and is exported in ``model.dtype``.
@@ -71,7 +71,9 @@ class DFlashModule(VerifierFeatures, DFlashFinish, WholeNormClipping, L.Lightnin
     def blocks(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None = None) -> BlockResult:
         """The block loss of ``batch`` (anchors from ``generator``, None: the global one)."""
         aux, targets = self.features_and_targets(batch)
-        return block_loss(self.drafter, aux, batch, targets, self.cfg.num_anchors, self.cfg.gamma, generator)
+        return block_loss(
+            self.drafter, aux, batch, targets, self.cfg.num_anchors, self.cfg.slot_decay, generator
+        )
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         result = self.blocks(batch)
