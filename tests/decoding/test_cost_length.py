@@ -227,6 +227,32 @@ def test_costs_are_measured_once_when_not_given(llama_pair, tmp_path, monkeypatc
     assert again.step_costs == costs  # the process's memo (and the file) give the same figures
 
 
+def test_every_drafter_of_a_verifier_is_weighed_against_one_measurement_of_its_checks(
+    llama_pair, tmp_path, monkeypatch
+):
+    """The checks are the verifier's alone: measured once per verifier and setting, whatever the drafter,
+    so decoders of two drafters choose by the same check costs; each drafter's step is its own."""
+    import copy
+
+    monkeypatch.setenv("DRAFTSMITH_COST_CACHE", str(tmp_path / "costs.json"))
+    monkeypatch.setattr(cost_probe, "_MEMO", {})
+    verifier, drafter = llama_pair
+    other = copy.deepcopy(drafter)
+    other.config._name_or_path = "another-drafter"
+    measured: list[object] = []
+    real = cost_probe.measure_step_costs
+
+    def measure(model, with_drafter, *args, **kwargs):
+        measured.append(with_drafter)
+        return real(model, with_drafter, *args, **kwargs, repeats=1)
+
+    monkeypatch.setattr(cost_probe, "measure_step_costs", measure)
+    first = SpeculativeDecoder(verifier, drafter, gamma=3, draft_length="cost").measure_costs()
+    second = SpeculativeDecoder(verifier, other, gamma=3, draft_length="cost").measure_costs()
+    assert measured == [None]  # the checks once, without a drafter
+    assert first.verify == second.verify and first.draft > 0 and second.draft > 0
+
+
 V, EOS, PROMPT = 4, 3, (2, 0)
 
 

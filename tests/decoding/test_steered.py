@@ -173,14 +173,14 @@ def test_a_steered_drafters_step_is_timed_steered_and_cached_apart(tiny_pairs, m
     mlps = swiglu_mlps(drafter)
     hooks_seen: list[int] = []
     logits_seen: list[torch.Tensor] = []
-    real = cost_probe.measure_step_costs
+    real = cost_probe.drafter_step_seconds
 
     def measure(*args, **kwargs):
         hooks_seen.append(sum(len(m.up_proj._forward_hooks) for m in mlps))
         logits_seen.append(drafter(torch.tensor([[0, 5, 9]])).logits)  # what a step computes while timed
         return real(*args, **kwargs, repeats=1)
 
-    monkeypatch.setattr(cost_probe, "measure_step_costs", measure)
+    monkeypatch.setattr(cost_probe, "drafter_step_seconds", measure)
     plain = SpeculativeDecoder(verifier, drafter, gamma=3, draft_length="cost")
     steered = SpeculativeDecoder(verifier, drafter, gamma=3, draft_length="cost", steering=steering)
     plain.measure_costs()

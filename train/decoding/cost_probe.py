@@ -8,13 +8,14 @@ verifier's linear layers can stream (float32 on a CPU, ``DRAFTSMITH_CPU_LINEAR=a
 :mod:`train.models.streamed_linear`) every count is timed both ways, interleaved, and each row count
 takes the faster product from then on (twice the forwards); the costs are the chosen ones.
 
-The result is cached twice: in the process (one measurement per pair and setting), and on disk in
-``$DRAFTSMITH_COST_CACHE`` (default ``~/.cache/draftsmith/step_costs.json``), keyed by what a cost
-depends on: the processor, torch's version and CPU capability, the device, the dtype, torch's thread
-count, the CPU linear kernel (train/models/streamed_linear.py) and the pair (each model's name, size and
-shape), with the row counts that stream. A run on the same machine and settings reuses it, so its draft
-lengths, and its sampled output for a seed, are the same run after run. ``DRAFTSMITH_COST_CACHE=off``
-measures every process afresh.
+The result is cached twice: in the process (one measurement per verifier, and a drafter step per pair,
+and setting), and on disk in ``$DRAFTSMITH_COST_CACHE`` (default ``~/.cache/draftsmith/step_costs.json``),
+keyed by what a cost depends on: the processor, torch's version and CPU capability, the device, the
+dtype, torch's thread count, the CPU linear kernel (train/models/streamed_linear.py) and the verifier
+(its name, size and shape; the checks, with the row counts that stream) or the pair (the drafter's step).
+Every drafter of one verifier is weighed against the same check costs. A run on the same machine and
+settings reuses them, so its draft lengths, and its sampled output for a seed, are the same run after
+run. ``DRAFTSMITH_COST_CACHE=off`` measures every process afresh.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ __all__ = [
     "cache_path",
     "chooses_kernel",
     "cost_key",
+    "drafter_step_seconds",
     "faster_rows",
     "measure_step_costs",
     "random_tokens",
@@ -248,11 +250,16 @@ def measure_step_costs(
         # more tokens never cost less: a dip is the machine's noise (a cheaper 4 than 1 would make
         # every block draft 3 tokens "for free"), so each count costs at least what fewer did
         verify = [max(medians[: n + 1]) for n in range(len(medians))]
-        draft = 0.0
-        if drafter is not None:
-            support = drafter.support is not None
-            draft = time_forwards(drafter, [1], repeats, support_only=support, draw=True)[0][0]
+    draft = drafter_step_seconds(drafter, repeats) if drafter is not None else 0.0
     return StepCosts(verify=tuple(verify), draft=draft)
+
+
+def drafter_step_seconds(drafter: TimedModel, repeats: int = 5) -> float:
+    """Measure (no cache): one drafter step after a cached prefix, with what a step adds to its forward
+    (its distribution, top token and confidence); the median of ``repeats`` after a warm-up."""
+    with torch.inference_mode():
+        support = drafter.support is not None
+        return time_forwards(drafter, [1], repeats, support_only=support, draw=True)[0][0]
 
 
 def step_costs(
@@ -266,18 +273,27 @@ def step_costs(
     ``steering`` (an SD^2 steering module): the drafter's step is timed steered, as it drafts
     (:func:`steered_while_timed`), and cached apart from the plain drafter's."""
     max_tokens = max(max_tokens, MEASURED_TOKENS)
-    drafter_model = drafter.model if drafter is not None else None
-    key = cost_key(verifier.model, drafter_model, max_tokens, steering)
 
-    def measure() -> tuple[StepCosts, frozenset[int] | None]:
-        with steered_while_timed(verifier.model, drafter_model, steering):
-            costs = measure_step_costs(verifier, drafter, max_tokens)
+    def measure_checks() -> tuple[StepCosts, frozenset[int] | None]:
+        costs = measure_step_costs(verifier, None, max_tokens)
         return costs, stream_rows(verifier.model) if chooses_kernel(verifier) else None
 
-    costs, rows = remembered(key, measure)
+    # the checks once per verifier, whatever the drafter: every decoder of one verifier weighs the same
+    # check costs (measured per pair, two drafters of one verifier were once given checks of 2 tokens
+    # at 1.03 and 1.17 one-token steps by two measurements, and their gates chose differently)
+    checks, rows = remembered(cost_key(verifier.model, None, max_tokens), measure_checks)
     if rows is not None and chooses_kernel(verifier):
         set_stream_rows(verifier.model, rows)  # the choice the costs were measured with
-    return costs
+    if drafter is None:
+        return checks
+    drafter_model = drafter.model
+
+    def measure_step() -> tuple[StepCosts, frozenset[int] | None]:
+        with steered_while_timed(verifier.model, drafter_model, steering):
+            return StepCosts(verify=checks.verify, draft=drafter_step_seconds(drafter)), None
+
+    step, _ = remembered(cost_key(verifier.model, drafter_model, max_tokens, steering), measure_step)
+    return StepCosts(verify=checks.verify, draft=step.draft)
 
 
 @contextlib.contextmanager
