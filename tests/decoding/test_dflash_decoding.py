@@ -262,8 +262,8 @@ def test_a_tree_is_not_cut_by_cost(eagle3_verifiers):
 
 
 def test_the_cost_cut_drafts_less_when_checks_are_dear(eagle3_verifiers, monkeypatch):
-    """Flat checks: whole chains; checks that cost a step per token: nothing pays, plain steps. Greedy
-    output unchanged either way."""
+    """Flat checks: whole chains; checks that cost a step per token: nothing pays, plain steps bar one
+    probe's first draft (after 8 refused blocks). Greedy output unchanged either way."""
     verifier = eagle3_verifiers["llama"]
     ids = torch.tensor([PROMPTS[0]])
     reference = hf_greedy(verifier, ids, 20)
@@ -275,7 +275,7 @@ def test_the_cost_cut_drafts_less_when_checks_are_dear(eagle3_verifiers, monkeyp
         )
         assert decoder.generate(ids, 20).tokens.tolist() == reference
         lengths[name] = sum(len(d) for _, d, _ in spy.records)
-    assert lengths["flat"] > 10 and lengths["dear"] == 0, lengths
+    assert lengths["flat"] > 10 and lengths["dear"] == 1, lengths
 
 
 # ----------------------------------------------------------------------------- the law at T > 0
