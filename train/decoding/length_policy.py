@@ -134,7 +134,6 @@ class CostAwareLength:
 
     def __init__(self, costs: StepCosts | None = None, probe_every: int = 8, probe_longest: int = 64) -> None:
         self.costs = costs
-        self.probe_every = probe_every
         self._calibration: dict[object, AcceptanceCalibration] = {}
         self._first: dict[object, PositionAcceptance] = {}
         self._copies: dict[object, PositionAcceptance] = {}
