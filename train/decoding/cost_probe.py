@@ -45,6 +45,7 @@ __all__ = [
     "MEASURED_TOKENS",
     "cache_path",
     "chooses_kernel",
+    "check_costs",
     "cost_key",
     "drafter_step_seconds",
     "faster_rows",
@@ -54,6 +55,7 @@ __all__ = [
     "step_costs",
     "steered_while_timed",
     "time_forwards",
+    "with_drafter_step",
 ]
 
 log = logging.getLogger(__name__)
@@ -110,8 +112,10 @@ def cost_key(
     drafter: torch.nn.Module | None,
     max_tokens: int,
     steering: Any = None,
+    shape: str | None = None,
 ) -> str:
-    """What a measurement depends on, hashed (module docstring)."""
+    """What a measurement depends on, hashed (module docstring); ``shape``: the draft's shape where a
+    drafter step's cost depends on it (an EAGLE tree's width, a DFlash block)."""
     device = next(verifier.parameters()).device
     what = {
         "processor": _processor() if device.type == "cpu" else torch.cuda.get_device_name(device),
@@ -122,6 +126,7 @@ def cost_key(
         "verifier": _model_identity(verifier),
         "drafter": _model_identity(drafter),
         **({"steering": _model_identity(steering)} if steering is not None else {}),
+        **({"shape": shape} if shape is not None else {}),
         "max_tokens": max_tokens,
         "prefix": PREFIX_TOKENS,
     }
@@ -272,27 +277,41 @@ def step_costs(
     from the process's memo, else the disk cache, else measured now and cached (module docstring).
     ``steering`` (an SD^2 steering module): the drafter's step is timed steered, as it drafts
     (:func:`steered_while_timed`), and cached apart from the plain drafter's."""
+    checks = check_costs(verifier, max_tokens)
+    if drafter is None:
+        return checks
+    drafter_model = drafter.model
+
+    def measure_step() -> float:
+        with steered_while_timed(verifier.model, drafter_model, steering):
+            return drafter_step_seconds(drafter)
+
+    key = cost_key(verifier.model, drafter_model, max(max_tokens, MEASURED_TOKENS), steering)
+    return with_drafter_step(checks, key, measure_step)
+
+
+def check_costs(verifier: TimedModel, max_tokens: int) -> StepCosts:
+    """The verifier's checks of 1 .. ``max_tokens`` tokens (at least :data:`MEASURED_TOKENS`), measured once
+    per verifier and setting whatever the drafter (``draft`` 0): every decoder of one verifier weighs the
+    same check costs (measured per pair, two drafters of one verifier were once given checks of 2 tokens
+    at 1.03 and 1.17 one-token steps by two measurements, and their gates chose differently). Where the
+    kernel is chosen per row count, the verifier is left with the choice the costs were measured with."""
     max_tokens = max(max_tokens, MEASURED_TOKENS)
 
     def measure_checks() -> tuple[StepCosts, frozenset[int] | None]:
         costs = measure_step_costs(verifier, None, max_tokens)
         return costs, stream_rows(verifier.model) if chooses_kernel(verifier) else None
 
-    # the checks once per verifier, whatever the drafter: every decoder of one verifier weighs the same
-    # check costs (measured per pair, two drafters of one verifier were once given checks of 2 tokens
-    # at 1.03 and 1.17 one-token steps by two measurements, and their gates chose differently)
     checks, rows = remembered(cost_key(verifier.model, None, max_tokens), measure_checks)
     if rows is not None and chooses_kernel(verifier):
-        set_stream_rows(verifier.model, rows)  # the choice the costs were measured with
-    if drafter is None:
-        return checks
-    drafter_model = drafter.model
+        set_stream_rows(verifier.model, rows)
+    return checks
 
-    def measure_step() -> tuple[StepCosts, frozenset[int] | None]:
-        with steered_while_timed(verifier.model, drafter_model, steering):
-            return StepCosts(verify=checks.verify, draft=drafter_step_seconds(drafter)), None
 
-    step, _ = remembered(cost_key(verifier.model, drafter_model, max_tokens, steering), measure_step)
+def with_drafter_step(checks: StepCosts, key: str, measure: Callable[[], float]) -> StepCosts:
+    """``checks`` with the drafter's step cached under ``key`` (:func:`cost_key` of the pair and what
+    else the step depends on), ``measure()``d when neither the memo nor the disk has it."""
+    step, _ = remembered(key, lambda: (StepCosts(verify=checks.verify, draft=measure()), None))
     return StepCosts(verify=checks.verify, draft=step.draft)
 
 

@@ -17,11 +17,13 @@ import torch
 from train.decoding.cost_probe import step_costs
 from train.decoding.costs import StepCosts
 from train.decoding.decoders.base import DraftTreeDecoder, check_feature_drafter
+from train.decoding.draft_gate import plain_step_gate
 from train.decoding.length_policy import CostAwareLength
 from train.decoding.metrics import DecodeResult
 from train.decoding.model_call import TimedModel
 from train.decoding.proposers.dflash_proposer import DFlashProposer
 from train.decoding.proposers.lookup_proposer import prompt_lookup
+from train.decoding.proposers.step_probe import proposer_costs
 from train.decoding.sampling import SamplingParams
 from train.models.dflash_drafter import DFlashDrafter
 from train.renames import renamed_keywords
@@ -38,9 +40,14 @@ class DFlashDecoder(DraftTreeDecoder):
     that pays, ``costs`` or measured at the first call); ``tree_nodes`` N > 0: instead of the chain, a tree
     of N candidates from the slots' top tokens, the paths with the largest product of the slots'
     probabilities (deterministic candidates, verified by the tree walk: lossless at every temperature).
-    Same ``generate`` as the other decoders."""
+    ``plain_steps="auto"`` (a fixed chain or a tree; a chain cut by cost already takes plain steps where
+    no draft pays): the drafter drafts only in blocks where its drafts have paid for their measured cost so
+    far, a plain verifier step elsewhere (:mod:`train.decoding.draft_gate`; lossless), the drafter's
+    forward measured at the first call (:mod:`train.decoding.proposers.step_probe`); ``"never"`` (the
+    default): a draft every block. Same ``generate`` as the other decoders."""
 
     accepts: ClassVar[tuple[str, ...]] = ("dflash",)
+    _proposer: DFlashProposer
 
     # more than 8 parameters: the pair, then the keys of conf/decoding/*.yaml, which Hydra passes by name, and
     # ``costs`` (fixed step costs that tests give instead of measuring them)
@@ -56,9 +63,15 @@ class DFlashDecoder(DraftTreeDecoder):
         lookup_max_ngram: int = 3,
         lookup_min_ngram: int = 2,
         tree_nodes: int = 0,
+        plain_steps: str = "never",
     ) -> None:
         if draft_length not in ("fixed", "cost"):
             raise ValueError(f"draft_length must be 'fixed' or 'cost', got {draft_length!r}")
+        if draft_length == "cost" and plain_steps != "never":
+            raise ValueError(
+                "plain_steps applies to a fixed chain or a tree: with draft_length='cost' the chain is cut "
+                "by cost and takes a plain step where no draft pays; give plain_steps='never'"
+            )
         self.verifier = verifier
         self.drafter = drafter
         self._verifier = TimedModel(verifier)
@@ -74,9 +87,18 @@ class DFlashDecoder(DraftTreeDecoder):
         self._lookup = prompt_lookup(lookup_tokens, lookup_max_ngram, lookup_min_ngram)
         if self._lookup is not None:
             self._lookup.length = self.length
+        self._gate = plain_step_gate(plain_steps, costs)
+        self.plain_steps = plain_steps
 
     def models(self) -> tuple[torch.nn.Module, ...]:
         return (self.verifier,)
+
+    def measure_costs(self) -> StepCosts:
+        """Checks of 1 .. the draft's tokens + 1 and the drafter's forward over a block, measured once per
+        machine, setting and block (:func:`~train.decoding.proposers.step_probe.proposer_costs`)."""
+        nodes = self._proposer.tree_nodes or self.depth
+        shape = f"dflash block {self.drafter.block_size} gamma {self.depth} tree {self._proposer.tree_nodes}"
+        return proposer_costs(self._verifier, self._proposer, self.drafter, nodes + 1, self.depth, shape)
 
     @property
     def step_costs(self) -> StepCosts | None:

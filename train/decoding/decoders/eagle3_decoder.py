@@ -15,10 +15,13 @@ from typing import ClassVar
 
 import torch
 
+from train.decoding.costs import StepCosts
 from train.decoding.decoders.base import DraftTreeDecoder, check_feature_drafter
+from train.decoding.draft_gate import plain_step_gate
 from train.decoding.model_call import TimedModel
 from train.decoding.proposers.eagle3_proposer import Eagle3Proposer, Eagle3Tree
 from train.decoding.proposers.lookup_proposer import prompt_lookup
+from train.decoding.proposers.step_probe import proposer_costs
 from train.models.eagle3_drafter import Eagle3Drafter
 from train.renames import renamed_keywords
 
@@ -35,12 +38,17 @@ class Eagle3Decoder(DraftTreeDecoder):
     ``draft_temperature`` first; ``sampled_tree`` (children per depth, e.g. ``[2, 1, 1, 1]``): at T > 0,
     a tree whose siblings are sampled from it without replacement (RSD-C), verified by the recursive
     rule. ``lookup_tokens`` K > 0: prompt lookup first, the drafter's tree where the context offers
-    nothing to copy (docs/decoding.md#prompt-lookup). Same ``generate`` as the other decoders."""
+    nothing to copy (docs/decoding.md#prompt-lookup). ``plain_steps="auto"``: the drafter drafts only in
+    blocks where its drafts have paid for their measured cost so far, a plain verifier step elsewhere
+    (:mod:`train.decoding.draft_gate`; lossless), under ``costs`` or the checks and drafter forward
+    measured at the first call (:mod:`train.decoding.proposers.step_probe`); ``"never"`` (the default):
+    a draft every block, the method as published. Same ``generate`` as the other decoders."""
 
     accepts: ClassVar[tuple[str, ...]] = ("eagle3",)
 
     # more than 8 parameters: the pair, then the keys of conf/decoding/eagle3*.yaml, which Hydra passes by
-    # name; they travel on as one Eagle3Tree and one prompt-lookup proposer
+    # name (they travel on as one Eagle3Tree, one prompt-lookup proposer and one gate), and ``costs`` (fixed
+    # step costs that tests give instead of measuring them)
     def __init__(
         self,
         verifier: torch.nn.Module,
@@ -54,6 +62,8 @@ class Eagle3Decoder(DraftTreeDecoder):
         lookup_tokens: int = 0,
         lookup_max_ngram: int = 3,
         lookup_min_ngram: int = 2,
+        plain_steps: str = "never",
+        costs: StepCosts | None = None,
     ) -> None:
         self.verifier = verifier
         self.drafter = drafter
@@ -72,6 +82,20 @@ class Eagle3Decoder(DraftTreeDecoder):
         self.tree = tree
         self.depth = tree.depth
         self._lookup = prompt_lookup(lookup_tokens, lookup_max_ngram, lookup_min_ngram)
+        self._gate = plain_step_gate(plain_steps, costs)
+        self.plain_steps = plain_steps
+
+    def measure_costs(self) -> StepCosts:
+        """Checks of 1 .. the tree's nodes + 1 tokens and the drafter's forward, measured once per machine,
+        setting and tree (:func:`~train.decoding.proposers.step_probe.proposer_costs`)."""
+        return proposer_costs(
+            self._verifier,
+            self._proposer,
+            self.drafter,
+            self.tree.total_tokens + 1,
+            self.depth,
+            repr(self.tree),
+        )
 
     def models(self) -> tuple[torch.nn.Module, ...]:
         return (self.verifier,)

@@ -13,9 +13,12 @@ from typing import ClassVar
 
 import torch
 
+from train.decoding.costs import StepCosts
 from train.decoding.decoders.base import DraftTreeDecoder
+from train.decoding.draft_gate import plain_step_gate
 from train.decoding.model_call import TimedModel
 from train.decoding.proposers.heads_proposer import DEFAULT_CHOICES, HeadsProposer, tree_from_accuracies
+from train.decoding.proposers.step_probe import proposer_costs
 from train.decoding.refine import Refiner
 from train.decoding.rules.rejection import LOSSLESS
 from train.decoding.rules.typical import TypicalAcceptance
@@ -43,10 +46,18 @@ class HeadsDecoder(DraftTreeDecoder):
     :mod:`train.decoding.refine`): its drafts are merged into a trie and verified like a tree.
     acceptance: ``rejection`` (lossless) or ``typical`` (Medusa's lossy rule at T > 0, with
     ``posterior_threshold`` and ``posterior_alpha``; :attr:`lossless` is then False).
+    plain_steps: ``auto``: the heads draft only in blocks where their drafts have paid for their measured
+    cost so far, a plain verifier step elsewhere (:mod:`train.decoding.draft_gate`), under ``costs`` or
+    the checks and the heads' forward measured at the first call
+    (:mod:`train.decoding.proposers.step_probe`); ``never`` (the default): a draft every block, the
+    method as published.
     """
 
     accepts: ClassVar[tuple[str, ...]] = ("heads",)
+    _proposer: HeadsProposer
 
+    # more than 8 parameters: the pair, then the keys of conf/decoding/medusa*.yaml and bpd*.yaml, which Hydra
+    # passes by name, and ``costs`` (fixed step costs that tests give instead of measuring them)
     def __init__(
         self,
         verifier: torch.nn.Module,
@@ -57,6 +68,8 @@ class HeadsDecoder(DraftTreeDecoder):
         posterior_threshold: float = 0.09,
         posterior_alpha: float = 0.3,
         refiner: Refiner | None = None,
+        plain_steps: str = "never",
+        costs: StepCosts | None = None,
     ) -> None:
         if acceptance not in ACCEPTANCES:
             raise ValueError(f"acceptance must be one of {list(ACCEPTANCES)}, got {acceptance!r}")
@@ -87,6 +100,23 @@ class HeadsDecoder(DraftTreeDecoder):
         self._rule: VerificationRule = (
             TypicalAcceptance(posterior_threshold, posterior_alpha) if acceptance == "typical" else LOSSLESS
         )
+        self._gate = plain_step_gate(plain_steps, costs)
+        self.plain_steps = plain_steps
+
+    def measure_costs(self) -> StepCosts:
+        """Checks of 1 .. the tree's nodes + 1 tokens and the heads' forward (with the refiner's work, for
+        BPD), measured once per machine, setting and tree
+        (:func:`~train.decoding.proposers.step_probe.proposer_costs`)."""
+        refiner = self._proposer.refiner
+        nodes = len(self.tree) if refiner is None else int(getattr(refiner, "p", 1)) * self.depth
+        return proposer_costs(
+            self._verifier,
+            self._proposer,
+            self.heads,
+            nodes + 1,
+            self.depth,
+            f"heads {self.tree} {_shape(refiner)}",
+        )
 
     @property
     def lossless(self) -> bool:
@@ -113,3 +143,13 @@ def check_heads(verifier: torch.nn.Module, heads: torch.nn.Module, vocab_size: i
             f"the heads predict {heads_vocab} tokens, but the verifier's vocabulary has {vocab_size}: "
             "they were trained on another verifier"
         )
+
+
+def _shape(refiner: Refiner | None) -> str:
+    """What a refiner's cost depends on: its kind, its settings and its language model's kind and size."""
+    if refiner is None:
+        return "no refiner"
+    lm = getattr(refiner, "lm", None)
+    size = sum(p.numel() for p in lm.parameters()) if isinstance(lm, torch.nn.Module) else None
+    settings = {k: getattr(refiner, k, None) for k in ("k", "p", "alpha", "depth", "window")}
+    return f"{type(refiner).__name__} {settings} lm {type(lm).__name__} {size}"
