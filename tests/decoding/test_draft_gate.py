@@ -18,7 +18,7 @@ import torch
 from train.decoding import SamplingParams, SpeculativeDecoder, TreeSpeculativeDecoder
 from train.decoding.costs import StepCosts
 from train.decoding.draft import Draft
-from train.decoding.draft_gate import DraftGate, drafting_pays, plain_step_gate
+from train.decoding.draft_gate import DraftGate, drafting_pays, hopeless, plain_step_gate
 from train.decoding.proposers.gated_proposer import GatedProposer
 
 from .decoding_helpers import hf_greedy
@@ -171,3 +171,27 @@ def test_the_output_law_is_the_verifiers_while_the_gate_switches(broken, monkeyp
     assert stat < chi2_critical(df), (stat, df)
     drafted_runs = sum(1 for s in runs.stats if s.drafter_calls > 0)
     assert 300 < drafted_runs < n - 300, drafted_runs  # runs with trees and runs of plain steps alone
+
+
+def test_the_warm_up_ends_early_only_when_even_an_optimistic_reading_loses():
+    # four one-token blocks: optimistically 1 + 2 x 0.75 / 2 = 1.75 tokens a block
+    assert hopeless(4, 4.0, 4.0, 4 * 2.3, 1.0, 0.75)  # a tree costing 2.3 steps (float32)
+    assert not hopeless(4, 4.0, 4.0, 4 * 1.4, 1.0, 0.75)  # a chain costing 1.4 steps (bfloat16)
+    assert not hopeless(0, 0.0, 0.0, 0.0, 1.0, 0.75)
+    # a wide spread is read as such: blocks of 1 and 5 tokens, mean 3, deviation 2
+    assert not hopeless(4, 12.0, 52.0, 4 * 4.5, 1.0, 0.75) and hopeless(4, 12.0, 52.0, 4 * 5.1, 1.0, 0.75)
+
+    def drafted(costs: StepCosts, committed: list[int]) -> list[bool]:
+        gate = DraftGate(costs, probe_every=100)
+        decisions = []
+        for c in committed:
+            decisions.append(gate.should_draft("greedy"))
+            if decisions[-1]:
+                gate.record("greedy", c, gate.block_seconds(4, 4))
+        return decisions
+
+    ones = [1] * 16
+    assert drafted(STEEP, ones) == [True] * 4 + [False] * 12  # ends after 4: 2.3 + 0.8 steps a block
+    assert drafted(FLAT, ones) == [True] * 16  # 1.08 + 0.08 steps a block: the whole warm-up
+    # a drafter whose first blocks were unlucky but then pay keeps drafting on steep checks
+    assert drafted(STEEP, [1, 1, 5, 5, 5, 5] + [5] * 10) == [True] * 16
