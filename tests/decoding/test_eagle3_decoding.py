@@ -329,9 +329,10 @@ def law_statistic(
 @pytest.mark.parametrize(
     ("params", "sampled_chain", "draft_temperature", "sampled_tree"),
     [
-        pytest.param(SamplingParams(1.0), False, 1.0, None, id="T1-tree"),
-        # 25-70 s each: slow (CI runs them), with the default suite kept near its 5 minutes; the sampled
-        # chain's warping is checked row by row in test_eagle3_sampled_chain.py in the default suite
+        # 25-70 s each: slow (CI runs them), the default suite kept under its 5 minutes; in the default
+        # suite the sampled chain's warping is checked row by row (test_eagle3_sampled_chain.py), the
+        # sampled tree's q rows (test_eagle3_sampled_tree.py) and the drafter's state at T = 1 (above)
+        pytest.param(SamplingParams(1.0), False, 1.0, None, id="T1-tree", marks=pytest.mark.slow),
         pytest.param(SamplingParams(1.0), True, 1.0, None, id="T1-sampled-chain", marks=pytest.mark.slow),
         pytest.param(
             SamplingParams(0.7, top_k=4), False, 1.0, None, id="T0.7-top_k4-tree", marks=pytest.mark.slow
