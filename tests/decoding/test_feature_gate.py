@@ -155,7 +155,7 @@ def test_a_proposer_that_misses_plain_steps_states_is_caught(tiny_pairs, monkeyp
         _check_heads_read_the_last_state(verifier, records)
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "dflash", "heads"])
+@pytest.mark.parametrize("kind", ["eagle3", "dflash", "dflash_cost", "heads"])
 def test_feature_drafters_that_do_not_pay_become_plain_steps(kind, eagle3_verifiers, tiny_pairs):
     """A random drafter on steep checks: after the warm-up (the first generation) it stops drafting bar
     the probes; where a check of any size costs one step and the drafter nothing it drafts every block.
@@ -164,6 +164,8 @@ def test_feature_drafters_that_do_not_pay_become_plain_steps(kind, eagle3_verifi
     build = {
         "eagle3": _eagle3,
         "dflash": _dflash,
+        # cut by cost as well: the cut chooses the drafts a block checks, the gate whether the forward runs
+        "dflash_cost": lambda v, **kw: _dflash(v, draft_length="cost", **kw),
         "heads": lambda v, **kw: HeadsDecoder(v, random_heads(v), **kw),
     }[kind]
     ids = torch.tensor([PROMPT])
@@ -171,7 +173,7 @@ def test_feature_drafters_that_do_not_pay_become_plain_steps(kind, eagle3_verifi
     steep = build(verifier, plain_steps="auto", costs=STEEP)
     assert steep.generate(ids, 60).tokens.tolist() == ref  # the warm-up
     gated = steep.generate(ids, 60)
-    never = build(verifier).generate(ids, 60)
+    never = build(verifier, costs=STEEP).generate(ids, 60)
     assert gated.tokens.tolist() == ref == never.tokens.tolist()
     assert gated.stats.drafter_calls < never.stats.drafter_calls / 3, (gated.stats, never.stats)
     flat = build(verifier, plain_steps="auto", costs=FREE)
@@ -185,8 +187,6 @@ def test_bad_gate_settings_raise(eagle3_verifiers):
     verifier = eagle3_verifiers["llama"]
     with pytest.raises(ValueError, match="plain_steps"):
         _eagle3(verifier, plain_steps="sometimes")
-    with pytest.raises(ValueError, match="plain_steps applies to a fixed chain or a tree"):
-        _dflash(verifier, draft_length="cost", plain_steps="auto")
 
 
 class _SlowHeads(torch.nn.Module):

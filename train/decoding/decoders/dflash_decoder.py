@@ -40,11 +40,12 @@ class DFlashDecoder(DraftTreeDecoder):
     that pays, ``costs`` or measured at the first call); ``tree_nodes`` N > 0: instead of the chain, a tree
     of N candidates from the slots' top tokens, the paths with the largest product of the slots'
     probabilities (deterministic candidates, verified by the tree walk: lossless at every temperature).
-    ``plain_steps="auto"`` (a fixed chain or a tree; a chain cut by cost already takes plain steps where
-    no draft pays): the drafter drafts only in blocks where its drafts have paid for their measured cost so
-    far, a plain verifier step elsewhere (:mod:`train.decoding.draft_gate`; lossless), the drafter's
-    forward measured at the first call (:mod:`train.decoding.proposers.step_probe`); ``"never"`` (the
-    default): a draft every block. Same ``generate`` as the other decoders."""
+    ``plain_steps="auto"``: the drafter runs only in blocks where its blocks have paid for their measured
+    cost so far, a plain verifier step elsewhere (:mod:`train.decoding.draft_gate`; lossless), the
+    drafter's forward measured at the first call (:mod:`train.decoding.proposers.step_probe`). With
+    ``draft_length="cost"`` the two work together: the cut chooses how many drafts a block checks once the
+    forward is spent, the gate whether to spend it (a cut to nothing still paid for the forward);
+    ``"never"`` (the default): the drafter runs every block. Same ``generate`` as the other decoders."""
 
     accepts: ClassVar[tuple[str, ...]] = ("dflash",)
     _proposer: DFlashProposer
@@ -67,11 +68,6 @@ class DFlashDecoder(DraftTreeDecoder):
     ) -> None:
         if draft_length not in ("fixed", "cost"):
             raise ValueError(f"draft_length must be 'fixed' or 'cost', got {draft_length!r}")
-        if draft_length == "cost" and plain_steps != "never":
-            raise ValueError(
-                "plain_steps applies to a fixed chain or a tree: with draft_length='cost' the chain is cut "
-                "by cost and takes a plain step where no draft pays; give plain_steps='never'"
-            )
         self.verifier = verifier
         self.drafter = drafter
         self._verifier = TimedModel(verifier)
@@ -98,7 +94,11 @@ class DFlashDecoder(DraftTreeDecoder):
         machine, setting and block (:func:`~train.decoding.proposers.step_probe.proposer_costs`)."""
         nodes = self._proposer.tree_nodes or self.depth
         shape = f"dflash block {self.drafter.block_size} gamma {self.depth} tree {self._proposer.tree_nodes}"
-        return proposer_costs(self._verifier, self._proposer, self.drafter, nodes + 1, self.depth, shape)
+        length, self._proposer.length = self._proposer.length, None  # the probe's blocks teach it nothing
+        try:
+            return proposer_costs(self._verifier, self._proposer, self.drafter, nodes + 1, self.depth, shape)
+        finally:
+            self._proposer.length = length
 
     @property
     def step_costs(self) -> StepCosts | None:

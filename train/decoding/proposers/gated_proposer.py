@@ -5,7 +5,9 @@ The inner proposer hears every ``start``, ``commit`` and ``observe``, drafted bl
 :class:`~train.decoding.proposers.fallback_proposer.FallbackProposer`: a model proposer crops its cache
 to the committed length and feeds what it has not seen at its next draft. A drafted block is recorded
 at its ``commit``: the accepted path plus the correction or bonus token, at the cost of its checked
-tokens and the drafter forwards it ran (``stats.drafter_calls`` before and after). A block that ends the
+tokens and the drafter forwards it ran (``stats.drafter_calls`` before and after); a block whose drafter
+ran but drafted nothing (a DFlash chain cut to nothing by cost) is recorded too, one token for a plain
+step and the forward. A block that ends the
 generation is never committed, so it is not recorded.
 """
 
@@ -60,7 +62,7 @@ class GatedProposer:
             return _EMPTY
         calls = stats.drafter_calls
         draft = self.inner.propose(sequence, budget, params, generator, eos, stats)
-        if draft.tokens:
+        if draft.tokens or stats.drafter_calls > calls:  # a drafter that ran and drafted nothing cost too
             seconds = self.gate.block_seconds(len(draft.tokens), stats.drafter_calls - calls)
             self._pending = (key, seconds)
         return draft
