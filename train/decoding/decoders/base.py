@@ -95,6 +95,13 @@ class Decoder:
     #: The kinds of drafter this decoder takes (what a drafter *is* is its own ``drafter_kind``:
     #: ``model``, ``heads`` or ``steered``); the evaluator pairs drafters and decoders by it.
     accepts: ClassVar[tuple[str, ...]] = ("model",)
+    #: The plain-step gate of a decoder built with ``plain_steps="auto"`` (:mod:`train.decoding.draft_gate`).
+    _gate: DraftGate | None = None
+
+    @property
+    def plain_steps(self) -> str:
+        """``auto`` when a gate may take plain verifier steps instead of drafted blocks, else ``never``."""
+        return "auto" if self._gate is not None else "never"
 
     def models(self) -> tuple[torch.nn.Module, ...]:
         """The models a request must fit (their maximum positions are checked)."""
@@ -146,7 +153,6 @@ class DraftTreeDecoder(Decoder):
     depth: int
     _rule: VerificationRule = LOSSLESS
     _lookup: PromptLookupProposer | None = None
-    _gate: DraftGate | None = None
 
     def measure_costs(self) -> StepCosts:
         """The pair's step costs the gate weighs drafted blocks by (a subclass with a gate says how)."""

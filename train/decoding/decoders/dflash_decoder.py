@@ -84,7 +84,6 @@ class DFlashDecoder(DraftTreeDecoder):
         if self._lookup is not None:
             self._lookup.length = self.length
         self._gate = plain_step_gate(plain_steps, costs)
-        self.plain_steps = plain_steps
 
     def models(self) -> tuple[torch.nn.Module, ...]:
         return (self.verifier,)

@@ -83,7 +83,6 @@ class Eagle3Decoder(DraftTreeDecoder):
         self.depth = tree.depth
         self._lookup = prompt_lookup(lookup_tokens, lookup_max_ngram, lookup_min_ngram)
         self._gate = plain_step_gate(plain_steps, costs)
-        self.plain_steps = plain_steps
 
     def measure_costs(self) -> StepCosts:
         """Checks of 1 .. the tree's nodes + 1 tokens and the drafter's forward, measured once per machine,

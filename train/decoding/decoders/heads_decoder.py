@@ -101,7 +101,6 @@ class HeadsDecoder(DraftTreeDecoder):
             TypicalAcceptance(posterior_threshold, posterior_alpha) if acceptance == "typical" else LOSSLESS
         )
         self._gate = plain_step_gate(plain_steps, costs)
-        self.plain_steps = plain_steps
 
     def measure_costs(self) -> StepCosts:
         """Checks of 1 .. the tree's nodes + 1 tokens and the heads' forward (with the refiner's work, for

@@ -106,7 +106,6 @@ class SpeculativeDecoder(Decoder):
                 "plain_steps='auto' is for draft_length='fixed': a length chosen by cost takes plain steps"
             )
         self._gate = plain_step_gate(plain_steps, costs)
-        self.plain_steps = plain_steps
         self._proposer = ModelProposer(
             TimedModel(drafter), self._verifier.vocab_size, confidence_threshold, self.length
         )

@@ -100,7 +100,6 @@ class TreeSpeculativeDecoder(DraftTreeDecoder):
         )
         self.vocab_size = self._verifier.vocab_size
         self._gate = plain_step_gate(plain_steps, costs)
-        self.plain_steps = plain_steps
 
     def measure_costs(self) -> StepCosts:
         """Checks of 1 .. the tree's nodes + 1 tokens and a drafter step, measured once per machine and
