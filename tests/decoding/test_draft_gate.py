@@ -159,7 +159,7 @@ def test_the_output_law_is_the_verifiers_while_the_gate_switches(broken, monkeyp
     if broken:
         monkeypatch.setattr(gated, "GatedProposer", _DecidesAfterTheDraw)
     verifier, drafter, table = fake_pair("q!=p")
-    costs = StepCosts(verify=tuple(1.0 + 0.12 * i for i in range(12)), draft=0.05)
+    costs = StepCosts(verify=tuple(1.0 + 0.33 * i for i in range(12)), draft=0.05)
     dec = TreeSpeculativeDecoder(verifier, drafter, **METHODS["rsd_c"], plain_steps="auto", costs=costs)
     n, max_new = 3000, 4
     runs = run_many(dec, PROMPT, max_new, T1, n, seed=0, eos=EOS)
@@ -195,3 +195,25 @@ def test_the_warm_up_ends_early_only_when_even_an_optimistic_reading_loses():
     assert drafted(FLAT, ones) == [True] * 16  # 1.08 + 0.08 steps a block: the whole warm-up
     # a drafter whose first blocks were unlucky but then pay keeps drafting on steep checks
     assert drafted(STEEP, [1, 1, 5, 5, 5, 5] + [5] * 10) == [True] * 16
+
+
+def test_the_gate_records_every_drafted_block_the_last_one_too(tiny_pairs):
+    """Each drafted block reaches the gate's counts, the one that ends a generation (at the limit or at
+    EOS) included: short generations would otherwise lean to the blocks that were rejected early.
+    Broken on purpose (by hand): committing after the loop's ``done`` check leaves the count short by one
+    block per generation and fails this test."""
+    verifier, drafter = tiny_pairs["llama"]
+    ids = torch.tensor([[0, 5, 9, 3, 7]])
+    ref = hf_greedy(verifier, ids, 30)
+    for dec in (
+        SpeculativeDecoder(verifier, _close_drafter(verifier), gamma=3, plain_steps="auto", costs=FLAT),
+        TreeSpeculativeDecoder(verifier, drafter, **METHODS["rsd_c"], plain_steps="auto", costs=FLAT),
+    ):
+        gate = dec._gate
+        assert gate is not None
+        drafted_blocks = 0
+        for n, eos in ((2, None), (5, None), (12, None), (30, ref[7])):
+            res = dec.generate(ids, n, eos_token_id=eos)
+            drafted_blocks += res.stats.position_drafted[0] if res.stats.position_drafted else 0
+            assert gate.rate("greedy").blocks == drafted_blocks, (n, eos, res.stats)
+        assert drafted_blocks >= 4

@@ -140,6 +140,9 @@ def test_a_zero_module_equals_no_steering_for_the_same_seed(tiny_pairs):
         assert a.tokens.tolist() == b.tokens.tolist() and a.stats.accepted == b.stats.accepted
 
 
+# 18 s: slow (CI runs it). A steered drafter is a chain drafter to the rule, whose law the default suite
+# checks (test_decoding_exact_sampling.py); steered greedy equality and the guides stay in it above.
+@pytest.mark.slow
 def test_sampled_output_law_is_the_verifiers(small_verifier):  # noqa: F811 -- the fixture
     drafter = build(tiny_config("llama", hidden=16, vocab=VOCAB), 7).double()
     steering = random_steering(small_verifier, drafter, scale=2.0)

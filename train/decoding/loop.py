@@ -86,14 +86,14 @@ def run_synchronous(
         verdict = rule.verify(out.logits, draft, params, generator, eos)
         settled = settle_block(stats, draft, verdict, eos, limit - n_seq)
         seq.extend(settled.tokens)
+        if proposer is not None:  # the last block too: a gate or a calibration records every block it drafted
+            proposer.commit(n_seq + verdict.accepted, verdict.path)
         done = settled.done
         if done:
             break
         scored.keep(n_seq, draft, verdict.path)
-        if proposer is not None:
-            proposer.commit(n_seq + verdict.accepted, verdict.path)
-            if layers and out.hidden is not None:
-                proposer.observe(_committed_states(out, layers, scored.context_length, verdict.path))
+        if proposer is not None and layers and out.hidden is not None:
+            proposer.observe(_committed_states(out, layers, scored.context_length, verdict.path))
     stats.new_tokens = len(seq) - len(prompt)
     stats.wall_time = time.perf_counter() - t_start
     return DecodeResult(torch.tensor(seq[len(prompt) :], dtype=torch.long), stats)
