@@ -215,5 +215,26 @@ def test_the_gate_records_every_drafted_block_the_last_one_too(tiny_pairs):
         for n, eos in ((2, None), (5, None), (12, None), (30, ref[7])):
             res = dec.generate(ids, n, eos_token_id=eos)
             drafted_blocks += res.stats.position_drafted[0] if res.stats.position_drafted else 0
-            assert gate.rate("greedy").blocks == drafted_blocks, (n, eos, res.stats)
+            assert gate.rate("greedy").total.blocks == drafted_blocks, (n, eos, res.stats)
         assert drafted_blocks >= 4
+
+
+def test_a_probe_ends_after_its_first_block_only_when_even_an_optimistic_reading_of_it_loses():
+    """A probe drafts ``probe_blocks`` blocks so that one unlucky block cannot lock a paying drafter out;
+    but where the probe's own blocks lose even read optimistically (the warm-up's rule), the rest of it
+    is plain steps: a one-token block of a check costing 3.1 steps ends it, the same block of one costing
+    1.16 steps does not. Broken on purpose (by hand): without the early end the steep probes last 4
+    blocks and this fails."""
+
+    def decisions(costs: StepCosts, n: int) -> list[bool]:
+        gate = DraftGate(costs, warmup=4, probe_every=2, probe_longest=2, probe_blocks=4)
+        made = []
+        for _ in range(n):
+            made.append(gate.should_draft("greedy"))
+            if made[-1]:
+                gate.record("greedy", 1, gate.block_seconds(4, 4))
+        return made
+
+    warm_up = [True] * 4
+    assert decisions(STEEP, 12) == warm_up + [False, True] * 4
+    assert decisions(FLAT, 14) == warm_up + [False, True, True, True, True] * 2

@@ -22,7 +22,12 @@ But where a check costs twice a step (float32 on a CPU), 16 drafted blocks that 
 about 3% of a 512-token run, so from ``warmup_least`` (4) blocks on the warm-up ends early once even an
 optimistic reading of its blocks loses (:func:`hopeless`: their mean tokens per block plus two standard
 errors, the spread at least ``warmup_spread`` tokens, against their cost): four one-token blocks of a
-tree costing 2.3 steps end it, the same four of a chain costing 1.4 steps (bfloat16) do not.
+tree costing 2.3 steps end it, the same four of a chain costing 1.4 steps (bfloat16) do not. A probe ends
+early by the same rule read on its own blocks: where one drafted block cannot pay even at its
+optimistic reading (a one-token block of a tree costing 2.6 steps), the probe's other blocks are plain
+steps; where it could (the same block of a chain costing 1.2 steps), the probe drafts all its blocks.
+Probes of four blocks cost gated trees in float32 about 5% of a run (four blocks of about 2.6 steps
+for a token each, every 128 plain steps at the longest); one-block probes a quarter of that.
 
 **Lossless.** The decision depends only on earlier blocks (what they committed) and on the costs measured
 before generation, never on this block's draws; a plain step draws the next token from the verifier's
@@ -66,19 +71,38 @@ def hopeless(
 
 
 @dataclass
+class _Tally:
+    """Undecayed sums over drafted blocks: how many, the tokens they committed, their squares, seconds."""
+
+    blocks: int = 0
+    tokens: float = 0.0
+    squares: float = 0.0
+    seconds: float = 0.0
+
+    def add(self, committed: int, seconds: float) -> None:
+        self.blocks += 1
+        self.tokens += committed
+        self.squares += committed * committed
+        self.seconds += seconds
+
+    def hopeless(self, plain_seconds: float, spread: float) -> bool:
+        """:func:`hopeless` on these blocks."""
+        return hopeless(self.blocks, self.tokens, self.squares, self.seconds, plain_seconds, spread)
+
+
+@dataclass
 class _Rate:
-    """Decayed sums of what drafted blocks committed and cost, and the plain sums the warm-up reads."""
+    """Decayed sums of what drafted blocks committed and cost, the undecayed tally the warm-up reads, and
+    the tally of the probe under way."""
 
     probes: Probes
     tokens: float = 0.0
     seconds: float = 0.0
-    blocks: int = 0
     #: Blocks still to draft in the current probe.
     burst: int = 0
-    #: Undecayed: tokens, their squares and seconds of every drafted block.
-    total_tokens: float = 0.0
-    total_squares: float = 0.0
-    total_seconds: float = 0.0
+    total: _Tally = field(default_factory=_Tally)
+    #: The blocks of the probe under way (None between probes).
+    probe: _Tally | None = None
 
 
 @dataclass
@@ -119,32 +143,31 @@ class DraftGate:
         return self._rates[regime]
 
     def should_draft(self, regime: object) -> bool:
-        """Draft this block (True) or take a plain verifier step."""
+        """Draft this block (True) or take a plain step."""
         rate = self.rate(regime)
+        plain = self._costs().check(1)
+        if rate.burst and rate.probe is not None and rate.probe.hopeless(plain, self.warmup_spread):
+            rate.burst = 0  # the probe's own blocks lose even read optimistically: it ends here
         if rate.burst:
             rate.burst -= 1
             return True
-        plain = self._costs().check(1)
+        rate.probe = None
         if self._warming(rate, plain) or drafting_pays(rate.tokens, rate.seconds, plain):
             rate.probes.accepted()
             return True
         if rate.probes.refused():
             rate.burst = self.probe_blocks - 1
+            rate.probe = _Tally()
             return True
         return False
 
     def _warming(self, rate: _Rate, plain_seconds: float) -> bool:
         """Still in the warm-up: fewer than ``warmup`` drafted blocks, and from ``warmup_least`` on, not
         :func:`hopeless`."""
-        if rate.blocks >= self.warmup:
+        if rate.total.blocks >= self.warmup:
             return False
-        return rate.blocks < self.warmup_least or not hopeless(
-            rate.blocks,
-            rate.total_tokens,
-            rate.total_squares,
-            rate.total_seconds,
-            plain_seconds,
-            self.warmup_spread,
+        return rate.total.blocks < self.warmup_least or not rate.total.hopeless(
+            plain_seconds, self.warmup_spread
         )
 
     def block_seconds(self, checked: int, drafter_steps: int) -> float:
@@ -159,10 +182,9 @@ class DraftGate:
         rate = self.rate(regime)
         rate.tokens = rate.tokens * self.decay + committed
         rate.seconds = rate.seconds * self.decay + seconds
-        rate.blocks += 1
-        rate.total_tokens += committed
-        rate.total_squares += committed * committed
-        rate.total_seconds += seconds
+        rate.total.add(committed, seconds)
+        if rate.probe is not None:
+            rate.probe.add(committed, seconds)
 
 
 #: A decoder's ``plain_steps`` values: ``auto`` (gated) and ``never`` (a draft every block).
