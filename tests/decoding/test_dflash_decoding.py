@@ -1,7 +1,8 @@
-"""Decoding with a DFlash drafter (DFlashDecoder): greedy equality with HF ``generate`` (Llama and Qwen3
-verifiers, full and reduced draft vocabularies, block sizes, EOS and length limits), every block's logits
-against a cache-free reference forward, the exact output law at T > 0 (whole chains and chains cut by
-cost), and broken-on-purpose checks (a q the tokens were not drawn from; a context row missing)."""
+"""Decoding with a DFlash drafter (DFlashDecoder), with and without DSpark's Markov head: greedy equality
+with HF ``generate`` (Llama and Qwen3 verifiers, full and reduced draft vocabularies, block sizes, EOS and
+length limits), every block's logits against a cache-free reference forward, the exact output law at
+T > 0 (whole chains, chains cut by cost, trees, the Markov walk), and broken-on-purpose checks (a q the
+tokens were not drawn from; a q without the Markov bias; a context row missing)."""
 
 from __future__ import annotations
 
@@ -21,15 +22,16 @@ from .test_eagle3_decoding import LAW_PROMPT, LAW_RUNS, PROMPTS, first_token_shi
 
 
 def drafter_for(
-    verifier, vocab: str = "full", seed: int = 1, block_size: int = 4, layers: int = 2
+    verifier, vocab: str = "full", seed: int = 1, block_size: int = 4, layers: int = 2, markov_rank: int = 0
 ) -> DFlashDrafter:
     """A DFlash drafter for ``verifier`` with every trainable weight perturbed (nothing passes on an
-    identity); ``vocab`` reduced: every third id."""
+    identity); ``vocab`` reduced: every third id; ``markov_rank`` > 0: DSpark's, its Markov head perturbed
+    too (a bias of about one logit's spread, so the previous token moves every slot)."""
     ids = None if vocab == "full" else list(range(0, verifier.config.vocab_size, 3))
     with torch.random.fork_rng():  # its fresh layers drawn from a seeded stream: the same whatever ran before
         torch.manual_seed(seed)
         drafter = DFlashDrafter.from_verifier(
-            verifier, num_layers=layers, block_size=block_size, draft_ids=ids
+            verifier, num_layers=layers, block_size=block_size, draft_ids=ids, markov_rank=markov_rank
         )
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -52,6 +54,17 @@ def reference_block_logits(verifier, drafter: DFlashDrafter, sequence: list[int]
         return drafter(block, torch.arange(n, n + drafter.block_size)[None], kv)[0, 1:]
 
 
+def walked(drafter: DFlashDrafter, logits: torch.Tensor, anchor: int, tokens: list[int]) -> torch.Tensor:
+    """The block's first rows with the Markov head's bias of each slot's predecessor: the anchor, then
+    ``tokens`` (what the draft put at the slots before; at most ``len(tokens) + 1`` rows); the rows
+    themselves without a head."""
+    if drafter.markov_head is None:
+        return logits
+    previous = torch.tensor([anchor, *tokens][: logits.shape[0]])
+    with torch.no_grad():
+        return logits[: len(previous)] + drafter.markov_bias(previous)
+
+
 class Spy:
     """Records every non-empty draft with the sequence it continues and the proposer's context length."""
 
@@ -71,10 +84,13 @@ class Spy:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("vocab", ["full", "reduced"])
-@pytest.mark.parametrize(("block_size", "gamma"), [(4, None), (2, None), (8, 5)])
-def test_greedy_equals_hf_generate(arch, vocab, block_size, gamma, eagle3_verifiers):
+@pytest.mark.parametrize(
+    ("block_size", "gamma", "markov_rank"), [(4, None, 0), (2, None, 0), (8, 5, 0), (4, None, 8), (8, 5, 8)]
+)
+def test_greedy_equals_hf_generate(arch, vocab, block_size, gamma, markov_rank, eagle3_verifiers):
     verifier = eagle3_verifiers[arch]
-    decoder = DFlashDecoder(verifier, drafter_for(verifier, vocab, block_size=block_size), gamma)
+    drafter = drafter_for(verifier, vocab, block_size=block_size, markov_rank=markov_rank)
+    decoder = DFlashDecoder(verifier, drafter, gamma)
     for prompt in PROMPTS:
         ids = torch.tensor([prompt])
         reference = hf_greedy(verifier, ids, 17)
@@ -85,20 +101,26 @@ def test_greedy_equals_hf_generate(arch, vocab, block_size, gamma, eagle3_verifi
             assert out == reference[: reference.index(eos) + 1]
 
 
-@pytest.mark.parametrize("vocab", ["full", "reduced"])
-def test_every_block_is_the_cache_free_reference(vocab, eagle3_verifiers, monkeypatch):
+@pytest.mark.parametrize(("vocab", "markov_rank"), [("full", 0), ("reduced", 0), ("reduced", 8)])
+def test_every_block_is_the_cache_free_reference(vocab, markov_rank, eagle3_verifiers, monkeypatch):
     """The context rows kept across blocks (prefill, accepted drafts, corrections) give the logits a
-    from-scratch forward gives, and the greedy draft is their argmax."""
+    from-scratch forward gives, and the greedy draft is their argmax (with a Markov head: slot by slot,
+    each slot's row biased by the token the draft put before it)."""
     verifier = eagle3_verifiers["llama"]
-    drafter = drafter_for(verifier, vocab, block_size=5)
+    drafter = drafter_for(verifier, vocab, block_size=5, markov_rank=markov_rank)
     spy = Spy(monkeypatch)
     DFlashDecoder(verifier, drafter).generate(torch.tensor([PROMPTS[0]]), 24)
     assert len(spy.records) > 3
     for sequence, draft, context in spy.records:
         assert context == len(sequence) - 1  # every committed position but the anchor
-        want = reference_block_logits(verifier, drafter, sequence)
+        block = reference_block_logits(verifier, drafter, sequence)
+        want = walked(drafter, block, sequence[-1], draft.tokens)
         greedy = drafter.draft_ids[want.argmax(-1)].tolist()
         assert draft.tokens == greedy[: len(draft.tokens)]
+        if markov_rank:  # the bias moved the argmax somewhere: the walk was exercised
+            plain = drafter.draft_ids[reference_block_logits(verifier, drafter, sequence).argmax(-1)]
+            spy.moved = getattr(spy, "moved", 0) + int(plain[: len(draft)].tolist() != draft.tokens)
+    assert not markov_rank or spy.moved > 0
 
 
 class OracleDFlash(DFlashDrafter):
@@ -163,25 +185,30 @@ def test_mismatched_drafters_are_refused(eagle3_verifiers):
 
 
 @pytest.mark.parametrize(
-    ("params", "draft_temperature"),
-    [(SamplingParams(1.0), 1.0), (SamplingParams(0.7, top_k=4), 0.6)],
-    ids=["T1", "T0.7-top_k4-draft_temperature0.6"],
+    ("params", "draft_temperature", "markov_rank"),
+    [(SamplingParams(1.0), 1.0, 0), (SamplingParams(0.7, top_k=4), 0.6, 0), (SamplingParams(1.0), 1.0, 8)],
+    ids=["T1", "T0.7-top_k4-draft_temperature0.6", "T1-markov"],
 )
-def test_sampled_q_rows_are_the_warped_block(params, draft_temperature, eagle3_verifiers, monkeypatch):
+def test_sampled_q_rows_are_the_warped_block(
+    params, draft_temperature, markov_rank, eagle3_verifiers, monkeypatch
+):
     """At T > 0 each draft token comes with q = the drafter's distribution at its slot (the cache-free
-    reference's logits divided by ``draft_temperature``, warped like the verifier's, on the draft ids),
-    and it lies in q's support: what the standard rule needs to stay lossless."""
+    reference's logits, with a Markov head plus the bias of the token drawn at the slot before, divided by
+    ``draft_temperature``, warped like the verifier's, on the draft ids), and it lies in q's support: what
+    the standard rule needs to stay lossless."""
     from train.decoding.sampling import warp
 
     verifier = eagle3_verifiers["llama"]
-    drafter = drafter_for(verifier, "reduced", seed=2, block_size=5)
+    drafter = drafter_for(verifier, "reduced", seed=2, block_size=5, markov_rank=markov_rank)
     spy = Spy(monkeypatch)
     decoder = DFlashDecoder(verifier, drafter, draft_temperature=draft_temperature)
     decoder.generate(torch.tensor([PROMPTS[0]]), 24, params, generator=torch.Generator().manual_seed(0))
     assert len(spy.records) > 3
     for sequence, draft, _ in spy.records:
         assert draft.q is not None and torch.equal(draft.support, drafter.draft_ids)
-        want = warp(reference_block_logits(verifier, drafter, sequence).float() / draft_temperature, params)
+        block = reference_block_logits(verifier, drafter, sequence)
+        rows = walked(drafter, block, sequence[-1], draft.tokens)
+        want = warp(rows.float() / draft_temperature, params)
         torch.testing.assert_close(draft.q, want[: len(draft)], atol=1e-5, rtol=1e-4)
         for i, token in enumerate(draft.tokens):
             assert draft.q[i, draft.columns[i]] > 0 and int(drafter.draft_ids[draft.columns[i]]) == token
@@ -281,11 +308,14 @@ def test_the_cost_cut_drafts_less_when_checks_are_dear(eagle3_verifiers, monkeyp
 # ----------------------------------------------------------------------------- the law at T > 0
 
 
-def law_statistic(verifier, params: SamplingParams, **decoder_kw) -> tuple[float, int, int]:
+def law_statistic(
+    verifier, params: SamplingParams, markov_rank: int = 0, **decoder_kw
+) -> tuple[float, int, int]:
     """(chi-square, df, accepted drafts) of tokens 2 and 3 over 4000 seeded runs of 4 tokens against the
-    verifier's warped law, a random DFlash drafter (block of 4) drafting."""
+    verifier's warped law, a random DFlash drafter (block of 4; ``markov_rank`` > 0: DSpark's) drafting."""
     law = tokens_2_and_3(verifier, params)
-    decoder = DFlashDecoder(verifier, drafter_for(verifier, seed=3, block_size=4), **decoder_kw)
+    drafter = drafter_for(verifier, seed=3, block_size=4, markov_rank=markov_rank)
+    decoder = DFlashDecoder(verifier, drafter, **decoder_kw)
     runs = run_many(decoder, LAW_PROMPT, 4, params, LAW_RUNS, seed=0)
     counts: dict[tuple[int, ...], int] = {}
     for key, c in runs.counts.items():
@@ -313,6 +343,13 @@ def law_statistic(verifier, params: SamplingParams, **decoder_kw) -> tuple[float
             marks=pytest.mark.slow,
         ),
         pytest.param(SamplingParams(1.0), {"tree_nodes": 5}, id="T1-tree", marks=pytest.mark.slow),
+        pytest.param(SamplingParams(1.0), {"markov_rank": 8}, id="T1-markov", marks=pytest.mark.slow),
+        pytest.param(
+            SamplingParams(1.0),
+            {"markov_rank": 8, "draft_length": "cost", "costs": StepCosts((1.0, 1.1, 1.3, 1.6), 0.1)},
+            id="T1-markov-cost-cut",
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_sampled_output_law_is_the_verifiers(eagle3_law_verifier, params, decoder_kw):
@@ -331,8 +368,8 @@ def test_law_test_catches_a_q_the_tokens_were_not_drawn_from(eagle3_law_verifier
     flattened one (q**0.5, renormalised)."""
     original = DFlashProposer._chain
 
-    def flattened_q(self, logits, params, generator, eos, spent, committed):
-        draft = original(self, logits, params, generator, eos, spent, committed)
+    def flattened_q(self, logits, anchor, params, generator, eos, spent, committed):
+        draft = original(self, logits, anchor, params, generator, eos, spent, committed)
         if draft.q is not None:
             flat = draft.q.sqrt()
             draft.q = flat / flat.sum(-1, keepdim=True)
@@ -340,6 +377,23 @@ def test_law_test_catches_a_q_the_tokens_were_not_drawn_from(eagle3_law_verifier
 
     monkeypatch.setattr(DFlashProposer, "_chain", flattened_q)
     stat, df, _ = law_statistic(eagle3_law_verifier, SamplingParams(1.0))
+    assert stat > chi2_critical(df), (stat, df)
+
+
+@pytest.mark.slow
+def test_law_test_catches_a_q_without_the_markov_bias(eagle3_law_verifier, monkeypatch):
+    """Broken on purpose: the tokens are drawn slot by slot from the biased rows, the rule is handed the
+    rows without the bias (what a decoder that forgot the sequential stage would hand it)."""
+    from train.decoding.sampling import warp
+
+    original = DFlashProposer._sampled_walk
+
+    def unbiased_q(self, logits, anchor, params, u):
+        columns, _ = original(self, logits, anchor, params, u)
+        return columns, warp(logits / self.draft_temperature, params)
+
+    monkeypatch.setattr(DFlashProposer, "_sampled_walk", unbiased_q)
+    stat, df, _ = law_statistic(eagle3_law_verifier, SamplingParams(1.0), markov_rank=8)
     assert stat > chi2_critical(df), (stat, df)
 
 

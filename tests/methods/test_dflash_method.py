@@ -79,6 +79,8 @@ def _logits(drafter: DFlashDrafter, seed: int = 0) -> torch.Tensor:
         ({"num_layers": 0}, "method.num_layers"),
         ({"num_anchors": 0}, "method.num_anchors"),
         ({"slot_decay": 0.0}, "method.slot_decay"),
+        ({"markov_rank": -1}, "method.markov_rank"),
+        ({"markov_rank": 2.5}, "method.markov_rank"),
         ({"max_len": 4}, "method.max_len"),
         ({"feature_cache_dir": "x"}, "method.feature_cache_dir"),
         ({"answer_engine": "spark"}, "method.answer_engine"),
@@ -292,6 +294,82 @@ def test_slot_k_is_scored_against_the_verifiers_row_for_anchor_plus_k(monkeypatc
             assert float(result.loss) < 1e-5 and accuracies == [1.0] * (BLOCK - 1)
         else:
             assert float(result.loss) > 0.1 and max(accuracies) < 1.0
+
+
+def test_the_markov_head_reads_the_rows_token_before_each_slot(monkeypatch):
+    """DSpark's teacher forcing: slot k of the block at anchor a is biased by the row's own token at
+    a + k - 1 (the anchor itself for slot 1), and the bias reaches the loss; a fresh head adds nothing."""
+    verifier = _verifier()
+    ids = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(1))
+    attention, loss_mask = torch.ones_like(ids), torch.zeros_like(ids)
+    loss_mask[:, 6:] = 1
+    rows = {"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask}
+    drafter = DFlashDrafter.from_verifier(verifier, num_layers=1, block_size=BLOCK, aux_layers=AUX)
+    dspark = DFlashDrafter.from_verifier(
+        verifier, num_layers=1, block_size=BLOCK, aux_layers=AUX, markov_rank=4
+    )
+    dspark.load_state_dict(drafter.state_dict(), strict=False)
+    with torch.no_grad():
+        out = verifier(ids, output_hidden_states=True)
+    aux = torch.cat(drafter.aux_features(out.hidden_states), -1)
+    targets = verifier_targets(out.logits, drafter.draft_ids, drafter.t2d)
+    plain = block_loss(drafter, aux, rows, targets, 8, 4.0, torch.Generator().manual_seed(0))
+    fresh = block_loss(dspark, aux, rows, targets, 8, 4.0, torch.Generator().manual_seed(0))
+    assert float(fresh.loss) == pytest.approx(float(plain.loss), rel=1e-6)  # markov_w2 starts at zero
+    seen: list[torch.Tensor] = []
+    bias = dspark.markov_bias
+
+    def recording(previous):
+        seen.append(previous.clone())
+        return bias(previous)
+
+    monkeypatch.setattr(dspark, "markov_bias", recording)
+    with torch.no_grad():
+        dspark.markov_head.markov_w2.weight.normal_(generator=torch.Generator().manual_seed(2))
+    biased = block_loss(dspark, aux, rows, targets, 8, 4.0, torch.Generator().manual_seed(0))
+    anchors, valid = sample_anchors(loss_mask, attention, 8, torch.Generator().manual_seed(0))
+    (previous,) = seen
+    for b in range(2):
+        for i in range(anchors.shape[1]):
+            if valid[b, i]:
+                a = int(anchors[b, i])
+                want = [int(ids[b, min(a + k - 1, 19)]) for k in range(1, BLOCK)]
+                assert previous[b, i].tolist() == want, (b, a)
+    assert abs(float(biased.loss) - float(plain.loss)) > 1e-3
+
+
+def test_a_dspark_drafter_exports_to_speculators_dspark_layout(tmp_path):
+    """With a Markov head the speculators folder is the ``dspark`` model type vLLM's ``dspark`` method
+    loads (``markov_rank``, the head under ``markov_head.markov_w1`` / ``markov_w2``), both folders reload
+    bit for bit, and serving names the ``dspark`` method."""
+    from safetensors.torch import load_file
+
+    from train.serving.exports import served_export
+
+    module, data = _build(draft_vocab_size=64, markov_rank=4)
+    _trainer(tmp_path, 2).fit(module, datamodule=data)
+    assert module.drafter.markov_head is not None
+    assert float(module.drafter.markov_head.markov_w2.weight.abs().sum()) > 0  # it trained
+    out = module.export(str(tmp_path / "run" / "dflash"))
+    trained = module.trained_drafter()
+    reloaded = DFlashDrafter.from_pretrained(out).eval()
+    assert reloaded.markov_rank == 4
+    previous = torch.tensor([3, 7, 11])
+    torch.testing.assert_close(reloaded.markov_bias(previous), trained.markov_bias(previous), rtol=0, atol=0)
+    speculators = tmp_path / "run" / "dflash_speculators"
+    config = json.loads((speculators / "config.json").read_text())
+    assert config["speculators_model_type"] == "dspark" and config["architectures"] == ["DSparkSpeculator"]
+    assert config["speculators_config"]["algorithm"] == "dspark" and config["markov_rank"] == 4
+    assert config["markov_head_type"] == "vanilla" and config["enable_confidence_head"] is False
+    tensors = load_file(str(speculators / "model.safetensors"))
+    assert tensors["markov_head.markov_w1.weight"].shape == (trained.vocab_size, 4)
+    assert tensors["markov_head.markov_w2.weight"].shape == (64, 4)
+    loaded = load_dflash_speculators(speculators).eval()
+    torch.testing.assert_close(loaded.markov_bias(previous), trained.markov_bias(previous), rtol=0, atol=0)
+    assert export_kind(speculators) == "dflash_speculators"
+    assert served_export(speculators).method == "dspark"
+    assert '"method": "dspark"' in (speculators / "README.md").read_text()
+    verify_kind(speculators, "dflash_speculators")
 
 
 def test_the_finish_step_measures_an_eagle3_drafter_beside_dflash(tmp_path):

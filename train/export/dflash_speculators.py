@@ -11,6 +11,11 @@ from there, not from ``block_size``). ``model.safetensors``: the drafter's state
 ``layers.N.mlp.*``, ``norm``, ``lm_head``, ``embed_tokens``), ``d2t`` when the draft vocabulary is reduced
 (vLLM maps draft index i to target id i + d2t[i]; it allocates no ``d2t`` for a full vocabulary).
 
+A drafter with a Markov head (DSpark, :mod:`train.models.markov_head`) is written as speculators' ``dspark``
+model type (``architectures: ["DSparkSpeculator"]``, the algorithm ``dspark``, ``markov_rank``,
+``markov_head_type: "vanilla"``, no confidence head), its head under ``markov_head.markov_w1`` /
+``markov_head.markov_w2`` as vLLM's ``dspark`` method loads them; everything else as for DFlash.
+
 Two details vLLM 0.32-0.33 reads differently from what the names suggest:
 
 - ``aux_hidden_state_layer_ids`` are Hugging Face ``hidden_states`` indices, the stream entering layer i
@@ -31,10 +36,16 @@ from typing import Any
 
 from safetensors.torch import load_file, save_file
 
+from train.export.kinds import DFLASH_SPECULATORS_TYPES
 from train.export.speculators import rope_scaling_of
 from train.models.dflash_drafter import DFlashDrafter
 
-__all__ = ["dflash_speculators_config", "export_dflash_speculators", "load_dflash_speculators"]
+__all__ = [
+    "dflash_speculators_config",
+    "export_dflash_speculators",
+    "load_dflash_speculators",
+    "speculators_algorithm",
+]
 
 
 def _layer_config(drafter: DFlashDrafter) -> dict[str, Any]:
@@ -69,11 +80,17 @@ def dflash_speculators_config(
     drafter: DFlashDrafter, verifier_name_or_path: str, verifier_architectures: Sequence[str] = ()
 ) -> dict[str, Any]:
     """The ``config.json`` dictionary of the export (see the module docstring)."""
+    algorithm = speculators_algorithm(drafter)
+    markov = (
+        {"markov_rank": drafter.markov_rank, "markov_head_type": "vanilla", "enable_confidence_head": False}
+        if drafter.markov_rank
+        else {}
+    )
     return {
-        "architectures": ["DFlashSpeculator"],
-        "speculators_model_type": "dflash",
+        "architectures": ["DSparkSpeculator" if drafter.markov_rank else "DFlashSpeculator"],
+        "speculators_model_type": algorithm,
         "speculators_config": {
-            "algorithm": "dflash",
+            "algorithm": algorithm,
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": drafter.block_size - 1}],
             "default_proposal_method": "greedy",
             "verifier": {
@@ -90,7 +107,14 @@ def dflash_speculators_config(
         "sliding_window_non_causal": True,
         "sample_from_anchor": False,
         "dtype": str(drafter.fc.weight.dtype).removeprefix("torch."),
+        **markov,
     }
+
+
+def speculators_algorithm(drafter: DFlashDrafter) -> str:
+    """``dspark`` for a drafter with a Markov head, else ``dflash`` (the speculators model type and vLLM's
+    method)."""
+    return "dspark" if drafter.markov_rank else "dflash"
 
 
 def export_dflash_speculators(
@@ -119,8 +143,8 @@ def load_dflash_speculators(folder: str | os.PathLike[str]) -> DFlashDrafter:
     checked by ``load_state_dict(strict=True)``; ValueError for another kind of config."""
     path = Path(folder)
     config = json.loads((path / "config.json").read_text())
-    if config.get("speculators_model_type") != "dflash":
-        raise ValueError(f"{path}: config.json is not a DFlash speculators config")
+    if config.get("speculators_model_type") not in DFLASH_SPECULATORS_TYPES:
+        raise ValueError(f"{path}: config.json is not a DFlash or DSpark speculators config")
     layer = config["transformer_layer_config"]
     drafter = DFlashDrafter(
         hidden_size=layer["hidden_size"],
@@ -138,6 +162,7 @@ def load_dflash_speculators(folder: str | os.PathLike[str]) -> DFlashDrafter:
         rope_parameters=layer.get("rope_parameters"),
         max_position_embeddings=layer["max_position_embeddings"],
         hidden_act=layer["hidden_act"],
+        markov_rank=int(config.get("markov_rank", 0)),
     )
     tensors = load_file(str(path / "model.safetensors"))
     strict = "d2t" in tensors

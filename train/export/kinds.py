@@ -18,6 +18,10 @@ EXPORT_KINDS: tuple[str, ...] = (
     "steering",
 )
 
+DFLASH_SPECULATORS_TYPES: tuple[str, ...] = ("dflash", "dspark")
+"""The ``speculators_model_type`` values of a ``dflash_speculators`` folder: DFlash, and DSpark (DFlash with
+a Markov head, :mod:`train.models.markov_head`); each is also the vLLM method that serves it."""
+
 
 def export_kind(folder: Path) -> str:
     """Which export ``folder`` holds, from its ``config.json``: ``drafter`` (a transformers causal LM),
@@ -30,7 +34,8 @@ def export_kind(folder: Path) -> str:
     config_file = Path(folder) / "config.json"
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}
     if "speculators_model_type" in config:
-        return "dflash_speculators" if config["speculators_model_type"] == "dflash" else "eagle3_speculators"
+        dflash = config["speculators_model_type"] in DFLASH_SPECULATORS_TYPES
+        return "dflash_speculators" if dflash else "eagle3_speculators"
     if config.get("model_type") == "medusa":
         return "heads_vllm"
     if "model_type" in config:

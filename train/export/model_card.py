@@ -171,6 +171,28 @@ def _vllm_usage(
     return ["## Serve it with vLLM", "", "```bash", *serve, long_form, "```", "", note]
 
 
+def _dflash_vllm_usage(verifier_ref: str, folder: str, layout: Mapping[str, Any]) -> list[str]:
+    """``vllm serve`` for a speculators DFlash folder, or DSpark's (``speculators_model_type: dspark``)."""
+    speculators = layout.get("speculators_config") or {}
+    verifier = (speculators.get("verifier") or {}).get("name_or_path") or verifier_ref
+    tokens = int((speculators.get("proposal_methods") or [{}])[0].get("speculative_tokens", 7))
+    method = str(layout.get("speculators_model_type", "dflash"))
+    markov = (
+        f" Its Markov head (rank {layout.get('markov_rank')}) then biases each drafted token by the one "
+        "before it, left to right."
+        if method == "dspark"
+        else ""
+    )
+    return _vllm_usage(
+        [],
+        verifier,
+        {"model": f"./{folder}", "method": method, "num_speculative_tokens": tokens},
+        f"vLLM's `{method}` method drafts a block of `num_speculative_tokens` tokens in one forward.{markov} "
+        "The auxiliary layer ids are the verifier's `hidden_states` indices, and "
+        "`sliding_window_non_causal: true` keeps the block non-causal, as it was trained.",
+    )
+
+
 def usage_section(kind: str, verifier_ref: str, folder: str, layout: Mapping[str, Any]) -> list[str]:
     """How to use an export of ``kind`` (:func:`train.export.kinds.export_kind`): the ``generate``
     snippet for a transformers drafter only; draftsmith's loader and evaluator for ``eagle3`` / ``heads`` /
@@ -198,17 +220,7 @@ def usage_section(kind: str, verifier_ref: str, folder: str, layout: Mapping[str
             f"`{folder}{COMPANION_SUFFIXES[kind]}/` beside it.",
         )
     if kind == "dflash_speculators":
-        speculators = layout.get("speculators_config") or {}
-        verifier = (speculators.get("verifier") or {}).get("name_or_path") or verifier_ref
-        tokens = int((speculators.get("proposal_methods") or [{}])[0].get("speculative_tokens", 7))
-        return _vllm_usage(
-            [],
-            verifier,
-            {"model": f"./{folder}", "method": "dflash", "num_speculative_tokens": tokens},
-            "vLLM's `dflash` method (0.25 and later on CPUs) drafts a block of `num_speculative_tokens` "
-            "tokens in one forward. The auxiliary layer ids are the verifier's `hidden_states` indices, and "
-            "`sliding_window_non_causal: true` keeps the block non-causal, as it was trained.",
-        )
+        return _dflash_vllm_usage(verifier_ref, folder, layout)
     if kind == "heads":
         return _draftsmith_usage(
             "train.models.heads",

@@ -18,6 +18,8 @@ never updated by the layers) and the block's own keys, all of them (non-causal w
 
 The anchor's own verifier state is not in the context (the verifier has not read it yet): a block at
 anchor a sees the context rows of positions 0 .. a - 1. One forward drafts ``block_size - 1`` tokens.
+With ``markov_rank`` r > 0 the drafter is DSpark's: a Markov head (:mod:`train.models.markov_head`) adds
+to slot k's logits a bias from the token slot k - 1 chose, drafted left to right after the forward.
 
 The draft vocabulary uses the same ``d2t`` / ``t2d`` maps as EAGLE-3 (docs/draft_vocab.md). Parameter
 and buffer names are speculators' / vLLM's (``fc``, ``hidden_norm``, ``layers.N.self_attn.{q,k,v,o}_proj``,
@@ -44,6 +46,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from train.models.eagle3_drafter import DraftVocabAndStates, default_aux_layers, draft_vocab_maps
+from train.models.markov_head import MarkovHead
 
 __all__ = ["ContextKV", "DFlashDrafter", "block_inputs", "default_mask_token_id"]
 
@@ -200,6 +203,7 @@ class DFlashDrafter(
         max_position_embeddings: int = 4096,
         hidden_act: str = "silu",
         verifier_name: str | None = None,
+        markov_rank: int = 0,
     ) -> None:
         super().__init__()
         if not 1 <= draft_vocab_size <= vocab_size:
@@ -216,6 +220,8 @@ class DFlashDrafter(
             raise ValueError(f"mask_token_id must be in [0, {vocab_size}), got {mask_token_id}")
         if not aux_layers:
             raise ValueError("aux_layers must name at least one verifier layer")
+        if markov_rank < 0:
+            raise ValueError(f"markov_rank must be >= 0 (0: no Markov head), got {markov_rank}")
         self.hidden_size, self.vocab_size, self.draft_vocab_size = hidden_size, vocab_size, draft_vocab_size
         self.num_layers, self.block_size, self.mask_token_id = num_layers, block_size, mask_token_id
         self.aux_layers = [int(i) for i in aux_layers]
@@ -245,6 +251,9 @@ class DFlashDrafter(
         self.norm = LlamaRMSNorm(hidden_size, eps=rms_norm_eps)
         self.lm_head = nn.Linear(hidden_size, draft_vocab_size, bias=False)
         self.rotary_emb = LlamaRotaryEmbedding(self.layer_config)
+        self.markov_rank = int(markov_rank)
+        #: DSpark's bias from the previous slot's token (:mod:`train.models.markov_head`); None: plain DFlash.
+        self.markov_head = MarkovHead(vocab_size, draft_vocab_size, markov_rank) if markov_rank else None
         d2t, t2d = draft_vocab_maps(torch.arange(draft_vocab_size), vocab_size)
         self.d2t: torch.Tensor
         self.t2d: torch.Tensor
@@ -263,12 +272,14 @@ class DFlashDrafter(
         aux_layers: Sequence[int] | None = None,
         draft_ids: Sequence[int] | torch.Tensor | None = None,
         special_ids: Sequence[int] = (),
+        markov_rank: int = 0,
     ) -> DFlashDrafter:
         """A fresh drafter for ``verifier`` (a Hugging Face Llama / Qwen-style causal LM): its sizes, heads
         and RoPE, its frozen embeddings, ``lm_head`` rows of the draft ids copied from its output
         embedding; on its device and dtype. ``draft_ids``: sorted target ids (None: every id);
         ``aux_layers``: None gives EAGLE-3's ``[2, L//2, L-3]``; ``mask_token_id`` None:
-        :func:`default_mask_token_id` avoiding ``special_ids``."""
+        :func:`default_mask_token_id` avoiding ``special_ids``; ``markov_rank`` r > 0: DSpark's Markov head
+        of rank r (a fresh one adds nothing)."""
         cfg = getattr(verifier, "config", None)
         if cfg is None:
             raise TypeError(f"{type(verifier).__name__} has no config: pass a Hugging Face causal LM")
@@ -303,6 +314,7 @@ class DFlashDrafter(
             max_position_embeddings=int(getattr(cfg, "max_position_embeddings", 4096)),
             hidden_act=str(getattr(cfg, "hidden_act", "silu")),
             verifier_name=getattr(cfg, "_name_or_path", None) or None,
+            markov_rank=markov_rank,
         )
         drafter.set_draft_ids(ids)
         embed = verifier.get_input_embeddings().weight  # type: ignore[operator]
@@ -343,3 +355,10 @@ class DFlashDrafter(
         for layer, kv in zip(self.layers, context.layers, strict=True):
             x = layer(x, cos_sin, kv, attention_mask)
         return self.lm_head(self.norm(x))
+
+    def markov_bias(self, previous: torch.Tensor) -> torch.Tensor | None:
+        """DSpark's bias (..., N) on a slot's logits from the target ids ``previous`` (...) drafted (or, in
+        training, written) just before it; None without a Markov head."""
+        if self.markov_head is None:
+            return None
+        return self.markov_head(previous)

@@ -11,6 +11,9 @@ and its distributions (row r: what the verifier predicts for position r + 1):
 - slot k >= 1 of the block at a is scored against the verifier's distribution at row a + k - 1
   (renormalised over the draft vocabulary): forward KL, kept where position a + k is inside the sequence
   and the loss mask and the verifier's argmax there is a draft id; slot 0 (the anchor) is not scored;
+- with DSpark's Markov head (:mod:`train.models.markov_head`), slot k's logits get the bias of the row's
+  token at a + k - 1 (teacher forcing: in decoding slot k counts only when slot k - 1's draft was accepted,
+  that is when it is the sequence's token at a + k - 1);
 - slot k's weight is ``exp(-(k - 1) / slot_decay)`` (the authors' decay: an early slot's miss ends the
   accepted run, a late slot matters only when all before it hit); the loss is the weighted mean over
   kept slots.
@@ -124,6 +127,10 @@ def block_loss(
         attention_mask=block_mask(anchors, valid, attention_mask, size),
     ).view(rows_n, num, size, -1)[:, :, 1:]  # slots 1 .. S - 1: (B, A, S - 1, N)
     target_pos = slot_positions[:, :, 1:]  # position a + k each slot predicts
+    previous = input_ids.gather(1, (target_pos - 1).clamp(max=length - 1).reshape(rows_n, -1))
+    bias = drafter.markov_bias(previous.view(target_pos.shape))  # teacher-forced: the row's token at a+k-1
+    if bias is not None:
+        logits = logits + bias.to(logits.dtype)
     inside = target_pos < length
     rows = (target_pos - 1).clamp(max=length - 1)  # the verifier's row a + k - 1
     flat = rows.reshape(rows_n, -1)

@@ -57,6 +57,8 @@ class ServedExport:
 
     @property
     def method(self) -> str:
+        if self.kind == "dflash_speculators":  # dflash, or dspark for a drafter with a Markov head
+            return str(_config(self.folder)["speculators_model_type"])
         return VLLM_METHODS[self.kind]
 
     def speculative_config(self) -> dict[str, Any]:

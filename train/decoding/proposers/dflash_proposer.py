@@ -9,19 +9,24 @@ positions 0 .. n - 1 when the committed sequence is t_0 .. t_n. A block is the l
 n .. n + B - 1; one drafter forward gives a distribution for each of the positions n + 1 .. n + B - 1
 (docs/dflash.md).
 
+With DSpark's Markov head (:mod:`train.models.markov_head`) the positions are walked left to right after
+the forward: each one's logits get the bias of the token chosen (or drawn) at the position before it, the
+anchor for the first; q is that biased distribution.
+
 The chain: at T = 0 each position's argmax over the draft vocabulary; at T > 0 a token drawn from each
 position's distribution (the drafter's logits divided by ``draft_temperature``, warped like the verifier's:
 temperature, top-k, top-p), handed over with those distributions as q, so the standard rule accepts x
-with probability min(1, p(x) / q(x)). The positions' distributions do not depend on the tokens drawn at
-the others (one forward made them all), which the rule does not need: it needs only that each token was
-drawn from the q it is handed, given the committed sequence and the drafts before it. Lossless at every
-temperature. The chain stops after an eos.
+with probability min(1, p(x) / q(x)). Without a Markov head the positions' distributions do not depend on
+the tokens drawn at the others (one forward made them all); with one they do. The rule needs neither:
+only that each token was drawn from the q it is handed, given the committed sequence and the drafts
+before it. Lossless at every temperature. The chain stops after an eos.
 
 With a ``length`` policy (:class:`~train.decoding.length_policy.CostAwareLength`) the chain is cut to the
 prefix with the most expected tokens per second (:func:`~train.decoding.costs.best_length`) under the
 measured check costs and the drafter's own forward time (spent either way), each position's acceptance
 calibrated online from its confidence (the largest probability of its distribution, never the drawn
 token's): the cut depends on the distributions alone, so the kept drafts are still draws from their q.
+With a Markov head at T > 0 the cut reads the distributions before the bias, which no draw changes.
 """
 
 from __future__ import annotations
@@ -155,9 +160,9 @@ class DFlashProposer:
         count = min(self.gamma, budget)
         spent = time.perf_counter() - block_start
         if self.tree_nodes:
-            draft = self._tree(logits[:count], params, eos)
+            draft = self._tree(self._along_argmax(logits[:count], sequence[-1]), params, eos)
         else:
-            draft = self._chain(logits[:count], params, generator, eos, spent, len(sequence))
+            draft = self._chain(logits[:count], sequence[-1], params, generator, eos, spent, len(sequence))
         self._synchronize()
         end = time.perf_counter()
         self._forwards += 1  # the drafter's time per block, which the cost-aware cut weighs as spent
@@ -171,26 +176,65 @@ class DFlashProposer:
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
 
+    def _along_argmax(self, logits: torch.Tensor, anchor: int) -> torch.Tensor:
+        """The block's logits (n, N) with the Markov head's bias of each slot's predecessor on the argmax
+        path (slot 1's: the anchor's); unchanged without a Markov head."""
+        if self.drafter.markov_head is None:
+            return logits
+        rows, previous = [], anchor
+        for row in logits:
+            rows.append(row + self._bias(previous))
+            previous = self._target_ids[int(rows[-1].argmax())]
+        return torch.stack(rows)
+
+    def _bias(self, previous: int) -> torch.Tensor:
+        """The Markov head's (N,) float bias after the target id ``previous``."""
+        bias = self.drafter.markov_bias(torch.tensor([previous], device=self._device))
+        assert bias is not None
+        return bias[0].float()
+
+    def _sampled_walk(
+        self, logits: torch.Tensor, anchor: int, params: SamplingParams, u: list[float]
+    ) -> tuple[list[int], torch.Tensor]:
+        """DSpark's sequential stage at T > 0: slot by slot, the block's logits plus the bias of the token
+        just drawn, warped, then drawn from with ``u``; the columns and the rows they were drawn from."""
+        rows, columns, previous = [], [], anchor
+        for i, row in enumerate(logits):
+            rows.append(warp((row + self._bias(previous))[None] / self.draft_temperature, params)[0])
+            columns.append(draw_index(rows[-1], u[i]))
+            previous = self._target_ids[columns[-1]]
+        return columns, torch.stack(rows)
+
     def _chain(
         self,
         logits: torch.Tensor,
+        anchor: int,
         params: SamplingParams,
         generator: torch.Generator | None,
         eos: frozenset[int],
         spent: float,
         committed: int,
     ) -> Draft:
-        """The chain from the block's logits (n, N): greedy or sampled, cut by the cost policy, stopped
-        after an eos."""
+        """The chain from the block's logits (n, N) after the ``anchor`` token: greedy or sampled, cut by
+        the cost policy, stopped after an eos.
+
+        With a Markov head each slot's distribution depends on the token drawn before it, so at T > 0 the
+        cut reads the confidences of the slots' distributions without the bias: a cut that read slot 2's
+        biased confidence would keep or drop slot 1's draw by its value, and the kept drafts would no
+        longer be plain draws from their q. At T = 0 nothing is drawn, and the biased rows are read."""
         if params.greedy:
             q = None
-            top = logits.softmax(-1).max(-1)
+            top = self._along_argmax(logits, anchor).softmax(-1).max(-1)
             columns, confidences = top.indices.tolist(), top.values.tolist()
         else:
-            q = warp(logits / self.draft_temperature, params)
-            u = uniforms(q.shape[0], generator).tolist()
-            columns = [draw_index(q[i], u[i]) for i in range(q.shape[0])]
-            confidences = q.max(-1).values.tolist()
+            u = uniforms(logits.shape[0], generator).tolist()
+            if self.drafter.markov_head is None:
+                q = warp(logits / self.draft_temperature, params)
+                columns = [draw_index(q[i], u[i]) for i in range(q.shape[0])]
+                confidences = q.max(-1).values.tolist()
+            else:
+                columns, q = self._sampled_walk(logits, anchor, params, u)
+                confidences = warp(logits / self.draft_temperature, params).max(-1).values.tolist()
         keep = len(columns)
         key = regime(params)
         if self.length is not None and self.length.costs is not None:

@@ -75,6 +75,12 @@ def dflash_drafter(
             f"a drafter for a vocabulary of {vocab}",
             f"{cfg.init} (vocab_size={drafter.vocab_size})",
         )
+        require(
+            drafter.markov_rank == cfg.markov_rank,
+            "method.markov_rank",
+            f"the Markov rank of method.init's drafter ({drafter.markov_rank})",
+            cfg.markov_rank,
+        )
         return drafter
     require(
         cfg.mask_token_id is None or 0 <= cfg.mask_token_id < vocab,
@@ -92,6 +98,7 @@ def dflash_drafter(
             aux_layers=cfg.aux_layers,
             draft_ids=cfg.draft_ids(verifier, tokenizer, train_answers),
             special_ids=special,
+            markov_rank=cfg.markov_rank,
         )
     except ValueError as err:  # the layers do not fit this verifier
         raise ConfigError(f"method.aux_layers: {err}") from None

@@ -26,6 +26,9 @@ class DFlashConfig(FeatureDrafterSettings):
     slot_decay: float = 4.0
     """Slot k's loss weight: exp(-(k - 1) / slot_decay) (the authors' gamma; renamed: ``gamma`` is the chain's
     draft length everywhere else)."""
+    markov_rank: int = 0
+    """DSpark's Markov head: the rank of a bias on each slot's logits from the token before it
+    (:mod:`train.models.markov_head`); 0: plain DFlash."""
     mask_token_id: int | None = None
     """The id the draft slots carry; None: the last id of the vocabulary that is no special token."""
     compare_eagle3: str | None = "auto"
@@ -40,6 +43,14 @@ class DFlashConfig(FeatureDrafterSettings):
             self.block_size >= 2, "method.block_size", ">= 2 (the anchor and one draft slot)", self.block_size
         )
         require(self.num_anchors >= 1, "method.num_anchors", ">= 1", self.num_anchors)
+        require(
+            isinstance(self.markov_rank, int)
+            and not isinstance(self.markov_rank, bool)
+            and self.markov_rank >= 0,
+            "method.markov_rank",
+            "an integer >= 0 (0: no Markov head)",
+            self.markov_rank,
+        )
         require(
             isinstance(self.slot_decay, int | float)
             and not isinstance(self.slot_decay, bool)
