@@ -4,7 +4,9 @@ For every export in RUN_DIR that vLLM serves (``drafter/``: draft_model, ``heads
 ``eagle3_speculators/``: eagle3), or the folders named with ``--export``: vLLM's acceptance per position,
 block efficiency and tokens/s with and without speculation, beside this project's evaluator on the same
 drafter and prompts, and whether vLLM's greedy output with speculation equals its own without.
-Needs the vLLM environment (docs/serving.md). Writes RUN_DIR/vllm/serving.{json,md} and vllm.log.
+Needs the vLLM environment (docs/serving.md). Writes RUN_DIR/vllm/serving.{json,md} and vllm.log. An export
+vLLM refuses (a method its build cannot run, e.g. ``dspark`` on the CPU build) gets vLLM's reason in its row
+and this project's figures beside it; the exit code is then 1.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     from train.vllm.run import VllmNotInstalledError, VllmRunError
 
     try:
-        serve_run(
+        report = serve_run(
             args.run_dir,
             args.export,
             num_speculative_tokens=args.tokens,
@@ -61,7 +63,13 @@ def main(argv: list[str] | None = None) -> int:
     except (VllmNotInstalledError, VllmRunError, FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    return 0
+    refused = [row for row in report["rows"] if row.get("refused")]
+    for row in refused:
+        print(
+            f"error: vLLM {row['vllm_version']} did not serve {row['folder']}: {row['refused']}",
+            file=sys.stderr,
+        )
+    return 1 if refused else 0
 
 
 if __name__ == "__main__":

@@ -36,7 +36,8 @@ from train.vllm.worker import counter_delta, spec_counters
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A run folder with one export of each kind vLLM serves, and a steering-like folder it does not."""
+    """A run folder with one export of each kind vLLM serves (DFlash with and without DSpark's Markov head),
+    and a steering-like folder it does not."""
     root = tmp_path_factory.mktemp("run")
     verifier = tiny_llama(hidden=32, layers=4)
     drafter = tiny_llama(hidden=16, seed=1)
@@ -46,6 +47,8 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     export_speculators(eagle, root / "eagle3_speculators", "org/verifier")
     dflash = DFlashDrafter.from_verifier(verifier, block_size=4, draft_ids=list(range(0, 260, 2)))
     export_dflash_speculators(dflash, root / "dflash_speculators", "org/verifier")
+    dspark = DFlashDrafter.from_verifier(verifier, block_size=4, markov_rank=4)
+    export_dflash_speculators(dspark, root / "dspark_speculators", "org/verifier")
     heads = MedusaHeads(hidden_size=32, vocab_size=260, num_heads=3, draft_vocab=list(range(0, 260, 4)))
     export_vllm_medusa(heads, root / "heads_vllm")
     (root / "steering").mkdir()
@@ -56,7 +59,13 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_every_export_vllm_serves_is_found_with_its_method(run_dir: Path) -> None:
     found = {s.folder.name: s for s in served_exports(run_dir, num_speculative_tokens=5)}
-    assert set(found) == {"drafter", "eagle3_speculators", "heads_vllm", "dflash_speculators"}
+    assert set(found) == {
+        "drafter",
+        "eagle3_speculators",
+        "heads_vllm",
+        "dflash_speculators",
+        "dspark_speculators",
+    }
     assert found["drafter"].speculative_config() == {
         "method": "draft_model",
         "model": str(run_dir / "drafter"),
@@ -67,6 +76,10 @@ def test_every_export_vllm_serves_is_found_with_its_method(run_dir: Path) -> Non
     # DFlash drafts its block's slots (4 - 1), Medusa one token per head, whatever was asked
     assert found["dflash_speculators"].method == "dflash"
     assert found["dflash_speculators"].num_speculative_tokens == 3
+    # DSpark (a DFlash drafter with a Markov head): vLLM's dspark method, the same block
+    assert found["dspark_speculators"].method == "dspark"
+    assert found["dspark_speculators"].speculative_config()["method"] == "dspark"
+    assert found["dspark_speculators"].num_speculative_tokens == 3
     assert found["heads_vllm"].method == "medusa"
     assert found["heads_vllm"].num_speculative_tokens == 3
 
@@ -146,6 +159,46 @@ def test_the_table_has_a_row_per_engine() -> None:
     assert len(lines) == 4 and "vLLM 0.32.0" in lines[2] and "draftsmith" in lines[3] and "1.50x" in lines[3]
 
 
+def test_an_export_vllm_refused_shows_its_reason_beside_our_figures() -> None:
+    fig = {
+        "drafts": 3,
+        "acceptance": [0.5],
+        "conditional": [0.5],
+        "block_efficiency": 1.5,
+        "tokens_per_second": 30.0,
+        "tokens_per_second_alone": 20.0,
+        "greedy_equal": "yes",
+    }
+    reason = "Value error, Model Runner V1 does not support: dspark speculative decoding"
+    row = {
+        "export": "dflash_speculators",
+        "method": "dspark",
+        "vllm_version": "0.32.0",
+        "refused": reason,
+        "vllm": None,
+        "ours": fig,
+    }
+    lines = serving_table([row]).splitlines()
+    assert len(lines) == 4 and f"refused: {reason}" in lines[2] and "draftsmith" in lines[3]
+
+
+def test_vllms_reason_is_its_last_error_line() -> None:
+    from train.vllm.run import error_line
+
+    tail = [
+        "Traceback (most recent call last):",
+        "pydantic_core._pydantic_core.ValidationError: 1 validation error for VllmConfig",
+        "  Value error, Model Runner V1 does not support: dspark speculative decoding [type=value_error, "
+        "input_value=ArgsKwargs((), {}), input_type=ArgsKwargs]",
+        "    For further information visit https://errors.pydantic.dev/2.14/v/value_error",
+    ]
+    assert error_line(tail) == "Value error, Model Runner V1 does not support: dspark speculative decoding"
+    assert error_line(["ModuleNotFoundError: No module named 'vllm'"]) == (
+        "ModuleNotFoundError: No module named 'vllm'"
+    )
+    assert error_line(["nothing went wrong here"]) == ""
+
+
 def _metric(name: str, value: float | None = None, values: list[int] | None = None) -> SimpleNamespace:
     return SimpleNamespace(name=name, value=value, values=values)
 
@@ -218,6 +271,7 @@ def test_a_failed_vllm_job_quotes_its_output(tmp_path: Path) -> None:
     with pytest.raises(VllmRunError, match="exited with code") as err:
         run_vllm_job({"mode": "decode"}, python=sys.executable, log_file=tmp_path / "vllm.log")
     assert "vllm" in str(err.value).lower() and (tmp_path / "vllm.log").is_file()
+    assert "Error" in err.value.reason and "vllm" in err.value.reason.lower()  # the line that says why
 
 
 def test_greedy_differences_are_classified_as_the_evaluator_classifies_them() -> None:

@@ -91,7 +91,8 @@ def serving_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """Markdown: per export and engine, acceptance per position, block efficiency, tokens/s alone and with
     speculation (batch 1), and whether the greedy output with speculation equals the engine's own without
     (differences classified as the evaluator does: ties within the run's ``tie_ulps`` of the top logit, or
-    not; :func:`train.serving.serve.equality_cell`)."""
+    not; :func:`train.serving.serve.equality_cell`). A row vLLM refused (``vllm`` None) gives its reason.
+    """
     lines = [
         "| export | vLLM method | engine | drafts | acceptance per position (P(first i+1 accepted)) "
         "| conditional | block efficiency | tokens/s alone | tokens/s speculative | speedup | greedy equal |",
@@ -100,6 +101,12 @@ def serving_table(rows: Sequence[Mapping[str, Any]]) -> str:
     for row in rows:
         for engine in ("vllm", "ours"):
             fig = row[engine]
+            if fig is None:  # vLLM refused this export: its reason instead of its figures
+                lines.append(
+                    f"| {row['export']} | {row['method']} | vLLM {row['vllm_version']} "
+                    f"| refused: {row['refused']} | | | | | | | |"
+                )
+                continue
             lines.append(
                 f"| {row['export']} | {row['method']} "
                 f"| {'vLLM ' + row['vllm_version'] if engine == 'vllm' else 'draftsmith'} "

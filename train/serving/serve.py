@@ -34,7 +34,7 @@ from train.export.hub import LOADERS
 from train.models.loading import eos_token_ids, load_model, load_tokenizer
 from train.serving.exports import ServedExport, served_export, served_exports
 from train.serving.figures import ours_figures, serving_table, tokens_per_second, vllm_figures
-from train.vllm.run import run_vllm_job
+from train.vllm.run import VllmRunError, run_vllm_job
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +202,13 @@ def serve_run(
             f"serving {served.folder} in vLLM ({served.method}, {served.num_speculative_tokens} tokens)",
             flush=True,
         )
-        spec = run_vllm_job(_vllm_job(run, eos, max_new_tokens, served), python, log_file=log_file)
+        try:
+            spec = run_vllm_job(_vllm_job(run, eos, max_new_tokens, served), python, log_file=log_file)
+        except VllmRunError as err:  # this export refused (a method this build cannot run): say why, go on
+            print(f"vLLM did not serve {served.folder.name} ({served.method}): {err.reason}", flush=True)
+            ours, _ = _ours(verifier, run, served, eos, max_new_tokens)
+            rows.append(_refused_row(served, plain["vllm_version"], err.reason, ours))
+            continue
         vllm = _vllm_side(verifier, run, plain, spec)
         ours, our_plain = _ours(verifier, run, served, eos, max_new_tokens)
         # vLLM's plain greedy tokens against this project's verifier's (float32 kernels differ)
@@ -272,6 +278,21 @@ def _row(
         "ours": ours,
         "vllm_plain_equals_ours": vllm_plain_equals_ours,
         "vllm_outputs": spec["outputs"],
+    }
+
+
+def _refused_row(served: ServedExport, version: str, reason: str, ours: dict[str, Any]) -> dict[str, Any]:
+    """``serving.json``'s row for an export vLLM refused: its reason where vLLM's figures would be, this
+    project's figures beside it."""
+    return {
+        "export": served.folder.name,
+        "folder": str(served.folder),
+        "method": served.method,
+        "num_speculative_tokens": served.num_speculative_tokens,
+        "vllm_version": version,
+        "refused": reason,
+        "vllm": None,
+        "ours": ours,
     }
 
 

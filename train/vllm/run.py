@@ -12,11 +12,12 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,22 @@ class VllmNotInstalledError(RuntimeError):
 
 
 class VllmRunError(RuntimeError):
-    """vLLM ran and failed; the message ends with the tail of its output."""
+    """vLLM ran and failed; the message ends with the tail of its output, ``reason`` is its last error line
+    (what vLLM said it refused, e.g. a method its CPU build's model runner does not support)."""
+
+    def __init__(self, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason or message.splitlines()[0]
+
+
+def error_line(lines: Sequence[str]) -> str:
+    """The last line of ``lines`` that states an error (``...Error: ...`` or pydantic's ``Value error,
+    ...``), without pydantic's ``[type=...]`` details; "" when none does."""
+    for line in reversed(lines):
+        text = line.strip()
+        if re.search(r"(Error|Exception|error)[:,] ", text) and not text.startswith("Traceback"):
+            return re.sub(r"\s*\[type=[^\]]*\]?.*$", "", text)
+    return ""
 
 
 def find_vllm_python(environ: Mapping[str, str] = os.environ, root: Path = REPO_ROOT) -> str | None:
@@ -119,7 +135,8 @@ def run_vllm_job(
         if proc.returncode != 0 or not result_path.is_file():
             tail = out_path.read_text(errors="replace").splitlines()[-25:]
             raise VllmRunError(
-                f"vLLM exited with code {proc.returncode} ({python}); its output ends:\n" + "\n".join(tail)
+                f"vLLM exited with code {proc.returncode} ({python}); its output ends:\n" + "\n".join(tail),
+                error_line(tail),
             )
         result: dict[str, Any] = json.loads(result_path.read_text())
         return result
