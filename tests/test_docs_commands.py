@@ -465,11 +465,11 @@ class Workspace:
             # The main job's real pair is exercised by tests/test_main_job.py; here its commands run the
             # same recipe on the micro tiny pair, so the ~15 DistillSpec commands cost seconds each.
             extra = [*ON_THE_TINY_PAIR, *extra]
-        feature_recipes = ("eagle3", "eagle3_tiny", "dflash", "dflash_tiny")
+        feature_recipes = ("eagle3", "eagle3_tiny", "dflash", "dspark", "dflash_tiny")
         if command.entry == "train.py" and any(f"experiment={name}" in args for name in feature_recipes):
             # the micro verifier has 2 layers (EAGLE-3's and DFlash's default reads 2, L//2, L-3); the
             # answers are generated from the tiny pair's corpus, not read from the real pair's cache
-            if "experiment=eagle3" in args or "experiment=dflash" in args:
+            if any(f"experiment={name}" in args for name in ("eagle3", "dflash", "dspark")):
                 extra = [*ON_THE_TINY_PAIR, *extra]
             extra += MICRO_EAGLE3
         if command.entry == "train.py" and ("experiment=medusa" in args or "experiment=medusa2" in args):

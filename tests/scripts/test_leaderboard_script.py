@@ -112,6 +112,7 @@ def test_auto_experiments_follow_the_pair_and_a_bad_list_names_the_key():
         "medusa2",
         "eagle3",
         "dflash",
+        "dspark",
     ]
     assert experiment_names(auto, Model(object()))[0] == "distillspec_tiny"
     assert experiment_names(OmegaConf.create({"experiments": ["medusa"]}), Model(None)) == ["medusa"]

@@ -1,7 +1,7 @@
 """The body of ``scripts/leaderboard.py`` (conf/leaderboard.yaml, docs/leaderboard.md).
 
 1. **Artifacts**: for each experiment of ``experiments`` (``auto``: distillspec, steering, medusa, medusa2,
-   eagle3, dflash, or their ``_tiny`` recipes on ``model=tiny``), the
+   eagle3, dflash, dspark, or their ``_tiny`` recipes on ``model=tiny``), the
    newest finished run of it for this verifier (:func:`train.rundir.newest_artifact`); when there is
    none, or with ``retrain=true``, it is trained first, ``python train.py experiment=<name>`` with this
    command's model/data/paths overrides and ``train_overrides``, in that order (steering picks up the
@@ -64,11 +64,12 @@ ARTIFACTS: dict[str, str] = {
     "eagle3": "eagle3",
     "eagle3_tiny": "eagle3",
     "dflash": "dflash",
+    "dspark": "dflash",
     "dflash_tiny": "dflash",
 }
 """The folder each experiment's run exports and the leaderboard loads."""
 
-REAL_PAIR_EXPERIMENTS = ("distillspec", "steering", "medusa", "medusa2", "eagle3", "dflash")
+REAL_PAIR_EXPERIMENTS = ("distillspec", "steering", "medusa", "medusa2", "eagle3", "dflash", "dspark")
 TINY_PAIR_EXPERIMENTS = (
     "distillspec_tiny",
     "steering_tiny",
@@ -259,6 +260,10 @@ def _load_drafters(model_cfg: Any, pair: Any, artifacts: Mapping[str, str]) -> d
     if dflash_dir:  # after EAGLE-3: its recipe reads EAGLE-3's cached features
         weight = next(pair.verifier.parameters())
         drafters["dflash"] = DFlashDrafter.from_pretrained(dflash_dir).eval().to(dtype=weight.dtype)
+    dspark_dir = artifacts.get("dspark")  # DFlash with a Markov head: the same decoders, its own row
+    if dspark_dir:
+        weight = next(pair.verifier.parameters())
+        drafters["dspark"] = DFlashDrafter.from_pretrained(dspark_dir).eval().to(dtype=weight.dtype)
     return drafters
 
 
