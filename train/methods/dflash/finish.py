@@ -37,9 +37,10 @@ class DFlashFinish(Eagle3Finish):
         return drafter
 
     def drafters_to_evaluate(self) -> dict[str, torch.nn.Module]:
-        """``dflash`` (the trained drafter), ``eagle3`` (the EAGLE-3 drafter ``method.compare_eagle3``
-        names, when there is one) and, when kept, ``pair drafter``."""
-        drafters: dict[str, torch.nn.Module] = {"dflash": self.trained_drafter()}
+        """``dflash`` (the trained drafter; ``dspark`` with a Markov head), ``eagle3`` (the EAGLE-3 drafter
+        ``method.compare_eagle3`` names, when there is one) and, when kept, ``pair drafter``."""
+        drafter = self.trained_drafter()
+        drafters: dict[str, torch.nn.Module] = {"dspark" if drafter.markov_rank else "dflash": drafter}
         if self.eagle3 is not None:
             drafters["eagle3"] = self.eagle3
         if self.comparison is not None:
@@ -76,6 +77,7 @@ class DFlashFinish(Eagle3Finish):
             "batch_size",
             "max_len",
             "draft_vocab_size",
+            "markov_rank",
         )
         return {
             "method": "dflash",
@@ -100,10 +102,11 @@ class DFlashFinish(Eagle3Finish):
         return [
             "\n\n".join(
                 [
-                    "## DFlash drafter (last validation)",
+                    f"## {'DSpark' if self.cfg.markov_rank else 'DFlash'} drafter (last validation)",
                     table.rstrip(),
                     "accuracy: the drafter's argmax at slot k of a block anchored on an answer token is the "
-                    "verifier's argmax for that position (teacher-forced: the context is the answer's), over "
+                    "verifier's argmax for that position (teacher-forced: the context, and with a Markov "
+                    "head the token before the slot, are the answer's), over "
                     "positions whose verifier argmax lies in the draft vocabulary. Simulated block "
                     f"efficiency of the greedy chain: {format_value(tau, 2)}.",
                 ]
