@@ -144,31 +144,27 @@ def test_our_figures_read_the_metric_contract_in_the_same_terms() -> None:
     assert fig["drafts"] == 12 and fig["block_efficiency"] == 1.7
 
 
+TABLE_FIGURES = {
+    "drafts": 3,
+    "acceptance": [0.5],
+    "conditional": [0.5],
+    "block_efficiency": 1.5,
+    "tokens_per_second": 30.0,
+    "tokens_per_second_alone": 20.0,
+    "greedy_equal": "yes",
+}
+"""One engine's figures for an export, as a table row reads them."""
+
+
 def test_the_table_has_a_row_per_engine() -> None:
-    fig = {
-        "drafts": 3,
-        "acceptance": [0.5],
-        "conditional": [0.5],
-        "block_efficiency": 1.5,
-        "tokens_per_second": 30.0,
-        "tokens_per_second_alone": 20.0,
-        "greedy_equal": "yes",
-    }
+    fig = TABLE_FIGURES
     row = {"export": "drafter", "method": "draft_model", "vllm_version": "0.32.0", "vllm": fig, "ours": fig}
     lines = serving_table([row]).splitlines()
     assert len(lines) == 4 and "vLLM 0.32.0" in lines[2] and "draftsmith" in lines[3] and "1.50x" in lines[3]
 
 
 def test_an_export_vllm_refused_shows_its_reason_beside_our_figures() -> None:
-    fig = {
-        "drafts": 3,
-        "acceptance": [0.5],
-        "conditional": [0.5],
-        "block_efficiency": 1.5,
-        "tokens_per_second": 30.0,
-        "tokens_per_second_alone": 20.0,
-        "greedy_equal": "yes",
-    }
+    fig = TABLE_FIGURES
     reason = "Value error, Model Runner V1 does not support: dspark speculative decoding"
     row = {
         "export": "dflash_speculators",
