@@ -80,6 +80,13 @@ class DFlashProposer:
         self.hidden_layers: tuple[int, ...] = tuple(int(i) for i in drafter.aux_layers)
         param = drafter.fc.weight
         self._device, self._dtype = param.device, param.dtype
+        head = drafter.markov_head
+        #: The Markov head's weights in float32 (the walk's one product a slot, without module calls).
+        self._markov = (
+            (head.markov_w1.weight.detach().float(), head.markov_w2.weight.detach().float())
+            if head is not None
+            else None
+        )
         self._targets = drafter.draft_ids.to(self._device)
         self._target_ids: list[int] = self._targets.tolist()
         self._context = ContextKV([])
@@ -179,19 +186,19 @@ class DFlashProposer:
     def _along_argmax(self, logits: torch.Tensor, anchor: int) -> torch.Tensor:
         """The block's logits (n, N) with the Markov head's bias of each slot's predecessor on the argmax
         path (slot 1's: the anchor's); unchanged without a Markov head."""
-        if self.drafter.markov_head is None:
+        if self._markov is None:
             return logits
         rows, previous = [], anchor
         for row in logits:
-            rows.append(row + self._bias(previous))
+            rows.append(self._biased(row, previous))
             previous = self._target_ids[int(rows[-1].argmax())]
         return torch.stack(rows)
 
-    def _bias(self, previous: int) -> torch.Tensor:
-        """The Markov head's (N,) float bias after the target id ``previous``."""
-        bias = self.drafter.markov_bias(torch.tensor([previous], device=self._device))
-        assert bias is not None
-        return bias[0].float()
+    def _biased(self, row: torch.Tensor, previous: int) -> torch.Tensor:
+        """A slot's (N,) float logits plus the Markov head's bias after the target id ``previous``."""
+        assert self._markov is not None
+        w1, w2 = self._markov
+        return torch.addmv(row, w2, w1[previous])
 
     def _sampled_walk(
         self, logits: torch.Tensor, anchor: int, params: SamplingParams, u: list[float]
@@ -200,7 +207,7 @@ class DFlashProposer:
         just drawn, warped, then drawn from with ``u``; the columns and the rows they were drawn from."""
         rows, columns, previous = [], [], anchor
         for i, row in enumerate(logits):
-            rows.append(warp((row + self._bias(previous))[None] / self.draft_temperature, params)[0])
+            rows.append(warp(self._biased(row, previous)[None] / self.draft_temperature, params)[0])
             columns.append(draw_index(rows[-1], u[i]))
             previous = self._target_ids[columns[-1]]
         return columns, torch.stack(rows)
@@ -228,7 +235,7 @@ class DFlashProposer:
             columns, confidences = top.indices.tolist(), top.values.tolist()
         else:
             u = uniforms(logits.shape[0], generator).tolist()
-            if self.drafter.markov_head is None:
+            if self._markov is None:
                 q = warp(logits / self.draft_temperature, params)
                 columns = [draw_index(q[i], u[i]) for i in range(q.shape[0])]
                 confidences = q.max(-1).values.tolist()
