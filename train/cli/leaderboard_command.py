@@ -256,14 +256,12 @@ def _load_drafters(model_cfg: Any, pair: Any, artifacts: Mapping[str, str]) -> d
     if eagle3_dir:
         weight = next(pair.verifier.parameters())
         drafters["eagle3"] = Eagle3Drafter.from_pretrained(eagle3_dir).eval().to(dtype=weight.dtype)
-    dflash_dir = _artifact(artifacts, "dflash")
-    if dflash_dir:  # after EAGLE-3: its recipe reads EAGLE-3's cached features
-        weight = next(pair.verifier.parameters())
-        drafters["dflash"] = DFlashDrafter.from_pretrained(dflash_dir).eval().to(dtype=weight.dtype)
-    dspark_dir = artifacts.get("dspark")  # DFlash with a Markov head: the same decoders, its own row
-    if dspark_dir:
-        weight = next(pair.verifier.parameters())
-        drafters["dspark"] = DFlashDrafter.from_pretrained(dspark_dir).eval().to(dtype=weight.dtype)
+    for name in ("dflash", "dspark"):  # after EAGLE-3: their recipes read EAGLE-3's cached features;
+        # dspark (DFlash with a Markov head) takes the same decoders under its own row
+        folder = _artifact(artifacts, name)
+        if folder:
+            weight = next(pair.verifier.parameters())
+            drafters[name] = DFlashDrafter.from_pretrained(folder).eval().to(dtype=weight.dtype)
     return drafters
 
 

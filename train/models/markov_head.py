@@ -31,7 +31,6 @@ class MarkovHead(nn.Module):
         super().__init__()
         if rank < 1:
             raise ValueError(f"markov rank must be >= 1, got {rank}")
-        self.rank = rank
         self.markov_w1 = nn.Embedding(vocab_size, rank)
         self.markov_w2 = nn.Linear(rank, draft_vocab_size, bias=False)
         nn.init.normal_(self.markov_w1.weight, std=1.0)

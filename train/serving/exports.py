@@ -19,6 +19,7 @@ states into a drafter model's, which none of vLLM's proposers do.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass
@@ -55,7 +56,7 @@ class ServedExport:
     kind: str
     num_speculative_tokens: int
 
-    @property
+    @functools.cached_property
     def method(self) -> str:
         if self.kind == "dflash_speculators":  # dflash, or dspark for a drafter with a Markov head
             return str(_config(self.folder)["speculators_model_type"])

@@ -241,7 +241,9 @@ class DFlashProposer:
                 confidences = q.max(-1).values.tolist()
             else:
                 columns, q = self._sampled_walk(logits, anchor, params, u)
-                confidences = warp(logits / self.draft_temperature, params).max(-1).values.tolist()
+                # only the cut reads them (the rows before the bias: see above)
+                unbiased = warp(logits / self.draft_temperature, params) if self.length is not None else q
+                confidences = unbiased.max(-1).values.tolist()
         keep = len(columns)
         key = regime(params)
         if self.length is not None and self.length.costs is not None:
