@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 import re
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import lightning as L
 import pytest
@@ -47,6 +49,97 @@ def test_optimizer_alone_or_with_a_per_step_scheduler():
     sched = functools.partial(get_cosine_schedule_with_warmup, num_warmup_steps=1, num_training_steps=4)
     out = configure_optimizers(params, functools.partial(torch.optim.SGD, lr=0.1), sched)
     assert out["lr_scheduler"]["interval"] == "step" and out["optimizer"].param_groups[0]["params"] == params
+
+
+def test_adam_and_sgd_run_fused_on_a_cpu_and_take_the_same_step_as_the_default():
+    torch.manual_seed(0)
+    make = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.01)
+    models = [torch.nn.Linear(16, 8) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    fused = configure_optimizers(models[0].parameters(), make, None)
+    default = make(models[1].parameters())
+    assert fused.defaults["fused"] is True and not default.defaults["fused"]
+    x = torch.randn(4, 16)
+    for model, opt in zip(models, (fused, default), strict=True):
+        for _ in range(3):
+            model(x).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+    for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert optim.fused_kwargs(functools.partial(torch.optim.SGD, lr=0.1), [torch.zeros(2)]) == {"fused": True}
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "params"),
+    [
+        (functools.partial(torch.optim.AdamW, fused=False), [torch.zeros(2)]),  # the config's word stands
+        (functools.partial(torch.optim.AdamW, foreach=True), [torch.zeros(2)]),
+        (functools.partial(torch.optim.RMSprop), [torch.zeros(2)]),  # no fused kernel
+        (torch.optim.AdamW, [torch.zeros(2)]),  # not a partial: nothing to read
+        (functools.partial(torch.optim.AdamW), [torch.zeros(2), torch.zeros(2, device="meta")]),
+        (functools.partial(torch.optim.AdamW), [torch.zeros(2, dtype=torch.long)]),
+        (functools.partial(torch.optim.AdamW), []),
+    ],
+)
+def test_the_default_kernel_where_fused_is_not_asked_for_or_not_there(optimizer, params):
+    assert optim.fused_kwargs(optimizer, params) == {}
+
+
+def test_param_groups_given_as_iterators_reach_the_optimizer_whole():
+    model = torch.nn.Linear(4, 4)
+    groups = [{"params": iter([model.weight]), "lr": 0.1}, {"params": (p for p in [model.bias])}]
+    opt = configure_optimizers(groups, functools.partial(torch.optim.AdamW, lr=1e-3), None)
+    assert [len(g["params"]) for g in opt.param_groups] == [1, 1]
+    assert opt.param_groups[0]["lr"] == 0.1 and opt.defaults["fused"] is True
+
+
+class _Regressor(optim.WholeNormClipping, L.LightningModule):
+    """One linear layer with large gradients (clipping bites), its optimizer the given partial."""
+
+    def __init__(self, make: Any) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = torch.nn.Linear(8, 4)
+        self.make = make
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return 100.0 * self.layer(batch).float().square().mean()
+
+    def configure_optimizers(self) -> Any:
+        return configure_optimizers(self.parameters(), self.make, None, self)
+
+
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_a_fused_optimizer_is_clipped_under_bf16_mixed_as_the_default_one_is(algorithm):
+    """Lightning's mixed-precision plugin refuses to clip for any fused optimizer; ours clips it with the
+    same torch call, so fused and unfused runs end on the same weights."""
+    weights = []
+    for fused in (True, False):
+        module = _Regressor(functools.partial(torch.optim.SGD, lr=0.1, **({} if fused else {"fused": False})))
+        trainer = L.Trainer(
+            accelerator="cpu",
+            precision="bf16-mixed",
+            max_steps=3,
+            gradient_clip_val=0.5,
+            gradient_clip_algorithm=algorithm,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(torch.randn(6, 8), batch_size=2))
+        assert trainer.optimizers[0].defaults["fused"] is fused
+        weights.append(module.layer.weight.detach().clone())
+    torch.testing.assert_close(weights[0], weights[1], rtol=1e-5, atol=1e-6)
+
+
+def test_no_fused_kernel_when_the_loss_is_scaled():
+    params = [torch.zeros(2)]
+    assert optim.fused_kwargs(functools.partial(torch.optim.AdamW), params, scaled=True) == {}
+    scaler = SimpleNamespace(_trainer=SimpleNamespace(precision_plugin=SimpleNamespace(scaler=object())))
+    assert optim.scaled_gradients(scaler)  # type: ignore[arg-type]
+    assert not optim.scaled_gradients(SimpleNamespace(_trainer=None))  # type: ignore[arg-type]
 
 
 def test_float32_trainables_upcasts_what_trains_and_keeps_tied_weights_tied():

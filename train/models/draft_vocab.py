@@ -121,11 +121,18 @@ def draft_rows_of(ids: torch.Tensor, draft_ids: torch.Tensor) -> torch.Tensor:
 
 
 def draft_head_logits(
-    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, draft_ids: torch.Tensor
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    draft_ids: torch.Tensor,
+    drop_last: bool = False,
 ) -> torch.Tensor:
     """``(B, T, N)`` logits of a causal LM over ``draft_ids`` only (its head's rows for them): the full
-    ``(B, T, V)`` logits are never built."""
+    ``(B, T, V)`` logits are never built. ``drop_last``: ``(B, T - 1, N)``, no logits for the last
+    position (the head never runs there, and no slice of the logits is copied or back-propagated)."""
     hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    if drop_last:
+        hidden = hidden[:, :-1]
     weight = model.get_output_embeddings().weight
     return F.linear(hidden, weight.index_select(0, draft_ids.to(weight.device)))
 

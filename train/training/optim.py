@@ -31,6 +31,8 @@ __all__ = [
     "clip_gradients",
     "configure_optimizers",
     "float32_trainables",
+    "fused_kwargs",
+    "scaled_gradients",
     "grad_norm",
     "partial_kwarg",
     "weights_dtype",
@@ -56,12 +58,58 @@ def check_optimizer(prefix: str, optimizer: Any, scheduler: Any) -> None:
     require(wd is None or wd >= 0, f"{prefix}.optimizer.weight_decay", ">= 0", wd)
 
 
-def configure_optimizers(params: Any, optimizer: Any, scheduler: Any) -> Any:
-    """Lightning's optimizer (or optimizer + scheduler dict) from Hydra partials.
+# Optimizers with a fused kernel (one pass over every parameter, where the default loops over them) and
+# the devices where torch has it for float32/bfloat16 weights.
+_FUSED_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+_FUSED_DEVICES = ("cpu", "cuda")
 
-    params: the parameters to train. The scheduler, if any, steps every optimizer step.
+
+def fused_kwargs(optimizer: Any, params: Sequence[torch.Tensor], scaled: bool = False) -> dict[str, bool]:
+    """``{"fused": True}`` where ``optimizer`` (a partial) builds an Adam/AdamW/SGD that sets neither
+    ``fused`` nor ``foreach``, every parameter is a floating-point tensor on one CPU or CUDA device type
+    and the gradients are not ``scaled`` (``16-mixed``'s loss scaling: a fused step unscales inside the
+    step, after clipping would have read the scaled gradients); else ``{}`` (torch's default). On a CPU
+    the default updates one parameter at a time, which for a drafter with a full-vocabulary embedding is
+    a large part of a step (docs/real_pair.md)."""
+    if (
+        scaled
+        or not isinstance(optimizer, functools.partial)
+        or not (isinstance(optimizer.func, type) and issubclass(optimizer.func, _FUSED_OPTIMIZERS))
+    ):
+        return {}
+    if "fused" in optimizer.keywords or "foreach" in optimizer.keywords or not params:
+        return {}
+    kinds = {p.device.type for p in params}
+    if len(kinds) != 1 or kinds.pop() not in _FUSED_DEVICES or not all(p.is_floating_point() for p in params):
+        return {}
+    return {"fused": True}
+
+
+def _tensors(params: Iterable[Any]) -> tuple[list[Any], list[torch.Tensor]]:
+    """(what the optimizer is given, every tensor in it): ``params`` as tensors or param-group dicts."""
+    given = [{**g, "params": list(g["params"])} if isinstance(g, dict) else g for g in params]
+    tensors = [t for g in given for t in (g["params"] if isinstance(g, dict) else [g])]
+    return given, tensors
+
+
+def scaled_gradients(module: L.LightningModule) -> bool:
+    """Whether ``module``'s trainer scales the loss (``16-mixed``'s gradient scaler); False unattached."""
+    trainer = module._trainer
+    return trainer is not None and getattr(trainer.precision_plugin, "scaler", None) is not None
+
+
+def configure_optimizers(
+    params: Any, optimizer: Any, scheduler: Any, module: L.LightningModule | None = None
+) -> Any:
+    """Lightning's optimizer (or optimizer + scheduler dict) from Hydra partials; fused where torch has a
+    fused kernel for it (:func:`fused_kwargs`).
+
+    params: the parameters to train (tensors or param-group dicts). The scheduler, if any, steps every
+    optimizer step. module: the LightningModule asking, whose trainer says whether gradients are scaled.
     """
-    opt = optimizer(params)
+    given, tensors = _tensors(params)
+    scaled = module is not None and scaled_gradients(module)
+    opt = optimizer(given, **fused_kwargs(optimizer, tensors, scaled))
     if scheduler is None:
         return opt
     return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler(opt), "interval": "step"}}
@@ -148,13 +196,13 @@ def clip_gradients(
     if clip_val is None or clip_val <= 0:
         return
     if algorithm not in (None, "norm"):
-        module.clip_gradients(optimizer, clip_val, algorithm)
+        _clip_whole(module, optimizer, clip_val, algorithm)
         return
     strategy = module.trainer.strategy
     root = strategy.model if isinstance(strategy, FSDPStrategy) else None
     if groups is None:
         if root is None:
-            module.clip_gradients(optimizer, clip_val, "norm")
+            _clip_whole(module, optimizer, clip_val, "norm")
         else:
             root.clip_grad_norm_(clip_val)  # type: ignore[operator]
         return
@@ -163,6 +211,22 @@ def clip_gradients(
     process_group = getattr(root, "process_group", None) if sharded else None
     for params in groups:
         clip_grad_norm(params, float(clip_val), process_group, module.device)
+
+
+def _clip_whole(
+    module: L.LightningModule, optimizer: torch.optim.Optimizer, clip_val: float, algorithm: str
+) -> None:
+    """Lightning's clipping (``module.clip_gradients``), or for a fused optimizer the same torch call
+    directly: Lightning's mixed-precision plugin refuses any fused optimizer for fear of scaled gradients,
+    which a fused one here never has (:func:`fused_kwargs`)."""
+    if not optimizer.defaults.get("fused"):
+        module.clip_gradients(optimizer, clip_val, algorithm)
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if algorithm == "value":
+        torch.nn.utils.clip_grad_value_(params, clip_val)
+    else:
+        torch.nn.utils.clip_grad_norm_(params, clip_val)
 
 
 class WholeNormClipping:

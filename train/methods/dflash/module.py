@@ -66,7 +66,7 @@ class DFlashModule(VerifierFeatures, DFlashFinish, WholeNormClipping, L.Lightnin
 
     def configure_optimizers(self) -> Any:
         params = [p for p in self.drafter.parameters() if p.requires_grad]
-        return configure_optimizers(params, self.cfg.optimizer, self.cfg.scheduler)
+        return configure_optimizers(params, self.cfg.optimizer, self.cfg.scheduler, self)
 
     def blocks(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None = None) -> BlockResult:
         """The block loss of ``batch`` (anchors from ``generator``, None: the global one)."""

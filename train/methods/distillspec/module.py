@@ -176,7 +176,7 @@ class DistillSpecModule(DistillSpecFinish, WholeNormClipping, L.LightningModule)
 
     def configure_optimizers(self) -> Any:
         params = [p for p in self.drafter.parameters() if p.requires_grad]
-        return configure_optimizers(params, self.cfg.optimizer, self.cfg.scheduler)
+        return configure_optimizers(params, self.cfg.optimizer, self.cfg.scheduler, self)
 
     def _generator(self, *salt: int) -> torch.Generator:
         """Seeded by (run seed, salt): reproducible on resume, distinct per rank."""

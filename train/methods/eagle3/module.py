@@ -82,7 +82,7 @@ class Eagle3Module(VerifierFeatures, Eagle3Finish, WholeNormClipping, L.Lightnin
 
     def configure_optimizers(self) -> Any:
         params = [p for p in self.drafter.parameters() if p.requires_grad]
-        return configure_optimizers(params, self.cfg.optimizer, self.cfg.scheduler)
+        return configure_optimizers(params, self.cfg.optimizer, self.cfg.scheduler, self)
 
     def ttt(self, batch: dict[str, torch.Tensor], chain_stats: bool = True) -> TTTResult:
         """The training-time test on ``batch``;

@@ -165,14 +165,14 @@ class MedusaModule(MedusaFinish, WholeNormClipping, L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         if not self.cfg.joint:
-            return configure_optimizers(self.heads.parameters(), self.cfg.optimizer, self.cfg.scheduler)
+            return configure_optimizers(self.heads.parameters(), self.cfg.optimizer, self.cfg.scheduler, self)
         lr = partial_kwarg(self.cfg.optimizer, "lr") or 1e-3
         adapters = [p for p in self.verifier.parameters() if p.requires_grad]
         groups = [
             {"params": adapters, "lr": lr},
             {"params": list(self.heads.parameters()), "lr": lr * self.cfg.heads_lr_multiplier},
         ]
-        return configure_optimizers(groups, self.cfg.optimizer, self.cfg.scheduler)
+        return configure_optimizers(groups, self.cfg.optimizer, self.cfg.scheduler, self)
 
     def _backbone_trains(self) -> bool:
         return self.cfg.joint and self.training and self.global_step >= self.cfg.backbone_frozen_steps

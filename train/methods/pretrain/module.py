@@ -18,7 +18,7 @@ from transformers import PreTrainedModel
 
 from train.methods.pretrain.config import PretrainConfig
 from train.models.draft_vocab import draft_head_logits, draft_rows_of
-from train.training.optim import configure_optimizers
+from train.training.optim import WholeNormClipping, configure_optimizers
 
 
 def draft_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -29,7 +29,7 @@ def draft_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Te
     return total / (targets >= 0).sum().clamp_min(1)
 
 
-class PretrainModule(L.LightningModule):
+class PretrainModule(WholeNormClipping, L.LightningModule):
     """Next-token cross-entropy on packed sequences of ``input_ids`` (over ``draft_ids`` when given)."""
 
     def __init__(
@@ -57,7 +57,7 @@ class PretrainModule(L.LightningModule):
     def _draft_logits_and_targets(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits over the draft vocabulary and each next token's row in it (-1 outside: not a target)."""
         assert self.draft_ids is not None
-        logits = draft_head_logits(self.model, ids, None, self.draft_ids)[:, :-1]
+        logits = draft_head_logits(self.model, ids, None, self.draft_ids, drop_last=True)
         return logits, draft_rows_of(ids[:, 1:], self.draft_ids)
 
     def _loss_and_correct(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -102,7 +102,7 @@ class PretrainModule(L.LightningModule):
         self.log("val/accuracy", self._val_correct / max(self._val_tokens, 1), sync_dist=True)
 
     def configure_optimizers(self) -> Any:
-        return configure_optimizers(self.model.parameters(), self.cfg.optimizer, self.cfg.scheduler)
+        return configure_optimizers(self.model.parameters(), self.cfg.optimizer, self.cfg.scheduler, self)
 
     def save_trained(self, trainer: L.Trainer, spec: Any) -> str | None:
         """Save the trained model (rank 0 only) as a Hugging Face folder in the run directory: this

@@ -165,7 +165,7 @@ class SteeringTrainingModule(SteeringFinish, L.LightningModule):
             },
         ]
         return configure_optimizers(
-            [g for g in groups if g["params"]], self.cfg.optimizer, self.cfg.scheduler
+            [g for g in groups if g["params"]], self.cfg.optimizer, self.cfg.scheduler, self
         )
 
     def configure_gradient_clipping(
