@@ -29,16 +29,26 @@ def _threads() -> int:
 
 
 class ThreadCount(torch.nn.Module):
-    """Records the intra-op thread count each forward runs with; raises after ``fail_after`` calls."""
+    """Records the intra-op thread count each forward runs with; raises after ``fail_after`` calls (and
+    sets ``failed``); with ``wait_for``, each forward first waits (up to 30 s) for that event."""
 
-    def __init__(self, model: torch.nn.Module, fail_after: int | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        fail_after: int | None = None,
+        wait_for: threading.Event | None = None,
+    ) -> None:
         super().__init__()
-        self.model, self.fail_after = model, fail_after
+        self.model, self.fail_after, self.wait_for = model, fail_after, wait_for
         self.seen: list[int] = []
+        self.failed = threading.Event()
 
     def forward(self, *args, **kwargs):
         self.seen.append(torch.get_num_threads())
+        if self.wait_for is not None:
+            self.wait_for.wait(30)
         if self.fail_after is not None and len(self.seen) > self.fail_after:
+            self.failed.set()
             raise RuntimeError("boom")
         return self.model(*args, **kwargs)
 
@@ -69,8 +79,11 @@ def test_the_probe_times_the_verifier_beside_a_stepping_drafter(tiny_pairs):
 
 def test_the_probe_raises_the_drafters_error_and_leaves_no_thread(tiny_pairs):
     verifier, drafter = tiny_pairs["llama"]
+    failing = ThreadCount(drafter, fail_after=3)  # fails mid-measurement: the verifier waits for it
     with pytest.raises(RuntimeError, match="boom"):
-        measure_together(TimedModel(verifier), TimedModel(ThreadCount(drafter, fail_after=3)), 4, repeats=1)
+        measure_together(
+            TimedModel(ThreadCount(verifier, wait_for=failing.failed)), TimedModel(failing), 4, repeats=1
+        )
     assert _threads() == 0
 
 
