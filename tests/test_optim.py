@@ -142,6 +142,21 @@ def test_no_fused_kernel_when_the_loss_is_scaled():
     assert not optim.scaled_gradients(SimpleNamespace(_trainer=None))  # type: ignore[arg-type]
 
 
+def test_a_fused_optimizer_over_scaled_gradients_is_left_to_lightnings_clipping():
+    """A config that asks for ``fused`` under ``16-mixed``: clipping goes to Lightning (which refuses it
+    with its reason) rather than clipping the scaled gradients directly."""
+    calls: list[tuple[float, str]] = []
+    module = SimpleNamespace(
+        _trainer=SimpleNamespace(precision_plugin=SimpleNamespace(scaler=object())),
+        clip_gradients=lambda opt, val, algorithm: calls.append((val, algorithm)),
+    )
+    weight = torch.nn.Parameter(torch.ones(3))
+    weight.grad = torch.full((3,), 100.0)
+    opt = torch.optim.AdamW([weight], fused=True)
+    optim._clip_whole(module, opt, 1.0, "norm")  # type: ignore[arg-type]
+    assert calls == [(1.0, "norm")] and torch.equal(weight.grad, torch.full((3,), 100.0))
+
+
 def test_float32_trainables_upcasts_what_trains_and_keeps_tied_weights_tied():
     model = torch.nn.Sequential(torch.nn.Embedding(5, 4), torch.nn.Linear(4, 5), torch.nn.LayerNorm(5))
     model.to(torch.bfloat16)

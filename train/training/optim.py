@@ -32,9 +32,9 @@ __all__ = [
     "configure_optimizers",
     "float32_trainables",
     "fused_kwargs",
-    "scaled_gradients",
     "grad_norm",
     "partial_kwarg",
+    "scaled_gradients",
     "weights_dtype",
 ]
 
@@ -216,10 +216,11 @@ def clip_gradients(
 def _clip_whole(
     module: L.LightningModule, optimizer: torch.optim.Optimizer, clip_val: float, algorithm: str
 ) -> None:
-    """Lightning's clipping (``module.clip_gradients``), or for a fused optimizer the same torch call
-    directly: Lightning's mixed-precision plugin refuses any fused optimizer for fear of scaled gradients,
-    which a fused one here never has (:func:`fused_kwargs`)."""
-    if not optimizer.defaults.get("fused"):
+    """Lightning's clipping (``module.clip_gradients``), or for a fused optimizer over unscaled gradients
+    the same torch call directly: Lightning's mixed-precision plugin refuses any fused optimizer for fear
+    of scaled gradients. A fused optimizer a config asked for under ``16-mixed`` goes to Lightning, which
+    says why it cannot clip it."""
+    if not optimizer.defaults.get("fused") or scaled_gradients(module):
         module.clip_gradients(optimizer, clip_val, algorithm)
         return
     params = [p for group in optimizer.param_groups for p in group["params"]]
