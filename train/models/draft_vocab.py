@@ -116,7 +116,7 @@ def draft_rows_of(ids: torch.Tensor, draft_ids: torch.Tensor) -> torch.Tensor:
     """``ids`` (any shape) mapped to their rows in the sorted ``draft_ids``, -1 outside the draft
     vocabulary: :func:`vocab_index` without knowing the vocabulary's size (a binary search; no host sync)."""
     draft_ids = draft_ids.to(ids.device)
-    at = torch.searchsorted(draft_ids, ids).clamp(max=len(draft_ids) - 1)
+    at = torch.searchsorted(draft_ids, ids.contiguous()).clamp(max=len(draft_ids) - 1)
     return torch.where(draft_ids[at] == ids, at, torch.full_like(at, -1))
 
 
