@@ -282,3 +282,27 @@ def test_the_output_law_is_the_verifiers_at_t1(lookup):
     assert stat < chi2_critical(df), (stat, df, chi2_critical(df))
     lengths = {len(s.position_drafted) for s in runs.stats}
     assert len(lengths) >= 2, lengths
+
+
+def test_costs_measured_under_a_profiler_stay_out_of_the_disk_cache(tmp_path, monkeypatch):
+    """A profiled run's costs include the profiler's: its process uses them, the disk cache never gets
+    them (a profiled evaluation once cached a drafter step of 4.0 ms for one of 2.1 ms, and later runs
+    chose their draft lengths by it). Broken on purpose (tried): writing them regardless fails the first
+    assertion on the file."""
+    import sys
+
+    path = tmp_path / "costs.json"
+    monkeypatch.setenv("DRAFTSMITH_COST_CACHE", str(path))
+    monkeypatch.setattr(cost_probe, "_MEMO", {})
+    costs = StepCosts(verify=(1.0, 1.1), draft=0.1)
+    previous = sys.getprofile()
+    sys.setprofile(lambda *_: None)
+    try:
+        assert cost_probe.instrumented()
+        measured, _ = cost_probe.remembered("profiled", lambda: (costs, None))
+    finally:
+        sys.setprofile(previous)
+    assert measured == costs and not path.exists()
+    assert cost_probe.remembered("profiled", lambda: (StepCosts(verify=(9.0,), draft=9.0), None))[0] == costs
+    cost_probe.remembered("plain", lambda: (costs, None))  # not profiled: written
+    assert path.is_file() and "plain" in path.read_text() and "profiled" not in path.read_text()
