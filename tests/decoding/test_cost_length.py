@@ -15,6 +15,8 @@ calibration that records every draft as accepted keeps drafting where nothing pa
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -289,8 +291,6 @@ def test_costs_measured_under_a_profiler_stay_out_of_the_disk_cache(tmp_path, mo
     them (a profiled evaluation once cached a drafter step of 4.0 ms for one of 2.1 ms, and later runs
     chose their draft lengths by it). Broken on purpose (tried): writing them regardless fails the first
     assertion on the file."""
-    import sys
-
     path = tmp_path / "costs.json"
     monkeypatch.setenv("DRAFTSMITH_COST_CACHE", str(path))
     monkeypatch.setattr(cost_probe, "_MEMO", {})
