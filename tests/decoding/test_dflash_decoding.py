@@ -13,8 +13,10 @@ import torch
 
 from train.decoding import DFlashDecoder, Draft, SamplingParams
 from train.decoding.costs import StepCosts
+from train.decoding.proposers import dflash_proposer
 from train.decoding.proposers.dflash_proposer import DFlashProposer
 from train.models.dflash_drafter import DFlashDrafter, block_inputs
+from train.models.markov_head import bias_table
 
 from .decoding_helpers import build, hf_greedy, tiny_config
 from .spec_reference import chi2_critical, chi2_power, chi_square, noncentrality, pooled_cells, run_many
@@ -101,11 +103,17 @@ def test_greedy_equals_hf_generate(arch, vocab, block_size, gamma, markov_rank, 
             assert out == reference[: reference.index(eos) + 1]
 
 
-@pytest.mark.parametrize(("vocab", "markov_rank"), [("full", 0), ("reduced", 0), ("reduced", 8)])
-def test_every_block_is_the_cache_free_reference(vocab, markov_rank, eagle3_verifiers, monkeypatch):
+@pytest.mark.parametrize(
+    ("vocab", "markov_rank", "table"),
+    [("full", 0, True), ("reduced", 0, True), ("reduced", 8, True), ("reduced", 8, False)],
+    ids=["full", "reduced", "markov-table", "markov-computed"],
+)
+def test_every_block_is_the_cache_free_reference(vocab, markov_rank, table, eagle3_verifiers, monkeypatch):
     """The context rows kept across blocks (prefill, accepted drafts, corrections) give the logits a
     from-scratch forward gives, and the greedy draft is their argmax (with a Markov head: slot by slot,
-    each slot's row biased by the token the draft put before it)."""
+    each slot's row biased by the token the draft put before it, read from the bias table or computed)."""
+    if not table:
+        monkeypatch.setattr(dflash_proposer, "MARKOV_TABLE_BYTES", 0)
     verifier = eagle3_verifiers["llama"]
     drafter = drafter_for(verifier, vocab, block_size=5, markov_rank=markov_rank)
     spy = Spy(monkeypatch)
@@ -123,6 +131,19 @@ def test_every_block_is_the_cache_free_reference(vocab, markov_rank, eagle3_veri
     assert not markov_rank or spy.moved > 0
 
 
+def test_the_bias_table_holds_the_heads_bias_after_each_draft_token(eagle3_verifiers):
+    """Row j of the table is what the Markov head adds after draft token j (the module's own product)."""
+    drafter = drafter_for(eagle3_verifiers["llama"], "reduced", markov_rank=8)
+    head = drafter.markov_head
+    assert head is not None
+    table = bias_table(head.markov_w1.weight.float(), head.markov_w2.weight.float(), drafter.draft_ids)
+    assert table.shape == (drafter.draft_vocab_size, drafter.draft_vocab_size)
+    with torch.no_grad():
+        want = head(drafter.draft_ids).float()
+    torch.testing.assert_close(table, want, atol=1e-5, rtol=1e-5)
+    assert table.abs().max() > 0  # the head was perturbed: the rows say something
+
+
 class OracleDFlash(DFlashDrafter):
     """Test double: a real drafter whose slot k puts the reference token at position anchor + k first."""
 
@@ -130,10 +151,11 @@ class OracleDFlash(DFlashDrafter):
         self.sequence = sequence
         return self
 
-    def forward(self, block_ids, positions, context, attention_mask=None):  # type: ignore[override]
-        logits = super().forward(block_ids, positions, context, attention_mask)
+    def forward(self, block_ids, positions, context, attention_mask=None, slots=None):  # type: ignore[override]
+        logits = super().forward(block_ids, positions, context, attention_mask, slots)
         logits = torch.zeros_like(logits)
-        for j, p in enumerate(positions[0].tolist()):
+        kept = positions[0].tolist()[slots] if slots is not None else positions[0].tolist()
+        for j, p in enumerate(kept):
             if p < len(self.sequence):
                 logits[0, j, self.sequence[p]] = 10.0
         return logits
@@ -185,12 +207,17 @@ def test_mismatched_drafters_are_refused(eagle3_verifiers):
 
 
 @pytest.mark.parametrize(
-    ("params", "draft_temperature", "markov_rank"),
-    [(SamplingParams(1.0), 1.0, 0), (SamplingParams(0.7, top_k=4), 0.6, 0), (SamplingParams(1.0), 1.0, 8)],
-    ids=["T1", "T0.7-top_k4-draft_temperature0.6", "T1-markov"],
+    ("params", "draft_temperature", "markov_rank", "table"),
+    [
+        (SamplingParams(1.0), 1.0, 0, True),
+        (SamplingParams(0.7, top_k=4), 0.6, 0, True),
+        (SamplingParams(1.0), 1.0, 8, True),
+        (SamplingParams(1.0), 1.0, 8, False),
+    ],
+    ids=["T1", "T0.7-top_k4-draft_temperature0.6", "T1-markov-table", "T1-markov-computed"],
 )
 def test_sampled_q_rows_are_the_warped_block(
-    params, draft_temperature, markov_rank, eagle3_verifiers, monkeypatch
+    params, draft_temperature, markov_rank, table, eagle3_verifiers, monkeypatch
 ):
     """At T > 0 each draft token comes with q = the drafter's distribution at its slot (the cache-free
     reference's logits, with a Markov head plus the bias of the token drawn at the slot before, divided by
@@ -198,6 +225,8 @@ def test_sampled_q_rows_are_the_warped_block(
     the standard rule needs to stay lossless."""
     from train.decoding.sampling import warp
 
+    if not table:  # the bias computed slot by slot
+        monkeypatch.setattr(dflash_proposer, "MARKOV_TABLE_BYTES", 0)
     verifier = eagle3_verifiers["llama"]
     drafter = drafter_for(verifier, "reduced", seed=2, block_size=5, markov_rank=markov_rank)
     spy = Spy(monkeypatch)

@@ -345,16 +345,19 @@ class DFlashDrafter(
         positions: torch.Tensor,
         context: ContextKV,
         attention_mask: torch.Tensor | None = None,
+        slots: slice | None = None,
     ) -> torch.Tensor:
         """The drafter's logits (B, Q, N) over the draft vocabulary for the block tokens ``block_ids``
         (B, Q) at RoPE ``positions`` (B, Q), reading ``context`` (:meth:`context_kv`). attention_mask:
         None (every query sees the whole context and every block token: one block) or (B or 1, 1, Q,
-        C + Q) bool, True where a query attends (several blocks at once, in training)."""
+        C + Q) bool, True where a query attends (several blocks at once, in training). ``slots``: the
+        block positions whose logits are wanted (drafting reads the draft slots a chain can use only);
+        None: all."""
         x = self.embed_tokens(block_ids).to(self.fc.weight.dtype)
         cos_sin = self.rotary_emb(x, positions)
         for layer, kv in zip(self.layers, context.layers, strict=True):
             x = layer(x, cos_sin, kv, attention_mask)
-        return self.lm_head(self.norm(x))
+        return self.lm_head(self.norm(x if slots is None else x[:, slots]))
 
     def markov_bias(self, previous: torch.Tensor) -> torch.Tensor | None:
         """DSpark's bias (..., N) on a slot's logits from the target ids ``previous`` (...) drafted (or, in

@@ -9,7 +9,8 @@ bias that depends on the previous token alone:
 
 ``markov_w1`` embeds a target id (the verifier's vocabulary, V x r), ``markov_w2`` maps the r numbers to
 the draft vocabulary (N x r). Drafting walks the slots left to right, one r-wide embedding and one
-N x r product a slot: negligible beside the forward. The names are speculators' / vLLM's
+N x r product a slot; after the first slot the previous token is a draft-vocabulary token, so the walk can
+read the bias from a table of the N possible rows (:func:`bias_table`, N x N) computed once instead. The names are speculators' / vLLM's
 (``markov_head.markov_w1.weight``, ``markov_head.markov_w2.weight``), so the export writes them as they are.
 
 Initialisation: ``markov_w1`` normal, ``markov_w2`` zero, so a fresh head adds nothing and training starts
@@ -21,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["MarkovHead"]
+__all__ = ["MarkovHead", "bias_table"]
 
 
 class MarkovHead(nn.Module):
@@ -39,3 +40,9 @@ class MarkovHead(nn.Module):
     def forward(self, previous: torch.Tensor) -> torch.Tensor:
         """previous: (...) target ids -> (..., N) biases over the draft vocabulary."""
         return self.markov_w2(self.markov_w1(previous))
+
+
+def bias_table(w1: torch.Tensor, w2: torch.Tensor, draft_ids: torch.Tensor) -> torch.Tensor:
+    """The bias after every draft-vocabulary token, (N, N): row j is ``w2 @ w1[draft_ids[j]]``, the bias
+    the walk adds to a slot whose predecessor is draft token j. ``w1`` (V, r), ``w2`` (N, r)."""
+    return w1.index_select(0, draft_ids) @ w2.T

@@ -43,8 +43,13 @@ from train.decoding.metrics import DecodeStats
 from train.decoding.proposers.heads_proposer import choices_draft, tree_from_accuracies
 from train.decoding.sampling import SamplingParams, draw_index, uniforms, warp
 from train.models.dflash_drafter import ContextKV, DFlashDrafter, block_inputs
+from train.models.markov_head import bias_table
 
-__all__ = ["DFlashProposer"]
+__all__ = ["MARKOV_TABLE_BYTES", "DFlashProposer"]
+
+#: The largest Markov bias table a proposer keeps (float32 N x N: 64 MiB for a 4096-token draft vocabulary;
+#: a 32k one computes each bias instead).
+MARKOV_TABLE_BYTES = 256 * 2**20
 
 
 class DFlashProposer:
@@ -80,6 +85,9 @@ class DFlashProposer:
         self.hidden_layers: tuple[int, ...] = tuple(int(i) for i in drafter.aux_layers)
         param = drafter.fc.weight
         self._device, self._dtype = param.device, param.dtype
+        self._targets = drafter.draft_ids.to(self._device)
+        self._target_ids: list[int] = self._targets.tolist()
+        self._columns = {target: column for column, target in enumerate(self._target_ids)}
         head = drafter.markov_head
         #: The Markov head's weights in float32 (the walk's one product a slot, without module calls).
         self._markov = (
@@ -87,8 +95,16 @@ class DFlashProposer:
             if head is not None
             else None
         )
-        self._targets = drafter.draft_ids.to(self._device)
-        self._target_ids: list[int] = self._targets.tolist()
+        n = self._targets.numel()
+        #: The bias after each draft token (N, N; :func:`~train.models.markov_head.bias_table`), where it
+        #: takes at most MARKOV_TABLE_BYTES: a slot whose predecessor is a draft token (every slot after the
+        #: first, and the first where the anchor is one) reads its row instead of an N x r product (about a
+        #: tenth of a DSpark block on a CPU). None: the walk computes every bias.
+        self._bias_rows = (
+            bias_table(*self._markov, self._targets)
+            if self._markov is not None and 4 * n * n <= MARKOV_TABLE_BYTES
+            else None
+        )
         self._context = ContextKV([])
         self._pending: list[torch.Tensor] = []
         self._forward_time = 0.0  # mean of the drafter's forwards so far (the cut weighs it as spent)
@@ -163,13 +179,14 @@ class DFlashProposer:
             torch.tensor([sequence[-1]], device=self._device), size, self.drafter.mask_token_id
         )
         positions = torch.arange(anchor, anchor + size, device=self._device)[None]
-        logits = self.drafter(ids, positions, self._context)[0, 1:].float()  # (B - 1, N)
         count = min(self.gamma, budget)
+        # the logits of the slots the chain can use only (not the anchor's, nor any past the budget)
+        logits = self.drafter(ids, positions, self._context, slots=slice(1, 1 + count))[0].float()
         spent = time.perf_counter() - block_start
         if self.tree_nodes:
-            draft = self._tree(self._along_argmax(logits[:count], sequence[-1]), params, eos)
+            draft = self._tree(self._along_argmax(logits, sequence[-1]), params, eos)
         else:
-            draft = self._chain(logits[:count], sequence[-1], params, generator, eos, spent, len(sequence))
+            draft = self._chain(logits, sequence[-1], params, generator, eos, spent, len(sequence))
         self._synchronize()
         end = time.perf_counter()
         self._forwards += 1  # the drafter's time per block, which the cost-aware cut weighs as spent
@@ -195,8 +212,12 @@ class DFlashProposer:
         return torch.stack(rows)
 
     def _biased(self, row: torch.Tensor, previous: int) -> torch.Tensor:
-        """A slot's (N,) float logits plus the Markov head's bias after the target id ``previous``."""
+        """A slot's (N,) float logits plus the Markov head's bias after the target id ``previous``: the
+        table's row where ``previous`` is a draft token and the table is kept, else computed."""
         assert self._markov is not None
+        column = self._columns.get(previous) if self._bias_rows is not None else None
+        if column is not None:
+            return row + self._bias_rows[column]  # type: ignore[index]
         w1, w2 = self._markov
         return torch.addmv(row, w2, w1[previous])
 
