@@ -211,3 +211,46 @@ def test_trees_behind_lookup_keep_the_greedy_output(tiny_pairs, tree):
         copied += res.stats.lookup_blocks
         trees += res.stats.verifier_calls - res.stats.lookup_blocks
     assert copied >= 3 and trees >= 3, (copied, trees)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(1.0)], ids=["T0", "T1"])
+@pytest.mark.parametrize(
+    "shape",
+    [{"draft_length": "cost"}, {"tree_nodes": 5}, {"tree_nodes": 5, "markov_rank": 8}],
+    ids=["chain-cut-by-cost", "tree", "tree-markov"],
+)
+def test_dflash_behind_lookup_keeps_its_context_and_the_greedy_output(
+    params, shape, eagle3_verifiers, monkeypatch
+):
+    """Copied blocks between DFlash's blocks (dflash_lookup, dflash_tree_lookup): the drafter reads the
+    verifier's states of every committed position (copied ones included) when it next drafts, so each of
+    its blocks equals the cache-free reference, and the greedy output is the verifier's."""
+    from train.decoding import DFlashDecoder
+    from train.decoding.costs import StepCosts
+
+    from .test_dflash_decoding import Spy, drafter_for, reference_block_logits, walked
+
+    verifier = eagle3_verifiers["llama"]
+    kw = dict(shape)
+    drafter = drafter_for(verifier, "reduced", block_size=5, markov_rank=kw.pop("markov_rank", 0))
+    if kw.get("draft_length") == "cost":  # flat checks: the cut keeps what is likely at all
+        kw["costs"] = StepCosts((1.0, 1.0, 1.0, 1.0, 1.0, 1.0), 0.01)
+    spy = Spy(monkeypatch)
+    decoder = DFlashDecoder(verifier, drafter, lookup_tokens=5, lookup_min_ngram=1, **kw)
+    copied = drafted = 0
+    for seed in (0, 1):
+        ids = _repetitive_prompt(seed)
+        res = decoder.generate(ids, 30, params, generator=torch.Generator().manual_seed(seed))
+        if params.greedy:
+            assert res.tokens.tolist() == hf_greedy(verifier, ids, 30), seed
+        copied += res.stats.lookup_blocks
+        drafted += res.stats.verifier_calls - res.stats.lookup_blocks
+    assert copied >= 3 and drafted >= 3, (copied, drafted)
+    assert len(spy.records) >= 3
+    for sequence, _, context in spy.records:
+        assert context == len(sequence) - 1  # every committed position but the anchor, copies included
+    if params.greedy and "tree_nodes" not in shape:  # the chain is the argmax of the reference block
+        for sequence, draft, _ in spy.records:
+            block = reference_block_logits(verifier, drafter, sequence)
+            rows = walked(drafter, block, sequence[-1], draft.tokens)
+            assert draft.tokens == drafter.draft_ids[rows.argmax(-1)].tolist()[: len(draft)]
