@@ -11,8 +11,8 @@ bias that depends on the previous token alone:
 the draft vocabulary (N x r). Drafting walks the slots left to right, one r-wide embedding and one
 N x r product a slot; after the first slot the previous token is a draft-vocabulary token, so the walk can
 read the bias from a table of the N possible rows (:func:`bias_table`, N x N) computed once instead. The
-names are speculators' / vLLM's
-(``markov_head.markov_w1.weight``, ``markov_head.markov_w2.weight``), so the export writes them as they are.
+names are speculators' / vLLM's (``markov_head.markov_w1.weight``, ``markov_head.markov_w2.weight``), so
+the export writes them as they are.
 
 Initialisation: ``markov_w1`` normal, ``markov_w2`` zero, so a fresh head adds nothing and training starts
 from the plain DFlash drafter (LoRA's rule: one factor zero, the other not, so the first gradient flows).
