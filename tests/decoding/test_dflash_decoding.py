@@ -13,8 +13,8 @@ import torch
 
 from train.decoding import DFlashDecoder, Draft, SamplingParams
 from train.decoding.costs import StepCosts
-from train.decoding.proposers import dflash_proposer
 from train.decoding.proposers.dflash_proposer import DFlashProposer
+from train.models import markov_head
 from train.models.dflash_drafter import DFlashDrafter, block_inputs
 from train.models.markov_head import bias_table
 
@@ -113,7 +113,7 @@ def test_every_block_is_the_cache_free_reference(vocab, markov_rank, table, eagl
     from-scratch forward gives, and the greedy draft is their argmax (with a Markov head: slot by slot,
     each slot's row biased by the token the draft put before it, read from the bias table or computed)."""
     if not table:
-        monkeypatch.setattr(dflash_proposer, "MARKOV_TABLE_BYTES", 0)
+        monkeypatch.setattr(markov_head, "MARKOV_TABLE_BYTES", 0)
     verifier = eagle3_verifiers["llama"]
     drafter = drafter_for(verifier, vocab, block_size=5, markov_rank=markov_rank)
     spy = Spy(monkeypatch)
@@ -142,6 +142,13 @@ def test_the_bias_table_holds_the_heads_bias_after_each_draft_token(eagle3_verif
         want = head(drafter.draft_ids).float()
     torch.testing.assert_close(table, want, atol=1e-5, rtol=1e-5)
     assert table.abs().max() > 0  # the head was perturbed: the rows say something
+    # computed once for all of the drafter's decoders, afresh after the weights change
+    walk = head.walk_weights(drafter.draft_ids)
+    assert walk.table is not None and torch.equal(walk.table, table)
+    assert head.walk_weights(drafter.draft_ids.clone()) is walk
+    with torch.no_grad():
+        head.markov_w2.weight.mul_(2.0)
+    assert torch.equal(head.walk_weights(drafter.draft_ids).table, 2.0 * table)
 
 
 class OracleDFlash(DFlashDrafter):
@@ -226,7 +233,7 @@ def test_sampled_q_rows_are_the_warped_block(
     from train.decoding.sampling import warp
 
     if not table:  # the bias computed slot by slot
-        monkeypatch.setattr(dflash_proposer, "MARKOV_TABLE_BYTES", 0)
+        monkeypatch.setattr(markov_head, "MARKOV_TABLE_BYTES", 0)
     verifier = eagle3_verifiers["llama"]
     drafter = drafter_for(verifier, "reduced", seed=2, block_size=5, markov_rank=markov_rank)
     spy = Spy(monkeypatch)

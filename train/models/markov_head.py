@@ -20,10 +20,27 @@ from the plain DFlash drafter (LoRA's rule: one factor zero, the other not, so t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 from torch import nn
 
-__all__ = ["MarkovHead", "bias_table"]
+__all__ = ["MARKOV_TABLE_BYTES", "MarkovHead", "WalkWeights", "bias_table"]
+
+#: The largest bias table :meth:`MarkovHead.walk_weights` keeps (float32 N x N: 64 MiB for a 4,096-token
+#: draft vocabulary; a 32k one computes each bias instead).
+MARKOV_TABLE_BYTES = 256 * 2**20
+
+
+@dataclass(frozen=True)
+class WalkWeights:
+    """What drafting's walk reads, in float32: the two factors, (V, r) and (N, r), and the bias after each
+    draft token (N, N; :func:`bias_table`), None where it would exceed ``MARKOV_TABLE_BYTES``."""
+
+    w1: torch.Tensor
+    w2: torch.Tensor
+    table: torch.Tensor | None
 
 
 class MarkovHead(nn.Module):
@@ -41,6 +58,24 @@ class MarkovHead(nn.Module):
     def forward(self, previous: torch.Tensor) -> torch.Tensor:
         """previous: (...) target ids -> (..., N) biases over the draft vocabulary."""
         return self.markov_w2(self.markov_w1(previous))
+
+    def walk_weights(self, draft_ids: torch.Tensor) -> WalkWeights:
+        """The float32 factors and the bias table for drafting over ``draft_ids`` (N,), computed once and
+        shared by every decoder of this drafter (an evaluation builds several) while the weights' storage,
+        version counters (bumped by every in-place update), device and the ids are unchanged."""
+        w1, w2 = self.markov_w1.weight, self.markov_w2.weight
+        key = (
+            w1.data_ptr(), w1._version, w2.data_ptr(), w2._version, w1.device,
+            tuple(draft_ids.tolist()), MARKOV_TABLE_BYTES,
+        )  # fmt: skip
+        cached: tuple[Any, WalkWeights] | None = getattr(self, "_walk", None)
+        if cached is None or cached[0] != key:
+            f1, f2 = w1.detach().float(), w2.detach().float()
+            n = draft_ids.numel()
+            table = bias_table(f1, f2, draft_ids) if 4 * n * n <= MARKOV_TABLE_BYTES else None
+            cached = (key, WalkWeights(f1, f2, table))
+            self._walk = cached
+        return cached[1]
 
 
 def bias_table(w1: torch.Tensor, w2: torch.Tensor, draft_ids: torch.Tensor) -> torch.Tensor:

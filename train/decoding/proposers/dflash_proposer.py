@@ -43,13 +43,8 @@ from train.decoding.metrics import DecodeStats
 from train.decoding.proposers.heads_proposer import choices_draft, tree_from_accuracies
 from train.decoding.sampling import SamplingParams, draw_index, uniforms, warp
 from train.models.dflash_drafter import ContextKV, DFlashDrafter, block_inputs
-from train.models.markov_head import bias_table
 
-__all__ = ["MARKOV_TABLE_BYTES", "DFlashProposer"]
-
-#: The largest Markov bias table a proposer keeps (float32 N x N: 64 MiB for a 4096-token draft vocabulary;
-#: a 32k one computes each bias instead).
-MARKOV_TABLE_BYTES = 256 * 2**20
+__all__ = ["DFlashProposer"]
 
 
 class DFlashProposer:
@@ -87,23 +82,17 @@ class DFlashProposer:
         self._device, self._dtype = param.device, param.dtype
         self._targets = drafter.draft_ids.to(self._device)
         self._target_ids: list[int] = self._targets.tolist()
-        self._columns = {target: column for column, target in enumerate(self._target_ids)}
         head = drafter.markov_head
-        #: The Markov head's weights in float32 (the walk's one product a slot, without module calls).
-        self._markov = (
-            (head.markov_w1.weight.detach().float(), head.markov_w2.weight.detach().float())
-            if head is not None
-            else None
-        )
-        n = self._targets.numel()
-        #: The bias after each draft token (N, N; :func:`~train.models.markov_head.bias_table`), where it
-        #: takes at most MARKOV_TABLE_BYTES: a slot whose predecessor is a draft token (every slot after the
-        #: first, and the first where the anchor is one) reads its row instead of an N x r product (about a
-        #: tenth of a DSpark block on a CPU). None: the walk computes every bias.
-        self._bias_rows = (
-            bias_table(*self._markov, self._targets)
-            if self._markov is not None and 4 * n * n <= MARKOV_TABLE_BYTES
-            else None
+        #: The Markov head's float32 factors and bias table, shared with the drafter's other decoders
+        #: (:meth:`~train.models.markov_head.MarkovHead.walk_weights`): a slot whose predecessor is a draft
+        #: token (every slot after the first, and the first where the anchor is one) reads its row of the
+        #: table instead of an N x r product (about a tenth of a DSpark block on a CPU). None: no head.
+        self._markov = head.walk_weights(self._targets) if head is not None else None
+        #: Draft-vocabulary column of each target id, where the walk has a table to read.
+        self._columns = (
+            {target: column for column, target in enumerate(self._target_ids)}
+            if self._markov is not None and self._markov.table is not None
+            else {}
         )
         self._context = ContextKV([])
         self._pending: list[torch.Tensor] = []
@@ -214,12 +203,12 @@ class DFlashProposer:
     def _biased(self, row: torch.Tensor, previous: int) -> torch.Tensor:
         """A slot's (N,) float logits plus the Markov head's bias after the target id ``previous``: the
         table's row where ``previous`` is a draft token and the table is kept, else computed."""
-        assert self._markov is not None
-        column = self._columns.get(previous) if self._bias_rows is not None else None
-        if column is not None:
-            return row + self._bias_rows[column]  # type: ignore[index]
-        w1, w2 = self._markov
-        return torch.addmv(row, w2, w1[previous])
+        walk = self._markov
+        assert walk is not None
+        column = self._columns.get(previous)
+        if column is not None and walk.table is not None:
+            return row + walk.table[column]
+        return torch.addmv(row, walk.w2, walk.w1[previous])
 
     def _sampled_walk(
         self, logits: torch.Tensor, anchor: int, params: SamplingParams, u: list[float]
