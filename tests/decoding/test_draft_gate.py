@@ -18,7 +18,7 @@ import torch
 from train.decoding import SamplingParams, SpeculativeDecoder, TreeSpeculativeDecoder
 from train.decoding.costs import StepCosts
 from train.decoding.draft import Draft
-from train.decoding.draft_gate import DraftGate, drafting_pays, hopeless, plain_step_gate
+from train.decoding.draft_gate import DraftGate, drafting_pays, hopeless, plain_step_gate, surely_pays
 from train.decoding.proposers.gated_proposer import GatedProposer
 
 from .decoding_helpers import hf_greedy
@@ -238,3 +238,43 @@ def test_a_probe_ends_after_its_first_block_only_when_even_an_optimistic_reading
     warm_up = [True] * 4
     assert decisions(STEEP, 12) == warm_up + [False, True] * 4
     assert decisions(FLAT, 14) == warm_up + [False, True, True, True, True] * 2
+
+
+def test_a_probe_that_paid_restarts_the_rate_from_its_own_blocks():
+    """Two probe blocks that paid beyond doubt decide alone: blended into a rate that decays over about ten
+    blocks they would move it too little, and a drafter that starts to pay would wait for the next probe
+    (or need probes of four blocks, about two steps for a token each where checks are steep). A probe
+    that paid by a margin its two blocks cannot vouch for, or did not pay, is blended as any block is.
+    Broken on purpose (by hand): without the restart the gate refuses after the good probe and this
+    fails; restarting on any probe that paid (``drafting_pays`` for ``surely_pays``) fails it too."""
+    # two blocks of 6 tokens at 3.1 steps each: 12 - 2 x 0.75 x sqrt(2) = 9.9 tokens >= 6.2 steps
+    assert surely_pays(2, 12.0, 72.0, 6.2, 1.0, 0.75) and not surely_pays(2, 8.0, 32.0, 6.2, 1.0, 0.75)
+    assert not surely_pays(0, 0.0, 0.0, 0.0, 1.0, 0.75)
+
+    def run(committed: list[int]) -> tuple[DraftGate, list[bool]]:
+        gate = DraftGate(STEEP, warmup=4, probe_every=8, probe_blocks=2)
+        decisions, blocks = [], iter(committed)
+        while len(decisions) < 14:
+            decisions.append(gate.should_draft("greedy"))
+            if decisions[-1]:
+                gate.record("greedy", next(blocks), gate.block_seconds(4, 4))
+        return gate, decisions
+
+    block = DraftGate(STEEP).block_seconds(4, 4)  # 3.1 steps
+    paid, decisions = run([1] * 4 + [6] * 3)  # a bad warm-up, then a probe of two six-token blocks
+    assert decisions == [True] * 4 + [False] * 7 + [True] * 3
+    rate = paid.rate("greedy")  # restarted from the probe (12 tokens in 6.2 steps), then one more block
+    assert rate.tokens == pytest.approx(0.9 * 12 + 6)
+    assert rate.seconds == pytest.approx(0.9 * 2 * block + block)
+
+    # a probe of two four-token blocks paid (8 tokens in 6.2 steps), but not beyond doubt: blended
+    lucky, decisions = run([1] * 4 + [4, 4] + [1])
+    ones = sum(0.9**i for i in range(2, 6))
+    assert lucky.rate("greedy").tokens == pytest.approx(0.9 * 4 + 4 + ones)
+    assert decisions == [True] * 4 + [False] * 7 + [True] * 2 + [False]
+
+    # a probe whose first block committed one token (hopeless at 3.1 steps: the probe ends there)
+    unpaid, decisions = run([1] * 5)
+    assert decisions == [True] * 4 + [False] * 7 + [True] + [False] * 2
+    ones = sum(0.9**i for i in range(5))  # five one-token blocks, decayed: the rate went on as before
+    assert unpaid.rate("greedy").tokens == pytest.approx(ones)

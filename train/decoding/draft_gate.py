@@ -13,11 +13,21 @@ A drafted block costs ``V(n + 1) + s * D`` (n draft tokens checked, s drafter fo
 measured :class:`~train.decoding.costs.StepCosts`) and commits its accepted tokens plus one. Both sums
 decay by ``decay`` per drafted block, so the rate follows the text. Until ``warmup`` blocks of a
 sampling regime have been drafted the gate drafts; after ``probe_every`` plain steps in a row it drafts
-``probe_blocks`` blocks (one block's tokens move a rate that decays over about ten too little to tell),
-so a rate that was low can recover, and after each such probe that does not pay the interval doubles, up
-to ``probe_longest`` (:class:`~train.decoding.probes.Probes`). The warm-up is long (16 blocks) for the same
-reason: a gate that judged after 4 blocks shut out, on the real pair at T = 0, a chain that paid 1.15x
-ungated (4 first blocks rejected happen to a drafter accepting 30% of first drafts one time in four).
+``probe_blocks`` blocks (a *probe*), so a rate that was low can recover, and after each such probe that
+does not pay the interval doubles, up to ``probe_longest`` (:class:`~train.decoding.probes.Probes`). A
+probe that paid beyond doubt (:func:`surely_pays`: its mean tokens per block lowered by two standard
+errors still pays) restarts the decayed rate from its own blocks: blended into a rate that decays over
+about ten blocks, two blocks would move it too little to tell, and the gate would need probes of four or
+more blocks, each costing about two steps for a token where a check is steep. Any other probe is blended
+into the rate as a drafted block always is. (Restarting on any probe that paid measured worse: a
+drafter whose blocks pay one time in three passes a two-block probe often enough by luck, drafts
+again, loses, and its probe interval falls back to the shortest: on the real pair in bfloat16 at T = 0
+the pretrained drafter's trees checked 2.11 tokens a verifier call against 1.52, block efficiency 1.05
+either way.)
+
+The warm-up is long (16 blocks): a gate that judged after 4 blocks shut out, on the real pair at
+T = 0, a chain that paid 1.15x ungated (4 first blocks rejected happen to a drafter accepting 30% of
+first drafts one time in four).
 But where a check costs twice a step (float32 on a CPU), 16 drafted blocks that do not pay cost a decoder
 about 3% of a 512-token run, so from ``warmup_least`` (4) blocks on the warm-up ends early once even an
 optimistic reading of its blocks loses (:func:`hopeless`: their mean tokens per block plus two standard
@@ -26,8 +36,9 @@ tree costing 2.3 steps end it, the same four of a chain costing 1.4 steps (bfloa
 early by the same rule read on its own blocks: where one drafted block cannot pay even at its
 optimistic reading (a one-token block of a tree costing 2.6 steps), the probe's other blocks are plain
 steps; where it could (the same block of a chain costing 1.2 steps), the probe drafts all its blocks.
-Probes of four blocks cost gated trees in float32 about 5% of a run (four blocks of about 2.6 steps
-for a token each, every 128 plain steps at the longest); one-block probes a quarter of that.
+Probes of four blocks (the rule before probes were judged on their own) cost gated chains in float32
+about 4% of a 512-token run (about six probes of four blocks at 1.9 steps for 1.1-1.3 tokens each: a
+DFlash chain of 8 at T = 1, 0.92x of plain decoding); two-block probes half of that.
 
 **Lossless.** The decision depends only on earlier blocks (what they committed) and on the costs measured
 before generation, never on this block's draws; a plain step draws the next token from the verifier's
@@ -45,7 +56,7 @@ from dataclasses import dataclass, field
 from train.decoding.costs import StepCosts
 from train.decoding.probes import Probes
 
-__all__ = ["PLAIN_STEPS", "DraftGate", "drafting_pays", "hopeless", "plain_step_gate"]
+__all__ = ["PLAIN_STEPS", "DraftGate", "drafting_pays", "hopeless", "plain_step_gate", "surely_pays"]
 
 
 def drafting_pays(tokens: float, seconds: float, plain_seconds: float) -> bool:
@@ -65,9 +76,25 @@ def hopeless(
     committed one token say little about a drafter that passes a third of its first drafts). Pure."""
     if count < 1:
         return False
+    return (tokens + _two_errors(count, tokens, squares, spread)) * plain_seconds < seconds
+
+
+def surely_pays(
+    count: int, tokens: float, squares: float, seconds: float, plain_seconds: float, spread: float
+) -> bool:
+    """Whether ``count`` drafted blocks (as in :func:`hopeless`) beat plain steps even read pessimistically:
+    their mean tokens per block lowered by two standard errors, the spread at least ``spread``. Pure."""
+    if count < 1:
+        return False
+    return (tokens - _two_errors(count, tokens, squares, spread)) * plain_seconds >= seconds
+
+
+def _two_errors(count: int, tokens: float, squares: float, spread: float) -> float:
+    """Two standard errors of the tokens ``count`` blocks committed, summed: 2 x deviation x sqrt(count),
+    the deviation at least ``spread``."""
     mean = tokens / count
     deviation = max(spread, math.sqrt(max(0.0, squares / count - mean * mean)))
-    return (tokens + 2.0 * deviation * math.sqrt(count)) * plain_seconds < seconds
+    return 2.0 * deviation * math.sqrt(count)
 
 
 @dataclass
@@ -88,6 +115,10 @@ class _Tally:
     def hopeless(self, plain_seconds: float, spread: float) -> bool:
         """:func:`hopeless` on these blocks."""
         return hopeless(self.blocks, self.tokens, self.squares, self.seconds, plain_seconds, spread)
+
+    def surely_pays(self, plain_seconds: float, spread: float) -> bool:
+        """:func:`surely_pays` on these blocks."""
+        return surely_pays(self.blocks, self.tokens, self.squares, self.seconds, plain_seconds, spread)
 
 
 @dataclass
@@ -116,7 +147,7 @@ class DraftGate:
     warmup_spread: float = 0.75
     probe_every: int = 8
     probe_longest: int = 128
-    probe_blocks: int = 4
+    probe_blocks: int = 2
     decay: float = 0.9
     _rates: dict[object, _Rate] = field(default_factory=dict, repr=False)
 
@@ -151,6 +182,8 @@ class DraftGate:
         if rate.burst:
             rate.burst -= 1
             return True
+        if rate.probe is not None and rate.probe.surely_pays(plain, self.warmup_spread):
+            rate.tokens, rate.seconds = rate.probe.tokens, rate.probe.seconds  # the probe paid: start from it
         rate.probe = None
         if self._warming(rate, plain) or drafting_pays(rate.tokens, rate.seconds, plain):
             rate.probes.accepted()
