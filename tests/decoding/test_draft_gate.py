@@ -18,8 +18,17 @@ import torch
 from train.decoding import SamplingParams, SpeculativeDecoder, TreeSpeculativeDecoder
 from train.decoding.costs import StepCosts
 from train.decoding.draft import Draft
-from train.decoding.draft_gate import DraftGate, drafting_pays, hopeless, plain_step_gate, surely_pays
+from train.decoding.draft_gate import (
+    SHAPE,
+    DraftGate,
+    drafting_pays,
+    hopeless,
+    plain_step_gate,
+    surely_pays,
+)
 from train.decoding.proposers.gated_proposer import GatedProposer
+from train.decoding.proposers.model_proposer import ModelProposer
+from train.decoding.proposers.tree_proposers import TreeProposer
 
 from .decoding_helpers import hf_greedy
 from .spec_reference import chi2_critical, chi_square, run_many, table_next, verifier_joint
@@ -29,6 +38,9 @@ from .test_tree import EOS, METHODS, PROMPT, fake_pair
 STEEP = StepCosts(verify=(1.0, 2.0, 2.1, 2.2, 2.3, 2.4, 2.5, 2.6, 2.7, 2.8, 2.9, 3.0), draft=0.2)
 #: checks as a bfloat16 machine runs them: nearly flat, a cheap drafter
 FLAT = StepCosts(verify=(1.0, 1.02, 1.04, 1.06, 1.08, 1.1, 1.12, 1.14, 1.16, 1.18, 1.2, 1.22), draft=0.02)
+#: checks cheap up to 7 tokens and steep past them (float32 on a CPU measured 1.12 / 1.14 / 1.49 / 1.78
+#: steps for 3 / 4 / 6 / 8 tokens)
+KNEE = StepCosts(verify=(1.0, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7, 2.6, 2.8, 3.0, 3.2, 3.4), draft=0.2)
 
 
 def test_the_gate_by_hand():
@@ -133,6 +145,17 @@ def test_bad_settings_raise(tiny_pairs):
         TreeSpeculativeDecoder(verifier, drafter, **METHODS["rsd_c"], plain_steps="always")
     with pytest.raises(ValueError, match="plain_steps='auto' is for draft_length='fixed'"):
         SpeculativeDecoder(verifier, drafter, draft_length="cost", plain_steps="auto")
+    with pytest.raises(ValueError, match="fallback_gamma is the chain a gated tree falls back on"):
+        TreeSpeculativeDecoder(verifier, drafter, **METHODS["rsd_c"], fallback_gamma=4)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="fallback_gamma must be an integer"):
+            TreeSpeculativeDecoder(
+                verifier,
+                drafter,
+                **METHODS["rsd_c"],
+                plain_steps="auto",
+                fallback_gamma=bad,  # type: ignore[arg-type]
+            )
 
 
 class _DecidesAfterTheDraw(GatedProposer):
@@ -278,3 +301,149 @@ def test_a_probe_that_paid_restarts_the_rate_from_its_own_blocks():
     assert decisions == [True] * 4 + [False] * 7 + [True] + [False] * 2
     ones = sum(0.9**i for i in range(5))  # five one-token blocks, decayed: the rate went on as before
     assert unpaid.rate("greedy").tokens == pytest.approx(ones)
+
+
+def test_a_shape_must_beat_its_fallbacks_rate_where_that_beats_a_plain_step():
+    """``rival``: what a token of the decoder's fallback has cost. A shape whose blocks pay 1.25 tokens a
+    step drafts against plain steps, not against a fallback that paid 2 tokens a step; a rival slower
+    than a plain step changes nothing (the shape is still weighed against plain steps)."""
+    gate = DraftGate(StepCosts(verify=(1.0, 1.5, 2.0), draft=0.25), warmup=1, probe_every=100)
+    assert gate.should_draft("greedy")
+    gate.record("greedy", 5, 4.0)
+    assert gate.should_draft("greedy") and gate.should_draft("greedy", rival=1.5)
+    assert not gate.should_draft("greedy", rival=0.5)
+
+
+def test_the_gate_chooses_between_a_shape_its_fallback_and_a_plain_step():
+    """:meth:`DraftGate.choose` by hand: the shape's warm-up, then the fallback's; a fallback that paid 2
+    tokens a step takes the blocks of a shape that paid 1.25; a fallback that paid less than the shape is
+    tried again after ``probe_every`` shape blocks, the interval doubling while the shape keeps winning.
+    Without a fallback the answers are :meth:`should_draft`'s. Broken on purpose (by hand): ``choose``
+    without the rival keeps the shape in the first case and fails; without the fallback's probes the
+    second fails."""
+    costs = StepCosts(verify=(1.0, 1.5, 2.0), draft=0.25)
+
+    def run(fallback_tokens: int, n: int) -> str:
+        """The choices as letters: S the shape, F the fallback."""
+        gate = DraftGate(costs, warmup=2, warmup_least=2, probe_every=3, probe_longest=12)
+        made = ""
+        for _ in range(n):
+            shape = gate.choose("greedy", True) == SHAPE
+            made += "S" if shape else "F"
+            if shape:
+                gate.record("greedy", 5, 4.0)  # 1.25 tokens a step
+            else:
+                gate.record_fallback("greedy", fallback_tokens, 2.0)
+        return made
+
+    # the fallback paid 2 tokens a step: it keeps the blocks, the shape probed after 3 refusals, then 6
+    # (each probe one block: at 1.25 tokens a step it cannot beat the fallback even read optimistically)
+    assert run(4, 12) == "SS" + "FF" + "FF" + "S" + "FFFFF"
+    # a fallback that paid 1 token a step (as plain steps): the shape holds, the fallback tried at the 3rd,
+    # 6th and 12th shape block in a row
+    assert run(2, 30) == "SS" + "FF" + "SSF" + "SSSSSF" + "SSSSSSSSSSSF" + "SSSSS"
+    plain = DraftGate(costs, warmup=1, probe_every=100)
+    assert plain.choose("greedy", False) == SHAPE
+    plain.record("greedy", 1, 2.0)
+    assert plain.choose("greedy", False) is None and plain.rival("greedy") is None
+
+
+def _counting(monkeypatch) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    """Count the tree proposer's trees and chains (drafted or not) from here on."""
+    counts = {"tree": 0, "chain": 0, "chain_drafted": 0}
+    tree, chain = TreeProposer.propose, TreeProposer.propose_chain
+
+    def count_tree(self, *args):  # type: ignore[no-untyped-def]
+        counts["tree"] += 1
+        return tree(self, *args)
+
+    def count_chain(self, *args):  # type: ignore[no-untyped-def]
+        draft = chain(self, *args)
+        counts["chain"] += 1
+        counts["chain_drafted"] += bool(draft.tokens)
+        return draft
+
+    monkeypatch.setattr(TreeProposer, "propose", count_tree)
+    monkeypatch.setattr(TreeProposer, "propose_chain", count_chain)
+    return counts
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_a_tree_that_pays_less_than_its_chain_falls_back_on_the_chain(method, tiny_pairs, monkeypatch):
+    """Checks steep past 7 tokens and a drafter close to the verifier: a tree of 10 nodes commits at most
+    4 tokens for a check of 11 (3.8 steps: it does not pay), a chain of 3 drafts about 4 for a check of 4
+    (2 steps). With ``fallback_gamma`` the tree gives way to the chain after its warm-up: fewer verifier
+    calls than the tree gated to plain steps alone, fewer tokens checked a call, the greedy output Hugging
+    Face's. A random drafter on steep checks: the chain's own length policy takes plain steps (bar the
+    probes). Broken on purpose (by hand): a fallback that is never used (``fallback=None`` in
+    ``behind_gate``) fails the count of chains."""
+    verifier, drafter = tiny_pairs["llama"]
+    close = _close_drafter(verifier)
+    ids = torch.tensor([[0, 5, 9, 3, 7]])
+    ref = hf_greedy(verifier, ids, 60)
+    counts = _counting(monkeypatch)  # before the decoders, which bind the chain's propose
+    plain = TreeSpeculativeDecoder(verifier, close, **METHODS[method], plain_steps="auto", costs=KNEE)
+    chain = TreeSpeculativeDecoder(
+        verifier, close, **METHODS[method], plain_steps="auto", costs=KNEE, fallback_gamma=6
+    )
+    for dec in (plain, chain):
+        assert dec.generate(ids, 60).tokens.tolist() == ref  # the warm-up
+    counts.update(tree=0, chain=0, chain_drafted=0)
+    res = chain.generate(ids, 60)
+    assert res.tokens.tolist() == ref
+    assert counts["chain_drafted"] > 3 * counts["tree"], counts
+    trees = plain.generate(ids, 60)
+    assert trees.tokens.tolist() == ref
+    assert res.stats.verifier_calls < trees.stats.verifier_calls, (res.stats, trees.stats)
+    assert res.stats.verifier_tokens / res.stats.verifier_calls < 7.5, res.stats
+    # a random drafter: the chain's own length policy takes plain steps where no draft pays
+    random = TreeSpeculativeDecoder(
+        verifier, drafter, **METHODS[method], plain_steps="auto", costs=STEEP, fallback_gamma=6
+    )
+    assert random.generate(ids, 60).tokens.tolist() == ref
+    counts.update(tree=0, chain=0, chain_drafted=0)
+    res = random.generate(ids, 60)
+    assert res.tokens.tolist() == ref
+    drafted = counts["chain_drafted"] + counts["tree"]
+    assert res.stats.verifier_calls > 45 and drafted < 12, (counts, res.stats)
+    for eos in ref[1:10]:
+        assert chain.generate(ids, 60, eos_token_id=eos).tokens.tolist() == ref[: ref.index(eos) + 1]
+    for n in (0, 1, 2, 5):
+        assert chain.generate(ids, n).tokens.tolist() == ref[:n]
+
+
+def _chain_decided_after_the_draw(self, sequence, budget, params, generator, eos, stats):  # type: ignore[no-untyped-def]
+    """Broken on purpose: the fallback chain is dropped for a plain step when the drafter found its first
+    token likely (a decision that depends on this block's draw)."""
+    self._fed = []
+    draft = ModelProposer.propose(self, sequence, budget, params, generator, eos, stats)
+    if draft.tokens and draft.q is not None and float(draft.q[0, draft.tokens[0]]) > 0.5:
+        self._pending = None
+        return Draft()
+    return draft
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["fallback", "broken_on_purpose"])
+def test_the_output_law_is_the_verifiers_while_a_tree_falls_back_on_its_chain(broken, monkeypatch):
+    """6,000 sampled decodes of the table pair (a generic drafter, EOS in play) through RSD-C with a
+    fallback chain, on checks where trees and chains pay about alike: runs mix both; chi-square (alpha
+    1e-4) against the verifier's enumerated law (chi-square 50 against a critical 95 when measured).
+    Broken on purpose: a chain dropped for a plain step when the drafter gave its first draft more than
+    0.5 (seven chains in ten): chi-square 145 (3,000 decodes read it at 80 against 78, too close)."""
+    if broken:
+        monkeypatch.setattr(TreeProposer, "propose_chain", _chain_decided_after_the_draw)
+    counts = _counting(monkeypatch)  # before the decoder, which binds the chain's propose
+    verifier, drafter, table = fake_pair("generic")
+    costs = StepCosts(verify=tuple(1.0 + 0.16 * i for i in range(12)), draft=0.05)
+    dec = TreeSpeculativeDecoder(
+        verifier, drafter, **METHODS["rsd_c"], plain_steps="auto", costs=costs, fallback_gamma=4
+    )
+    n, max_new = 6000, 4
+    runs = run_many(dec, PROMPT, max_new, T1, n, seed=0, eos=EOS)
+    law = verifier_joint(table_next(table, T1), PROMPT, max_new, (EOS,))
+    stat, df = chi_square(runs.counts, law, n)
+    if broken:
+        assert stat > chi2_critical(df), (stat, df, counts)
+        return
+    assert stat < chi2_critical(df), (stat, df)
+    assert counts["tree"] > 600 and counts["chain_drafted"] > 1000, counts  # both shapes drafted

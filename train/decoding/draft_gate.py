@@ -40,6 +40,17 @@ Probes of four blocks (the rule before probes were judged on their own) cost gat
 about 4% of a 512-token run (about six probes of four blocks at 1.9 steps for 1.1-1.3 tokens each: a
 DFlash chain of 8 at T = 1, 0.92x of plain decoding); two-block probes half of that.
 
+**A fallback shape.** A decoder may give a cheaper draft of the same drafter to fall back on where its
+shape does not pay (a tree's chain, its length chosen by cost: ``fallback_gamma`` of the tree decoders).
+:meth:`DraftGate.choose` then picks one of three per block: the shape, the fallback or a plain step
+(which the fallback's own length policy may still choose). The shape must beat the better of a plain
+step and the fallback's rate (tokens its blocks committed over their cost, decayed like the shape's, a
+plain step counted as one token for ``V(1)``; once ``warmup_least`` fallback blocks were seen), so a tree
+that pays less than its chain gives way to it, and a tree that pays more keeps its blocks. Where the shape
+holds, the fallback is tried: ``warmup_least`` blocks right after the shape's warm-up, then one block after
+``probe_every`` shape blocks in a row, the interval doubling while the shape keeps winning (a stale
+fallback rate would otherwise hide a chain that now pays more); never inside a probe of the shape's.
+
 **Lossless.** The decision depends only on earlier blocks (what they committed) and on the costs measured
 before generation, never on this block's draws; a plain step draws the next token from the verifier's
 p, a drafted block is verified by the decoder's rule as before. So every block is exact given the
@@ -56,7 +67,19 @@ from dataclasses import dataclass, field
 from train.decoding.costs import StepCosts
 from train.decoding.probes import Probes
 
-__all__ = ["PLAIN_STEPS", "DraftGate", "drafting_pays", "hopeless", "plain_step_gate", "surely_pays"]
+__all__ = [
+    "FALLBACK",
+    "PLAIN_STEPS",
+    "SHAPE",
+    "DraftGate",
+    "drafting_pays",
+    "hopeless",
+    "plain_step_gate",
+    "surely_pays",
+]
+
+#: :meth:`DraftGate.choose`'s answers besides None (a plain step): the decoder's shape, or its fallback.
+SHAPE, FALLBACK = "shape", "fallback"
 
 
 def drafting_pays(tokens: float, seconds: float, plain_seconds: float) -> bool:
@@ -137,6 +160,17 @@ class _Rate:
 
 
 @dataclass
+class _FallbackRate:
+    """Decayed tokens and seconds of a fallback's blocks, how many there were, and when the fallback is
+    tried while the shape holds."""
+
+    probes: Probes
+    tokens: float = 0.0
+    seconds: float = 0.0
+    blocks: int = 0
+
+
+@dataclass
 class DraftGate:
     """Whether the next block drafts (see the module docstring). ``costs`` may be set after construction
     (a decoder measures them at its first call)."""
@@ -150,6 +184,7 @@ class DraftGate:
     probe_blocks: int = 2
     decay: float = 0.9
     _rates: dict[object, _Rate] = field(default_factory=dict, repr=False)
+    _fallbacks: dict[object, _FallbackRate] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if min(self.warmup, self.warmup_least, self.probe_blocks) < 1:
@@ -173,10 +208,14 @@ class DraftGate:
             self._rates[regime] = _Rate(Probes(self.probe_every, self.probe_longest))
         return self._rates[regime]
 
-    def should_draft(self, regime: object) -> bool:
-        """Draft this block (True) or take a plain step."""
+    def should_draft(self, regime: object, rival: float | None = None) -> bool:
+        """Draft this block (True) or take the other step: a plain step, or where the decoder has a
+        cheaper shape to fall back on, that shape; ``rival``: what a token of that fallback has cost
+        (seconds), when it beats a plain step's. The shape must then beat the fallback's rate."""
         rate = self.rate(regime)
         plain = self._costs().check(1)
+        if rival is not None:
+            plain = min(plain, rival)
         if rate.burst and rate.probe is not None and rate.probe.hopeless(plain, self.warmup_spread):
             rate.burst = 0  # the probe's own blocks lose even read optimistically: it ends here
         if rate.burst:
@@ -193,6 +232,43 @@ class DraftGate:
             rate.probe = _Tally()
             return True
         return False
+
+    def fallback_rate(self, regime: object) -> _FallbackRate:
+        if regime not in self._fallbacks:
+            self._fallbacks[regime] = _FallbackRate(Probes(self.probe_every, self.probe_longest))
+        return self._fallbacks[regime]
+
+    def rival(self, regime: object) -> float | None:
+        """Seconds a token of the fallback has cost in ``regime`` (None: fewer than ``warmup_least`` of
+        its blocks seen)."""
+        fallback = self._fallbacks.get(regime)
+        if fallback is None or fallback.blocks < self.warmup_least:
+            return None
+        return fallback.seconds / fallback.tokens
+
+    def choose(self, regime: object, has_fallback: bool) -> str | None:
+        """This block's draft: :data:`SHAPE`, :data:`FALLBACK` (only where ``has_fallback``) or None (a
+        plain step); see the module docstring."""
+        if not has_fallback:
+            return SHAPE if self.should_draft(regime) else None
+        fallback = self.fallback_rate(regime)
+        if not self.should_draft(regime, self.rival(regime)):
+            fallback.probes.accepted()
+            return FALLBACK
+        rate = self.rate(regime)
+        if rate.probe is not None:
+            return SHAPE  # the shape's probe drafts its blocks
+        if fallback.blocks < self.warmup_least:  # the fallback's warm-up, once the shape's is over
+            return FALLBACK if rate.total.blocks >= self.warmup else SHAPE
+        return FALLBACK if fallback.probes.refused() else SHAPE
+
+    def record_fallback(self, regime: object, committed: int, seconds: float) -> None:
+        """A fallback block (drafted, or a plain step its length policy chose) committed ``committed``
+        tokens at a cost of ``seconds``."""
+        fallback = self.fallback_rate(regime)
+        fallback.tokens = fallback.tokens * self.decay + committed
+        fallback.seconds = fallback.seconds * self.decay + seconds
+        fallback.blocks += 1
 
     def _warming(self, rate: _Rate, plain_seconds: float) -> bool:
         """Still in the warm-up: fewer than ``warmup`` drafted blocks, and from ``warmup_least`` on, not

@@ -18,7 +18,7 @@ from train.decoding.draft_gate import DraftGate
 from train.decoding.loop import run_synchronous
 from train.decoding.metrics import DecodeResult
 from train.decoding.model_call import TimedModel
-from train.decoding.proposers.gated_proposer import behind_gate
+from train.decoding.proposers.gated_proposer import Propose, behind_gate
 from train.decoding.proposers.lookup_proposer import PromptLookupProposer, lookup_first
 from train.decoding.proposers.protocol import Proposer
 from train.decoding.rules.rejection import LOSSLESS
@@ -146,13 +146,21 @@ class DraftTreeDecoder(Decoder):
     the proposer drafts where the context offers nothing to copy). ``_gate`` (a subclass's
     ``plain_steps="auto"``): the proposer drafts only in blocks where its drafts have paid for their cost
     so far, a plain verifier step elsewhere (:mod:`train.decoding.draft_gate`; the costs measured at the
-    first call by :meth:`measure_costs`)."""
+    first call by :meth:`measure_costs`), or ``_fallback``'s draft where a subclass gives one."""
 
     _verifier: TimedModel
     _proposer: Proposer
     depth: int
     _rule: VerificationRule = LOSSLESS
     _lookup: PromptLookupProposer | None = None
+    #: What the proposer drafts where the gate refuses its shape (None: a plain step).
+    _fallback: Propose | None = None
+
+    @property
+    def draft_budget(self) -> int:
+        """The most tokens the proposer (or its fallback) drafts a block: ``depth`` unless a subclass's
+        fallback drafts longer."""
+        return self.depth
 
     def measure_costs(self) -> StepCosts:
         """The pair's step costs the gate weighs drafted blocks by (a subclass with a gate says how)."""
@@ -166,8 +174,8 @@ class DraftTreeDecoder(Decoder):
         eos: frozenset[int],
         generator: torch.Generator | None,
     ) -> DecodeResult:
-        drafting = behind_gate(self._proposer, self._gate, self.measure_costs)
-        proposer, max_draft = lookup_first(drafting, self.depth, self._lookup)
+        drafting = behind_gate(self._proposer, self._gate, self.measure_costs, self._fallback)
+        proposer, max_draft = lookup_first(drafting, self.draft_budget, self._lookup)
         return run_synchronous(
             self._verifier,
             proposer,

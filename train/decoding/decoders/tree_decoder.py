@@ -19,6 +19,7 @@ from train.decoding.cost_probe import step_costs
 from train.decoding.costs import StepCosts
 from train.decoding.decoders.base import DraftTreeDecoder
 from train.decoding.draft_gate import plain_step_gate
+from train.decoding.length_policy import CostAwareLength
 from train.decoding.model_call import TimedModel
 from train.decoding.proposers.lookup_proposer import prompt_lookup
 from train.decoding.proposers.tree_proposers import TREE_METHODS, TreeProposer
@@ -45,7 +46,11 @@ class TreeSpeculativeDecoder(DraftTreeDecoder):
     the tree is drafted only in blocks where trees have paid for their measured cost so far, a plain
     verifier step elsewhere (:mod:`train.decoding.draft_gate`; lossless), under ``costs`` or the pair's
     step costs measured at the first call; ``"never"`` (the default): a tree every block, the method as
-    published. Same ``generate`` interface and result as
+    published. ``fallback_gamma`` G > 0 (with ``"auto"``): where the tree has not paid, a chain of the same
+    drafter instead of a plain step, up to G drafts with its length chosen by cost (a plain step where no
+    draft pays, as ``sd_adaptive``); the tree must then beat that chain's measured rate to keep its blocks
+    (:class:`~train.decoding.proposers.gated_proposer.GatedProposer`; lossless: which shape a block drafts
+    depends only on earlier blocks). Same ``generate`` interface and result as
     :class:`~train.decoding.decoders.speculative.SpeculativeDecoder`.
     """
 
@@ -64,7 +69,17 @@ class TreeSpeculativeDecoder(DraftTreeDecoder):
         lookup_min_ngram: int = 2,
         plain_steps: str = "never",
         costs: StepCosts | None = None,
+        fallback_gamma: int = 0,
     ) -> None:
+        if isinstance(fallback_gamma, bool) or not isinstance(fallback_gamma, int) or fallback_gamma < 0:
+            raise ValueError(
+                f"fallback_gamma must be an integer >= 0 (0 = a plain step), got {fallback_gamma!r}"
+            )
+        if fallback_gamma and plain_steps != "auto":
+            raise ValueError(
+                "fallback_gamma is the chain a gated tree falls back on: it needs plain_steps='auto', "
+                f"got plain_steps={plain_steps!r}"
+            )
         if method not in TREE_METHODS:
             raise ValueError(f"method must be one of {sorted(TREE_METHODS)}, got {method!r}")
         if method == "rsd_s":
@@ -90,6 +105,9 @@ class TreeSpeculativeDecoder(DraftTreeDecoder):
         self.beam_width = beam_width
         self._verifier = TimedModel(verifier)
         self._lookup = prompt_lookup(lookup_tokens, lookup_max_ngram, lookup_min_ngram)
+        self.fallback_gamma = fallback_gamma
+        #: The fallback chain's cost-aware length (None without a fallback).
+        self.length = CostAwareLength(costs) if fallback_gamma else None
         self._proposer: TreeProposer = TreeProposer(
             TimedModel(drafter),
             self._verifier.vocab_size,
@@ -97,15 +115,25 @@ class TreeSpeculativeDecoder(DraftTreeDecoder):
             branching=self.branching,
             depth=self.depth,
             beam_width=beam_width or 0,
+            length=self.length,
         )
         self.vocab_size = self._verifier.vocab_size
         self._gate = plain_step_gate(plain_steps, costs)
+        self._fallback = self._proposer.propose_chain if fallback_gamma else None
+
+    @property
+    def draft_budget(self) -> int:
+        """The tree's depth, or the fallback chain's longest draft where that is longer."""
+        return max(self.depth, self.fallback_gamma)
 
     def measure_costs(self) -> StepCosts:
         """Checks of 1 .. the tree's nodes + 1 tokens and a drafter step, measured once per machine and
         setting (:func:`~train.decoding.cost_probe.step_costs`)."""
         nodes = self.depth * (self.beam_width or 0) if self.method == "rsd_s" else tree_size(self.branching)
-        return step_costs(self._verifier, self._proposer.drafter, nodes + 1)
+        costs = step_costs(self._verifier, self._proposer.drafter, max(nodes, self.fallback_gamma) + 1)
+        if self.length is not None:
+            self.length.costs = costs
+        return costs
 
     def models(self) -> tuple[torch.nn.Module, ...]:
         return (self.verifier, self.drafter)

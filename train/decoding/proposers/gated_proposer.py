@@ -1,5 +1,11 @@
 """A proposer behind a :class:`~train.decoding.draft_gate.DraftGate`: the inner proposer's draft in
-blocks the gate lets draft, no draft (a plain verifier step) in the others.
+blocks the gate lets draft, no draft (a plain verifier step) in the others, or, where the decoder gives
+a *fallback* (a cheaper draft of the same drafter: a tree's chain, its length chosen by cost), the
+fallback's draft in the others.
+
+With a fallback the gate weighs the inner shape against the fallback's own measured rate as well as
+a plain step's, and tries the fallback now and then where the shape holds
+(:meth:`~train.decoding.draft_gate.DraftGate.choose`).
 
 The inner proposer hears every ``start``, ``commit`` and ``observe``, drafted block or not, as behind
 :class:`~train.decoding.proposers.fallback_proposer.FallbackProposer`: a model proposer crops its cache
@@ -19,7 +25,7 @@ import torch
 
 from train.decoding.costs import StepCosts
 from train.decoding.draft import Draft
-from train.decoding.draft_gate import DraftGate
+from train.decoding.draft_gate import FALLBACK, DraftGate
 from train.decoding.length_policy import regime
 from train.decoding.metrics import DecodeStats
 from train.decoding.proposers.protocol import Proposer
@@ -29,15 +35,21 @@ __all__ = ["GatedProposer", "behind_gate"]
 
 _EMPTY = Draft()
 
+#: A proposer's ``propose``: (sequence, budget, params, generator, eos, stats) -> Draft.
+Propose = Callable[
+    [list[int], int, SamplingParams, torch.Generator | None, frozenset[int], DecodeStats], Draft
+]
+
 
 class GatedProposer:
-    """``inner``'s draft where ``gate`` says drafting pays, else none."""
+    """``inner``'s draft where ``gate`` says drafting pays, else ``fallback``'s (None: none)."""
 
-    def __init__(self, inner: Proposer, gate: DraftGate) -> None:
+    def __init__(self, inner: Proposer, gate: DraftGate, fallback: Propose | None = None) -> None:
         self.inner = inner
         self.gate = gate
-        #: (regime, cost) of the block drafted last, until its commit records it.
-        self._pending: tuple[object, float] | None = None
+        self.fallback = fallback
+        #: (regime, cost, whether the fallback drafted it) of the last block, until its commit records it.
+        self._pending: tuple[object, float, bool] | None = None
 
     @property
     def hidden_layers(self) -> tuple[int, ...] | None:
@@ -58,19 +70,25 @@ class GatedProposer:
     ) -> Draft:
         self._pending = None
         key = regime(params)
-        if not self.gate.should_draft(key):
+        choice = self.gate.choose(key, self.fallback is not None)
+        if choice is None:
             return _EMPTY
+        fallen = choice == FALLBACK
+        propose = self.fallback if fallen and self.fallback is not None else self.inner.propose
         calls = stats.drafter_calls
-        draft = self.inner.propose(sequence, budget, params, generator, eos, stats)
-        if draft.tokens or stats.drafter_calls > calls:  # a drafter that ran and drafted nothing cost too
+        draft = propose(sequence, budget, params, generator, eos, stats)
+        if draft.tokens or stats.drafter_calls > calls or fallen:  # a drafter that ran for nothing cost too
             seconds = self.gate.block_seconds(len(draft.tokens), stats.drafter_calls - calls)
-            self._pending = (key, seconds)
+            self._pending = (key, seconds, fallen)
         return draft
 
     def commit(self, length: int, path: Sequence[int] | None = None) -> None:
         if self._pending is not None:
-            key, seconds = self._pending
-            self.gate.record(key, len(path or ()) + 1, seconds)
+            key, seconds, fallen = self._pending
+            if fallen:
+                self.gate.record_fallback(key, len(path or ()) + 1, seconds)
+            else:
+                self.gate.record(key, len(path or ()) + 1, seconds)
             self._pending = None
         self.inner.commit(length, path)
 
@@ -79,12 +97,16 @@ class GatedProposer:
 
 
 def behind_gate(
-    proposer: Proposer, gate: DraftGate | None, measure_costs: Callable[[], StepCosts]
+    proposer: Proposer,
+    gate: DraftGate | None,
+    measure_costs: Callable[[], StepCosts],
+    fallback: Propose | None = None,
 ) -> Proposer:
     """``proposer`` behind ``gate`` (itself when there is none), the gate's costs measured by
-    ``measure_costs`` the first time they are needed: what a decoder with ``plain_steps`` drafts with."""
+    ``measure_costs`` the first time they are needed, ``fallback`` drafting where the gate refuses
+    (None: a plain step): what a decoder with ``plain_steps`` drafts with."""
     if gate is None:
         return proposer
     if gate.costs is None:
         gate.costs = measure_costs()
-    return GatedProposer(proposer, gate)
+    return GatedProposer(proposer, gate, fallback)

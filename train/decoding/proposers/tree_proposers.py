@@ -29,6 +29,7 @@ import torch
 
 from train.decoding.cache import crop_cache, keep_positions
 from train.decoding.draft import Draft
+from train.decoding.length_policy import CostAwareLength
 from train.decoding.metrics import DecodeStats
 from train.decoding.model_call import TimedModel
 from train.decoding.proposers.model_proposer import ModelProposer
@@ -108,8 +109,11 @@ class TreeProposer(ModelProposer):
 
     method: one of :data:`TREE_METHODS`. branching: children per node at each depth (``specinfer``,
     ``rsd_c``); depth and beam_width: the beam search of ``rsd_s``. A block's budget caps the depth.
+    ``length``: the cost-aware draft length of :meth:`propose_chain`, the chain a gated tree falls back on
+    (:class:`~train.decoding.proposers.gated_proposer.GatedProposer`); :meth:`propose` ignores it.
     """
 
+    # more than 5 arguments: the drafter and vocabulary, then the tree's shape, and the chain's length policy
     def __init__(
         self,
         drafter: TimedModel,
@@ -118,8 +122,9 @@ class TreeProposer(ModelProposer):
         branching: Sequence[int] = (),
         depth: int = 0,
         beam_width: int = 0,
+        length: CostAwareLength | None = None,
     ) -> None:
-        super().__init__(drafter, vocab_size)
+        super().__init__(drafter, vocab_size, length=length)
         if method not in TREE_METHODS:
             raise ValueError(f"method must be one of {sorted(TREE_METHODS)}, got {method!r}")
         self.method = method
@@ -191,6 +196,20 @@ class TreeProposer(ModelProposer):
             frontier_logits = self._feed_level(expand, tokens, parents, stats)
         q_all = torch.stack(qs) if qs and not params.greedy else None
         return Draft(tokens, parents, q_all, ranks, kind=self.kind)
+
+    def propose_chain(
+        self,
+        sequence: list[int],
+        budget: int,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        eos: frozenset[int],
+        stats: DecodeStats,
+    ) -> Draft:
+        """A chain of the same drafter instead of the tree (:meth:`ModelProposer.propose`): its length chosen
+        by ``length``'s costs where there is one, none where no draft pays; ``budget`` drafts at most."""
+        self._fed = []
+        return super().propose(sequence, budget, params, generator, eos, stats)
 
     def _feed_level(
         self, nodes: list[int], tokens: list[int], parents: list[int], stats: DecodeStats
@@ -284,7 +303,11 @@ class TreeProposer(ModelProposer):
 
     def commit(self, length: int, path: Sequence[int] | None = None) -> None:
         """Keep the committed prefix and the accepted ``path``'s fed nodes (compacted); ``length`` is
-        the committed length the verifier keeps (prefix + path)."""
+        the committed length the verifier keeps (prefix + path). After a chain (:meth:`propose_chain`, or a
+        tree that fed no level) the chain's commit: its cache cropped, its length policy told the verdict."""
+        if not self._fed:
+            super().commit(length, path)
+            return
         fed = [self._length + self._fed.index(n) for n in (path or ()) if n in self._fed]
         held = self._length + len(self._fed)
         if self._cache is not None and held:
