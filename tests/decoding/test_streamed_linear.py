@@ -1,12 +1,13 @@
-"""The streamed product for linear layers over 2-16 rows on CPU float32 (train/models/streamed_linear.py).
+"""The streamed product for linear layers over 1-16 rows on CPU float32 (train/models/streamed_linear.py).
 
-Its values are F.linear's up to the order of the sums; one row, many rows, gradients and other dtypes
-take F.linear itself, bit for bit; and a k-token check through it gives the argmax of k one-token steps
+Its values are F.linear's up to the order of the sums (one row padded to two); many rows, gradients and
+other dtypes take F.linear itself, bit for bit, and so does one row until it is chosen to stream; and a
+k-token check through it gives the argmax of k one-token steps
 (greedy equality's premise), with the decoders' greedy output equal to Hugging Face ``generate``.
 Broken on purpose (tried): a product of the weight with the rows untransposed fails the shape and value
 tests; a padded row left in the output fails the 3-row cases; F.linear's transposed, non-contiguous
 result returned as is fails ``test_rows_come_back_contiguous``. The tests of the product itself run with
-``DRAFTSMITH_CPU_LINEAR=stream`` (every count of 2-16 rows streams); the default, ``auto``, streams the
+``DRAFTSMITH_CPU_LINEAR=stream`` (every count of 1-16 rows streams); the default, ``auto``, streams the
 counts the cost probe measured faster (the last tests here).
 """
 
@@ -24,7 +25,7 @@ from .decoding_helpers import build, hf_greedy, tiny_config
 
 @pytest.fixture(autouse=True)
 def streamed(monkeypatch, request):
-    """Every count of 2-16 rows streams, except in the tests of the default's measured choice."""
+    """Every count of 1-16 rows streams, except in the tests of the default's measured choice."""
     if "auto" not in request.node.name:
         monkeypatch.setenv("DRAFTSMITH_CPU_LINEAR", "stream")
 
@@ -44,7 +45,7 @@ def test_values_are_f_linears(rows, bias):
 def test_rows_come_back_contiguous():
     """Attention takes its fused kernel only on contiguous projections: a transposed view here made a
     2-token check cost 1.4x a one-token step instead of 1.03x (docs/decoding.md)."""
-    for rows in (2, 3, 4):
+    for rows in (1, 2, 3, 4):
         assert sl.streamed_linear(torch.randn(rows, 8), torch.randn(16, 8), None).is_contiguous()
 
 
@@ -55,12 +56,16 @@ def _layer() -> torch.nn.Linear:
     return layer
 
 
-def test_one_row_many_rows_gradients_and_other_dtypes_run_f_linear_bit_for_bit():
+def test_many_rows_gradients_and_other_dtypes_run_f_linear_bit_for_bit():
     layer = _layer()
     with torch.inference_mode():
-        for rows in (1, 17, 64):
+        for rows in (17, 64):
             x = torch.randn(rows, 24)
             assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+        one = torch.randn(1, 24)  # one row streams too (padded to two), to F.linear's values
+        torch.testing.assert_close(layer(one), F.linear(one, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+        sl.set_stream_rows(layer, [2])  # one row not chosen: F.linear itself
+        assert torch.equal(layer(one), F.linear(one, layer.weight, layer.bias))
         x64 = torch.randn(4, 24, dtype=torch.float64)
         layer64 = torch.nn.Linear(24, 40).double()
         sl.stream_small_linears(layer64)
@@ -134,7 +139,7 @@ def test_under_auto_a_row_count_streams_only_once_chosen(monkeypatch):
         for rows in (2, 3, 4):
             layer(torch.randn(rows, 24))
         assert calls == []
-        assert sl.set_stream_rows(layer, [3, 4, 40])  # out of 2-16: ignored
+        assert sl.set_stream_rows(layer, [0, 3, 4, 40])  # out of 1-16: ignored
         assert sl.stream_rows(layer) == {3, 4}
         for rows in (2, 3, 4):
             layer(torch.randn(rows, 24))
@@ -148,6 +153,8 @@ def test_the_faster_product_is_chosen_per_row_count_auto():
     counts = [1, 2, 3, 4, 5]
     assert faster_rows(counts, [1.0, 1.7, 1.8, 1.8, 1.9], [1.0, 1.0, 1.0, 1.0, 1.4]) == set(range(2, 17))
     assert faster_rows(counts, [1.0, 1.05, 1.1, 1.6, 1.6], [1.0, 2.0, 2.0, 1.2, 1.9]) == {4}
+    # one row padded to two streamed faster (the EPYC's matrix-vector kernel): plain steps stream too
+    assert faster_rows(counts, [1.0, 1.7, 1.8, 1.8, 1.9], [0.6, 0.6, 0.7, 0.7, 1.4]) == set(range(1, 17))
 
 
 def test_the_probe_measures_both_products_and_caches_its_choice_auto(monkeypatch, tmp_path):

@@ -125,7 +125,8 @@ def cost_key(
         "torch": torch.__version__,
         "capability": torch.backends.cpu.get_cpu_capability(),
         "threads": torch.get_num_threads(),
-        "kernel": linear_mode(),
+        # the rows that may stream: a measurement made when one row could not is taken again
+        "kernel": f"{linear_mode()} {MIN_ROWS}-{MAX_ROWS}",
         "verifier": _model_identity(verifier),
         "drafter": _model_identity(drafter),
         **({"steering": _model_identity(steering)} if steering is not None else {}),

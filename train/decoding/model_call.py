@@ -9,9 +9,11 @@ stream, ``torch.cuda.current_stream(device).synchronize()``), so two models on t
 the GPU that ran them, and two threads on one GPU on their own streams (the asynchronous schedule gives
 the drafter's thread a stream of its own) are each timed on their own work, not on each other's.
 
-On a CPU the model's linear layers get the streamed product for 2-16 rows in float32
-(:func:`~train.models.streamed_linear.stream_small_linears`): a check of k drafted tokens then costs
-about what a one-token step does instead of 1.7-1.9x (docs/decoding.md, "What a check costs").
+On a CPU the model's linear layers may take the streamed product for 1-16 rows in float32
+(:func:`~train.models.streamed_linear.stream_small_linears`, each row count where the cost probe measured
+it faster): a check of k drafted tokens then costs about what a one-token step does instead of 1.7-1.9x,
+and where the library's one-row kernel is the slow one, plain steps gain too (docs/decoding.md, "What a
+check costs").
 
 Which name the installed transformers gives the cache argument, the model's device and vocabulary
 sizes come from :mod:`train.models.introspect`.
@@ -71,7 +73,7 @@ class TimedModel:
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         self.device = model_device(model)
-        if self.device.type == "cpu":  # checks of 2-16 tokens at the memory limit in float32
+        if self.device.type == "cpu":  # forwards of 1-16 tokens at the memory limit in float32
             stream_small_linears(model)
         self.vocab_size = output_vocab_size(model)
         self.embed_size = input_vocab_size(model)

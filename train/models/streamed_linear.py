@@ -6,19 +6,24 @@ forward of SmolLM2-135M over 2-8 tokens took 1.7-1.9x a one-token forward, altho
 the same 540 MB of weights whatever the row count up to ~16. The same product written ``weight @ x.T``
 (the weight as the left operand, the few rows as a transposed right operand) takes MKL's streaming
 kernel there, which reads the weight once: 2-4 rows cost 1.03x one row. Three rows are padded to four
-(MKL's 3-column kernel is slower than its 4-column one). Which product is faster depends on the
-processor: on a Xeon with AVX-512 the library's own 2-3 row product cost 1.05-1.12x one row and the
-streamed one 2x (docs/decoding.md, "What a check costs"). So the choice is measured, per row count:
+(MKL's 3-column kernel is slower than its 4-column one). One row, padded to two, may stream too: on the
+2-core AMD EPYC with AVX-512 the library's one-row product (a matrix-vector kernel) read SmolLM2's weights
+at 10 GB/s and the two-column streamed one at 14-17 GB/s (the verifier's one-token forward in float32 63.5
+ms against 35 ms, MKL limited to AVX2), so plain decoding itself gains most. Which product is faster
+depends on the processor: on a Xeon with AVX-512 the library's own 2-3 row product cost 1.05-1.12x one
+row and the streamed one 2x (docs/decoding.md, "What a check costs"). So the choice is measured, per row
+count:
 
 - ``DRAFTSMITH_CPU_LINEAR=auto`` (the default): layers are patched, but a row count streams only once
   the cost probe (:mod:`train.decoding.cost_probe`) has timed the verifier's forwards both ways on the
   machine at hand and found the streamed one faster for that count (:func:`set_stream_rows`);
-- ``stream``: every count of 2-16 rows streams; ``library``: nothing is patched.
+- ``stream``: every count of 1-16 rows streams; ``library``: nothing is patched.
 
 What changes and what does not:
 
-- one row (plain decoding, the drafter's steps) and more than ``MAX_ROWS`` rows (prefill, training) run
-  ``F.linear`` as before, bit for bit;
+- more than ``MAX_ROWS`` rows (prefill, training) run ``F.linear`` as before, bit for bit, and so does
+  one row (plain decoding, the drafter's steps) unless the probe measured its streamed product faster (the
+  drafter's rows are not chosen: only the verifier is probed);
 - only inference: a call that records gradients, a GPU tensor or any dtype but float32 runs ``F.linear``;
 - the streamed product sums in another order, so a k-token check is not bitwise equal to k one-token
   steps (neither was ``F.linear``'s GEMM path): logits differ by a few 1e-5; the greedy tests check the
@@ -49,10 +54,11 @@ __all__ = [
 ]
 
 #: The row counts that may take the streamed product (inclusive).
-MIN_ROWS, MAX_ROWS = 2, 16
+MIN_ROWS, MAX_ROWS = 1, 16
 ALL_ROWS = frozenset(range(MIN_ROWS, MAX_ROWS + 1))
-#: Row counts padded up before the product: MKL's kernel for 3 columns is slower than for 4.
-PAD_TO = {3: 4}
+#: Row counts padded up before the product: one row would take the matrix-vector kernel the streamed
+#: product avoids, and MKL's kernel for 3 columns is slower than for 4.
+PAD_TO = {1: 2, 3: 4}
 MODES = ("auto", "stream", "library")
 #: The attribute that marks a patched layer (the forward it replaced is the class's own).
 _MARK = "_draftsmith_streamed"
@@ -108,7 +114,7 @@ def _forward(self: torch.nn.Linear, x: torch.Tensor) -> Any:
 def stream_small_linears(model: torch.nn.Module, rows: Iterable[int] | None = None) -> int:
     """Give every ``nn.Linear`` of ``model`` (plain ones, not subclasses such as LoRA's) the streamed
     product on CPU float32 inference for the row counts in one set the layers share: ``rows``, or by
-    default every count of 2-16 under ``stream`` and none yet under ``auto`` (the cost probe sets them,
+    default every count of 1-16 under ``stream`` and none yet under ``auto`` (the cost probe sets them,
     :func:`set_stream_rows`). Idempotent; a no-op under ``library``. Returns how many layers it patched."""
     if not enabled():
         return 0
