@@ -22,7 +22,14 @@ import torch
 
 import train.decoding.cost_probe as cost_probe
 from train.decoding import SamplingParams, SpeculativeDecoder
-from train.decoding.costs import StepCosts, best_length, expected_tokens, speedup_bound, survival
+from train.decoding.costs import (
+    StepCosts,
+    best_length,
+    best_node_count,
+    expected_tokens,
+    speedup_bound,
+    survival,
+)
 from train.decoding.length_policy import AcceptanceCalibration, CostAwareLength, chain_outcomes
 
 from .decoding_helpers import hf_greedy
@@ -57,6 +64,35 @@ def test_expected_tokens_best_length_and_the_bound_by_hand():
     assert speedup_bound(a, costs) == (2, pytest.approx(2.2 / 1.4))
     assert speedup_bound([0.1, 0.1], StepCosts(verify=(1.0, 1.8, 1.9), draft=0.1)) == (0, 1.0)
     assert speedup_bound([0.9], costs, drafter_steps_per_draft=0.0) == (1, pytest.approx(1.9 / 1.1))
+
+
+def test_best_node_count_by_hand_and_as_the_chains_rule():
+    costs = StepCosts(verify=(1.0, 1.0, 1.0, 1.1, 1.5), draft=0.1)
+    # a tree's nodes best first: the root's first and second candidates, then the first one's child, ...
+    chances = [0.6, 0.3, 0.3, 0.05]
+    # after one drafter forward (0.1 s): m = 0: 1 / 1.1; 1: 1.6 / 1.1; 2: 1.9 / 1.1; 3: 2.2 / 1.2; 4: 2.25 / 1.6
+    assert best_node_count(chances, costs, 1) == (3, pytest.approx(2.2 / 1.2))
+    assert best_node_count([], costs, 1) == (0, pytest.approx(1 / 1.1))
+    assert best_node_count([0.01], StepCosts(verify=(1.0, 1.5)), 0)[0] == 0  # nothing pays: a plain step
+    a = [0.8, 0.5, 0.5]  # a chain is the tree whose node chances are the survivals
+    steep = StepCosts(verify=(1.0, 1.1, 1.2, 2.0), draft=0.1)
+    assert best_length(a, steep, 3) == best_node_count(survival(a), steep, 3)
+
+
+def test_a_trees_outcomes_teach_the_calibration_every_tested_node():
+    policy = CostAwareLength(FLAT)
+    # nodes: 0 and 1 under the root, 2 under 0, 3 under 1, 4 under 2; the verifier accepted 0 then refused
+    # 2: tested are 0, 1 (the root's children) and 2 (node 0's); 3 and 4 never were
+    policy.record_tree("greedy", [0.55, 0.25, 0.45, 0.15, 0.95], [-1, -1, 0, 1, 2], [0])
+    cal = policy.calibration("greedy")
+    assert cal.tested == [0, 0, 1, 0, 1, 1, 0, 0, 0, 0] and cal.accepted == [0, 0, 0, 0, 0, 1, 0, 0, 0, 0]
+    policy.record_tree("greedy", [0.55, 0.25], [-1, -1], [])  # nothing accepted: both root children refused
+    assert cal.tested[5] == 2 and cal.accepted[5] == 1 and cal.tested[2] == 2
+    with pytest.raises(ValueError):
+        policy.record_tree("greedy", [0.5], [-1, -1], [])
+    # the cut: the best-first nodes that pay; the first node as a probe where none does
+    assert policy.cut_tree("greedy", [0.9, 0.8, 0.7], FLAT) == 3
+    assert policy.cut_tree("greedy", [], FLAT) == 0
 
 
 def test_calibration_shrinks_towards_the_drafters_probability():

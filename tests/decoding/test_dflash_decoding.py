@@ -1,7 +1,7 @@
 """Decoding with a DFlash drafter (DFlashDecoder), with and without DSpark's Markov head: greedy equality
 with HF ``generate`` (Llama and Qwen3 verifiers, full and reduced draft vocabularies, block sizes, EOS and
 length limits), every block's logits against a cache-free reference forward, the exact output law at
-T > 0 (whole chains, chains cut by cost, trees, the Markov walk), and broken-on-purpose checks (a q the
+T > 0 (whole chains, chains and trees cut by cost, trees, the Markov walk), and broken-on-purpose checks (a q the
 tokens were not drawn from; a q without the Markov bias; a context row missing)."""
 
 from __future__ import annotations
@@ -313,12 +313,66 @@ def test_the_tree_is_the_likeliest_paths_of_the_slots_candidates(eagle3_verifier
         assert all(draft.tokens[parent] != eos for parent in draft.parents if parent >= 0)
 
 
-def test_a_tree_is_not_cut_by_cost(eagle3_verifiers):
+def test_a_tree_cut_by_cost_is_as_large_as_the_checks_afford(eagle3_verifiers, monkeypatch):
+    """Flat checks: trees of up to ``tree_nodes``, the best-first nodes (every node's path at least as
+    likely, by the calibrated chances, as any node left out); checks that cost a step per token: plain
+    steps bar the probes' first node. Greedy output unchanged either way, EOS and limits included."""
     verifier = eagle3_verifiers["llama"]
-    with pytest.raises(ValueError, match="not cut by cost"):
-        DFlashDecoder(verifier, drafter_for(verifier), draft_length="cost", tree_nodes=4)
+    ids = torch.tensor([PROMPTS[0]])
+    reference = hf_greedy(verifier, ids, 20)
+    sizes = {}
+    for name, verify in (("flat", (1.0,) * 10), ("dear", tuple(float(n) for n in range(1, 11)))):
+        spy = Spy(monkeypatch)
+        decoder = DFlashDecoder(
+            verifier,
+            drafter_for(verifier, block_size=6),
+            draft_length="cost",
+            costs=StepCosts(verify, 0.01),
+            tree_nodes=8,
+        )
+        assert decoder.generate(ids, 20).tokens.tolist() == reference
+        for n in (1, 2, 7):
+            assert decoder.generate(ids, n).tokens.tolist() == reference[:n]
+        eos = reference[3]
+        assert decoder.generate(ids, 20, eos_token_id=eos).tokens.tolist() == reference[:4]
+        sizes[name] = [len(d) for _, d, _ in spy.records]
+        assert all(not d.is_chain or len(d) == 1 for _, d, _ in spy.records if len(d) > 1)
+    assert max(sizes["flat"]) == 8 and sum(sizes["flat"]) > 5 * len(sizes["flat"]), sizes
+    assert set(sizes["dear"]) == {1}, sizes  # the probes' single node only
     with pytest.raises(ValueError, match="tree_nodes"):
         DFlashDecoder(verifier, drafter_for(verifier), tree_nodes=-1)
+
+
+def test_a_cost_cut_tree_keeps_the_best_first_nodes_and_learns_from_them(eagle3_verifiers, monkeypatch):
+    """Checks that pay for 3 nodes but not 4: every drafted tree is the 3 likeliest paths (by the calibrated
+    chances the cut is handed, best first), and every block's tested nodes reach the calibration."""
+    from train.decoding.length_policy import CostAwareLength
+
+    verifier = eagle3_verifiers["llama"]
+    costs = StepCosts((1.0, 1.0, 1.0, 1.0, 9.0, 9.0, 9.0, 9.0, 9.0), 0.01)
+    decoder = DFlashDecoder(
+        verifier, drafter_for(verifier, block_size=5), draft_length="cost", costs=costs, tree_nodes=8
+    )
+    cuts: list[tuple[list[float], int]] = []
+    cut_tree = CostAwareLength.cut_tree
+
+    def cut_spy(self, regime, chances, step_costs):
+        keep = cut_tree(self, regime, chances, step_costs)
+        cuts.append((list(chances), keep))
+        return keep
+
+    monkeypatch.setattr(CostAwareLength, "cut_tree", cut_spy)
+    spy = Spy(monkeypatch)
+    ids = torch.tensor([PROMPTS[1]])
+    assert decoder.generate(ids, 24).tokens.tolist() == hf_greedy(verifier, ids, 24)
+    assert len(cuts) == len(spy.records) > 3
+    for (chances, keep), (_, draft, _) in zip(cuts, spy.records, strict=True):
+        assert chances == sorted(chances, reverse=True)  # best first
+        assert keep == min(3, len(chances)) and len(draft) == keep
+    assert decoder.length is not None
+    # each block tested at least its root's children (the cut's first nodes at depth 1)
+    roots = sum(sum(1 for parent in draft.parents if parent < 0) for _, draft, _ in spy.records)
+    assert sum(decoder.length.calibration("greedy").tested) >= roots
 
 
 # ----------------------------------------------------------------------------- the cost-aware cut
@@ -379,6 +433,12 @@ def law_statistic(
             marks=pytest.mark.slow,
         ),
         pytest.param(SamplingParams(1.0), {"tree_nodes": 5}, id="T1-tree", marks=pytest.mark.slow),
+        pytest.param(
+            SamplingParams(1.0),
+            {"tree_nodes": 6, "draft_length": "cost", "costs": StepCosts((1.0, 1.0, 1.1, 1.3, 1.6, 2.0), 0.1)},
+            id="T1-tree-cost-cut",
+            marks=pytest.mark.slow,
+        ),
         pytest.param(SamplingParams(1.0), {"markov_rank": 8}, id="T1-markov", marks=pytest.mark.slow),
         pytest.param(
             SamplingParams(1.0),

@@ -20,7 +20,15 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["StepCosts", "best_length", "block_rate", "expected_tokens", "speedup_bound", "survival"]
+__all__ = [
+    "StepCosts",
+    "best_length",
+    "best_node_count",
+    "block_rate",
+    "expected_tokens",
+    "speedup_bound",
+    "survival",
+]
 
 
 @dataclass(frozen=True)
@@ -91,12 +99,22 @@ def block_rate(acceptance: Sequence[float], costs: StepCosts, drafter_steps: int
 def best_length(acceptance: Sequence[float], costs: StepCosts, drafter_steps: int) -> tuple[int, float]:
     """The prefix length m (0 .. len(acceptance)) of a drafted chain whose verification yields the most
     tokens per second, the drafter's ``drafter_steps`` already spent; with that rate."""
+    return best_node_count(survival(acceptance), costs, drafter_steps)
+
+
+def best_node_count(chances: Sequence[float], costs: StepCosts, drafter_steps: int) -> tuple[int, float]:
+    """How many of a draft's nodes, taken best first, to verify for the most tokens per second: ``chances[i]``
+    is the chance that node i and every node above it are accepted (a chain's survival ``S_i``; in a tree,
+    the product along the node's path), so verifying the first m nodes yields ``1 + chances[0] + ... +
+    chances[m - 1]`` tokens in ``V(m + 1)`` plus the drafter's ``drafter_steps`` already spent. The first m
+    nodes must hold their parents (best first does, as a child is never likelier than its parent).
+    Returns (m, that rate), m = 0 included (a plain step)."""
     best_m, best = 0, 0.0
     spent = drafter_steps * costs.draft
     total = 1.0
-    for m in range(len(acceptance) + 1):
+    for m in range(len(chances) + 1):
         if m:
-            total += survival(acceptance[:m])[-1]
+            total += min(1.0, max(0.0, float(chances[m - 1])))
         rate = total / (costs.check(m + 1) + spent)
         if rate > best:
             best_m, best = m, rate

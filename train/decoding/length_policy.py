@@ -41,7 +41,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from train.decoding.costs import StepCosts, best_length, block_rate
+from train.decoding.costs import StepCosts, best_length, best_node_count, block_rate
 from train.decoding.probes import Probes
 from train.decoding.sampling import SamplingParams
 
@@ -205,6 +205,33 @@ class CostAwareLength:
         if confidences and self._first_draft(keep > 0):
             return keep or 1  # the drafts that pay, or the first one as a probe
         return 0
+
+    def cut_tree(self, regime: object, chances: Sequence[float], costs: StepCosts) -> int:
+        """How many of a tree's nodes, best first, to verify when one drafter forward already spent gave
+        them all (a DFlash tree): ``chances[i]`` is the calibrated chance that node i's path is accepted
+        (:func:`~train.decoding.costs.best_node_count`); where none pays, none, or the first one as a probe
+        (as :meth:`cut`)."""
+        self._probing = False
+        keep = best_node_count(chances, costs, 1)[0]
+        if chances and self._first_draft(keep > 0):
+            return keep or 1
+        return 0
+
+    def record_tree(
+        self, regime: object, confidences: Sequence[float], parents: Sequence[int], path: Sequence[int]
+    ) -> None:
+        """What the verifier did with a tree of deterministic candidates: node i, drafted with probability
+        ``confidences[i]`` under ``parents[i]`` (-1: the root), was tested when its parent was accepted (or
+        is the root), and accepted when it is on ``path`` (the accepted nodes, top down). Every tested node
+        teaches the calibration: a candidate of rank 2 drafted with probability 0.2 and refused is as much an
+        outcome as a first choice accepted."""
+        cal = self.calibration(regime)
+        accepted = set(path)
+        reached = {-1, *path}
+        for i, (c, parent) in enumerate(zip(confidences, parents, strict=True)):
+            if parent in reached:
+                cal.record(c, i in accepted)
+        self._first.setdefault(regime, PositionAcceptance()).record(0, bool(path))
 
     def extend(self, regime: object, confidences: Sequence[float], budget: int) -> bool:
         """Whether to run the drafter for one more position, the drafts with ``confidences`` kept: some

@@ -39,7 +39,9 @@ class DFlashDecoder(DraftTreeDecoder):
     tokens are drawn from); ``draft_length``: ``"fixed"`` (the whole chain) or ``"cost"`` (the prefix
     that pays, ``costs`` or measured at the first call); ``tree_nodes`` N > 0: instead of the chain, a tree
     of N candidates from the slots' top tokens, the paths with the largest product of the slots'
-    probabilities (deterministic candidates, verified by the tree walk: lossless at every temperature).
+    probabilities (deterministic candidates, verified by the tree walk: lossless at every temperature);
+    with ``draft_length="cost"`` the tree is cut to the best-first nodes that pay (up to N, none where
+    nothing does), each candidate's probability calibrated online against what the verifier accepted.
     ``plain_steps="auto"``: the drafter runs only in blocks where its blocks have paid for their measured
     cost so far, a plain verifier step elsewhere (:mod:`train.decoding.draft_gate`; lossless), the
     drafter's forward measured at the first call (:mod:`train.decoding.proposers.step_probe`). With
@@ -113,7 +115,8 @@ class DFlashDecoder(DraftTreeDecoder):
         generator: torch.Generator | None,
     ) -> DecodeResult:
         if self.length is not None and self.length.costs is None:
-            most = max(self.depth, self._lookup.num_tokens if self._lookup is not None else 0) + 1
+            lookup = self._lookup.num_tokens if self._lookup is not None else 0
+            most = max(self.depth, self._proposer.tree_nodes, lookup) + 1
             self.length.costs = step_costs(self._verifier, None, most)
         return super().decode(prompt, max_new_tokens, params, eos, generator)
 

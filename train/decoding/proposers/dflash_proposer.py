@@ -31,6 +31,7 @@ With a Markov head at T > 0 the cut reads the distributions before the bias, whi
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -67,8 +68,6 @@ class DFlashProposer:
             raise ValueError(f"draft_temperature must be > 0, got {draft_temperature!r}")
         if isinstance(tree_nodes, bool) or not isinstance(tree_nodes, int) or tree_nodes < 0:
             raise ValueError(f"tree_nodes must be an integer >= 0 (0: a chain), got {tree_nodes!r}")
-        if tree_nodes and length is not None:
-            raise ValueError("a tree (tree_nodes > 0) is not cut by cost: use draft_length='fixed' with it")
         self.drafter = drafter
         self.vocab_size = vocab_size
         self.gamma = int(gamma) if gamma is not None else slots
@@ -98,14 +97,15 @@ class DFlashProposer:
         self._pending: list[torch.Tensor] = []
         self._forward_time = 0.0  # mean of the drafter's forwards so far (the cut weighs it as spent)
         self._forwards = 0
-        self._outcome: tuple[object, list[float], int, int] | None = (
-            None  # regime, confidences, drafted, first
-        )
+        #: What commit() tells the cost policy about the last draft: a chain's (regime, confidences, drafted,
+        #: first position) or a tree's (regime, each node's probability, parents).
+        self._outcome: tuple[object, list[float], int, int] | None = None
+        self._tree_outcome: tuple[object, list[float], list[int]] | None = None
 
     def start(self) -> None:
         self._context = ContextKV([])
         self._pending = []
-        self._outcome = None
+        self._outcome = self._tree_outcome = None
 
     def observe(self, states: torch.Tensor) -> None:
         """The verifier's states (P, len(aux_layers), d) at the positions just committed, in order."""
@@ -118,7 +118,9 @@ class DFlashProposer:
         if self._outcome is not None and self.length is not None:
             key, confidences, drafted, first = self._outcome
             self.length.record(key, confidences, drafted, min(drafted, max(0, length - first)))
-        self._outcome = None
+        if self._tree_outcome is not None and self.length is not None and path is not None:
+            self.length.record_tree(*self._tree_outcome, path)
+        self._outcome = self._tree_outcome = None
         if self._context.length > length - 1:
             self._context = self._context.crop(max(length - 1, 0))
 
@@ -173,7 +175,7 @@ class DFlashProposer:
         logits = self.drafter(ids, positions, self._context, slots=slice(1, 1 + count))[0].float()
         spent = time.perf_counter() - block_start
         if self.tree_nodes:
-            draft = self._tree(self._along_argmax(logits, sequence[-1]), params, eos)
+            draft = self._tree(self._along_argmax(logits, sequence[-1]), params, eos, spent)
         else:
             draft = self._chain(logits, sequence[-1], params, generator, eos, spent, len(sequence))
         self._synchronize()
@@ -271,20 +273,50 @@ class DFlashProposer:
             return Draft.chain(tokens)
         return Draft.chain(tokens, q[:n], support=self._targets, columns=columns[:n])
 
-    def _tree(self, logits: torch.Tensor, params: SamplingParams, eos: frozenset[int]) -> Draft:
-        """A tree of ``tree_nodes`` deterministic candidates from the block's logits (n, N): each slot's
+    def _tree(self, logits: torch.Tensor, params: SamplingParams, eos: frozenset[int], spent: float) -> Draft:
+        """A tree of up to ``tree_nodes`` deterministic candidates from the block's logits (n, N): each slot's
         top candidates (the drafter's distribution, warped at T > 0 as for a chain), the paths chosen by
-        :func:`~train.decoding.proposers.heads_proposer.tree_from_accuracies` with this block's
-        probabilities as the chance of each candidate, nothing under an eos and no candidate of
-        probability 0."""
+        :func:`~train.decoding.proposers.heads_proposer.tree_from_accuracies` with each candidate's chance
+        of acceptance (its probability; calibrated online with a cost policy), nothing under an eos and no
+        candidate of probability 0. With a cost policy the tree keeps the best-first nodes that yield the
+        most tokens per second under the measured check costs, the forward counted as spent
+        (:meth:`~train.decoding.length_policy.CostAwareLength.cut_tree`): a tree as large as the checks
+        afford, none where nothing pays. The size depends on the distributions alone and the candidates
+        are deterministic, so the walk's verdict stays lossless."""
         q = logits.softmax(-1) if params.greedy else warp(logits / self.draft_temperature, params)
         top = q.topk(min(self.tree_nodes, q.shape[-1]), dim=-1)
-        chances = top.values.clamp(0.0, 1.0).tolist()
+        probabilities = top.values.clamp(0.0, 1.0).tolist()
+        key = regime(params)
+        policy = self.length if self.length is not None and self.length.costs is not None else None
+        chances = (
+            [policy.acceptances(key, row) for row in probabilities] if policy is not None else probabilities
+        )
         candidates = [[self._target_ids[c] for c in row] for row in top.indices.tolist()]
-        paths = [
-            path
-            for path in tree_from_accuracies(chances, self.tree_nodes)
-            if chances[len(path) - 1][path[-1]] > 0
-            and not any(candidates[d][r] in eos for d, r in enumerate(path[:-1]))
-        ]
-        return choices_draft(candidates, paths)
+        paths: list[tuple[int, ...]] = []
+        kept: set[tuple[int, ...]] = {()}
+        for path in tree_from_accuracies(chances, self.tree_nodes):  # parents first
+            parent = path[:-1]
+            if (
+                parent in kept
+                and probabilities[len(path) - 1][path[-1]] > 0
+                and not (parent and candidates[len(parent) - 1][parent[-1]] in eos)
+            ):
+                paths.append(path)
+                kept.add(path)
+        if policy is not None:
+            assert self.length is not None and self.length.costs is not None
+            # best first (a child is never likelier than its parent; ties: the shorter path), cut, then
+            # parents first again as the uncut tree's paths are
+            chance = {path: math.prod(chances[d][r] for d, r in enumerate(path)) for path in paths}
+            best_first = sorted(paths, key=lambda path: (-chance[path], len(path)))
+            costs = replace(self.length.costs, draft=max(self._forward_time, spent))
+            keep = policy.cut_tree(key, [chance[path] for path in best_first], costs)
+            paths = sorted(best_first[:keep], key=lambda path: (len(path), path))
+        draft = choices_draft(candidates, paths)
+        if policy is not None:  # what commit() tells the policy about these nodes
+            depth: list[int] = []
+            for parent in draft.parents:
+                depth.append(depth[parent] + 1 if parent >= 0 else 0)
+            confidences = [probabilities[d][r] for d, r in zip(depth, draft.rank, strict=True)]
+            self._tree_outcome = (key, confidences, list(draft.parents))
+        return draft
