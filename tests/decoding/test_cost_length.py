@@ -70,7 +70,8 @@ def test_best_node_count_by_hand_and_as_the_chains_rule():
     costs = StepCosts(verify=(1.0, 1.0, 1.0, 1.1, 1.5), draft=0.1)
     # a tree's nodes best first: the root's first and second candidates, then the first one's child, ...
     chances = [0.6, 0.3, 0.3, 0.05]
-    # after one drafter forward (0.1 s): m = 0: 1 / 1.1; 1: 1.6 / 1.1; 2: 1.9 / 1.1; 3: 2.2 / 1.2; 4: 2.25 / 1.6
+    # after one drafter forward (0.1 s): m = 0: 1 / 1.1; 1: 1.6 / 1.1; 2: 1.9 / 1.1; 3: 2.2 / 1.2;
+    # 4: 2.25 / 1.6
     assert best_node_count(chances, costs, 1) == (3, pytest.approx(2.2 / 1.2))
     assert best_node_count([], costs, 1) == (0, pytest.approx(1 / 1.1))
     assert best_node_count([0.01], StepCosts(verify=(1.0, 1.5)), 0)[0] == 0  # nothing pays: a plain step

@@ -315,8 +315,8 @@ class DFlashProposer:
         draft = choices_draft(candidates, paths)
         if policy is not None:  # what commit() tells the policy about these nodes
             depth: list[int] = []
-            for parent in draft.parents:
-                depth.append(depth[parent] + 1 if parent >= 0 else 0)
+            for up in draft.parents:
+                depth.append(depth[up] + 1 if up >= 0 else 0)
             confidences = [probabilities[d][r] for d, r in zip(depth, draft.rank, strict=True)]
             self._tree_outcome = (key, confidences, list(draft.parents))
         return draft
