@@ -395,6 +395,53 @@ def test_the_cost_cut_drafts_less_when_checks_are_dear(eagle3_verifiers, monkeyp
     assert lengths["flat"] > 10 and lengths["dear"] == 1, lengths
 
 
+class NearSightedOracle(OracleDFlash):
+    """Test double: the oracle's two first slots; every later slot's logits flat (no token likelier)."""
+
+    def forward(self, block_ids, positions, context, attention_mask=None, slots=None):  # type: ignore[override]
+        logits = super().forward(block_ids, positions, context, attention_mask, slots)
+        kept = positions[0].tolist()[slots] if slots is not None else positions[0].tolist()
+        for j, p in enumerate(kept):
+            if p - int(positions[0, 0]) > 2:
+                logits[0, j] = 0.0
+        return logits
+
+
+def test_a_gated_fixed_chain_falls_back_on_its_cut(eagle3_verifiers):
+    """A drafter right for two slots and flat after, on checks steep past 3 tokens: the whole chain of 7
+    commits 3 tokens for a check of 8 (3.8 steps: plain steps are better), the chain cut by cost 3 for a
+    check of 3 (1.2 steps). With ``fallback_cut`` the gated chain falls back on its cut: fewer verifier
+    calls than the chain gated to plain steps alone, about 3 tokens checked a call, the greedy output
+    Hugging Face's, EOS and limits included. Broken on purpose (by hand): without the fallback
+    (``fallback_cut=False``) the calls are the plain-gated chain's and the assertion on them fails."""
+    verifier = eagle3_verifiers["llama"]
+    ids = torch.tensor([PROMPTS[0]])
+    reference = hf_greedy(verifier, ids, 60)
+    drafter = NearSightedOracle.from_verifier(verifier, block_size=8).set_reference(PROMPTS[0] + reference)
+    knee = StepCosts((1.0, 1.05, 1.1, 2.5, 2.8, 3.1, 3.4, 3.7, 4.0), 0.1)
+    gated = DFlashDecoder(verifier, drafter, plain_steps="auto", costs=knee)
+    cut = DFlashDecoder(verifier, drafter, plain_steps="auto", costs=knee, fallback_cut=True)
+    for decoder in (gated, cut):
+        assert decoder.generate(ids, 60).tokens.tolist() == reference  # the warm-ups
+    plain = gated.generate(ids, 60)
+    fallen = cut.generate(ids, 60)
+    assert plain.tokens.tolist() == fallen.tokens.tolist() == reference
+    assert fallen.stats.verifier_calls < 0.6 * plain.stats.verifier_calls, (fallen.stats, plain.stats)
+    assert fallen.stats.verifier_tokens / fallen.stats.verifier_calls < 3.5, fallen.stats
+    for eos in reference[3:9]:
+        assert cut.generate(ids, 60, eos_token_id=eos).tokens.tolist() == reference[: reference.index(eos) + 1]
+    for n in (1, 2, 5):
+        assert cut.generate(ids, n).tokens.tolist() == reference[:n]
+    for bad in (
+        {"fallback_cut": True},
+        {"fallback_cut": True, "plain_steps": "auto", "draft_length": "cost"},
+        {"fallback_cut": True, "plain_steps": "auto", "tree_nodes": 4},
+        {"fallback_cut": 1, "plain_steps": "auto"},
+    ):
+        with pytest.raises(ValueError, match="fallback_cut"):
+            DFlashDecoder(verifier, drafter, **bad)
+
+
 # ----------------------------------------------------------------------------- the law at T > 0
 
 
@@ -440,6 +487,12 @@ def law_statistic(
             marks=pytest.mark.slow,
         ),
         pytest.param(SamplingParams(1.0), {"markov_rank": 8}, id="T1-markov", marks=pytest.mark.slow),
+        pytest.param(
+            SamplingParams(1.0),
+            {"plain_steps": "auto", "fallback_cut": True, "costs": StepCosts((1.0, 1.0, 1.6, 2.2), 0.1)},
+            id="T1-gated-chain-falling-back-on-its-cut",
+            marks=pytest.mark.slow,
+        ),
         pytest.param(
             SamplingParams(1.0),
             {"markov_rank": 8, "draft_length": "cost", "costs": StepCosts((1.0, 1.1, 1.3, 1.6), 0.1)},

@@ -47,7 +47,10 @@ class DFlashDecoder(DraftTreeDecoder):
     drafter's forward measured at the first call (:mod:`train.decoding.proposers.step_probe`). With
     ``draft_length="cost"`` the two work together: the cut chooses how many drafts a block checks once the
     forward is spent, the gate whether to spend it (a cut to nothing still paid for the forward);
-    ``"never"`` (the default): the drafter runs every block. Same ``generate`` as the other decoders."""
+    ``"never"`` (the default): the drafter runs every block. ``fallback_cut`` (with ``"auto"``, a fixed
+    chain): where the whole chain has not paid, the same forward's chain cut by cost instead of a plain
+    step (the gate weighs the two and a plain step, :meth:`~train.decoding.draft_gate.DraftGate.choose`).
+    Same ``generate`` as the other decoders."""
 
     accepts: ClassVar[tuple[str, ...]] = ("dflash",)
     _proposer: DFlashProposer
@@ -67,9 +70,18 @@ class DFlashDecoder(DraftTreeDecoder):
         lookup_min_ngram: int = 2,
         tree_nodes: int = 0,
         plain_steps: str = "never",
+        fallback_cut: bool = False,
     ) -> None:
         if draft_length not in ("fixed", "cost"):
             raise ValueError(f"draft_length must be 'fixed' or 'cost', got {draft_length!r}")
+        if not isinstance(fallback_cut, bool):
+            raise ValueError(f"fallback_cut must be true or false, got {fallback_cut!r}")
+        if fallback_cut and (plain_steps != "auto" or draft_length != "fixed" or tree_nodes):
+            raise ValueError(
+                "fallback_cut is what a gated fixed chain falls back on: it needs plain_steps='auto', "
+                f"draft_length='fixed' and no tree, got plain_steps={plain_steps!r}, "
+                f"draft_length={draft_length!r}, tree_nodes={tree_nodes!r}"
+            )
         self.verifier = verifier
         self.drafter = drafter
         self._verifier = TimedModel(verifier)
@@ -81,6 +93,10 @@ class DFlashDecoder(DraftTreeDecoder):
             drafter, self._verifier.vocab_size, gamma, draft_temperature, self.length, tree_nodes
         )
         self.depth = self._proposer.gamma
+        self.fallback_cut = fallback_cut
+        if fallback_cut:
+            self._proposer.fallback_length = CostAwareLength(costs)
+            self._fallback = self._proposer.propose_cut
         self.draft_temperature = self._proposer.draft_temperature
         self._lookup = prompt_lookup(lookup_tokens, lookup_max_ngram, lookup_min_ngram)
         if self._lookup is not None:
@@ -114,10 +130,11 @@ class DFlashDecoder(DraftTreeDecoder):
         eos: frozenset[int],
         generator: torch.Generator | None,
     ) -> DecodeResult:
-        if self.length is not None and self.length.costs is None:
-            lookup = self._lookup.num_tokens if self._lookup is not None else 0
-            most = max(self.depth, self._proposer.tree_nodes, lookup) + 1
-            self.length.costs = step_costs(self._verifier, None, most)
+        for policy in (self.length, self._proposer.fallback_length):
+            if policy is not None and policy.costs is None:
+                lookup = self._lookup.num_tokens if self._lookup is not None else 0
+                most = max(self.depth, self._proposer.tree_nodes, lookup) + 1
+                policy.costs = step_costs(self._verifier, None, most)
         return super().decode(prompt, max_new_tokens, params, eos, generator)
 
 

@@ -97,10 +97,13 @@ class DFlashProposer:
         self._pending: list[torch.Tensor] = []
         self._forward_time = 0.0  # mean of the drafter's forwards so far (the cut weighs it as spent)
         self._forwards = 0
-        #: What commit() tells the cost policy about the last draft: a chain's (regime, confidences, drafted,
-        #: first position) or a tree's (regime, each node's probability, parents).
-        self._outcome: tuple[object, list[float], int, int] | None = None
-        self._tree_outcome: tuple[object, list[float], list[int]] | None = None
+        #: The cut a gated fixed chain falls back on (:meth:`propose_cut`; None: none).
+        self.fallback_length: CostAwareLength | None = None
+        #: What commit() tells the cost policy that cut the last draft: a chain's (policy, regime,
+        #: confidences, drafted, first position) or a tree's (policy, regime, each node's probability,
+        #: parents).
+        self._outcome: tuple[CostAwareLength, object, list[float], int, int] | None = None
+        self._tree_outcome: tuple[CostAwareLength, object, list[float], list[int]] | None = None
 
     def start(self) -> None:
         self._context = ContextKV([])
@@ -115,11 +118,12 @@ class DFlashProposer:
         """The first ``length`` tokens are final: the verifier's answer to the last draft is learnt (for
         the cost-aware cut), and no context row past ``length - 1`` stays (none is ever added, since
         ``observe`` brings committed positions only)."""
-        if self._outcome is not None and self.length is not None:
-            key, confidences, drafted, first = self._outcome
-            self.length.record(key, confidences, drafted, min(drafted, max(0, length - first)))
-        if self._tree_outcome is not None and self.length is not None and path is not None:
-            self.length.record_tree(*self._tree_outcome, path)
+        if self._outcome is not None:
+            policy, key, confidences, drafted, first = self._outcome
+            policy.record(key, confidences, drafted, min(drafted, max(0, length - first)))
+        if self._tree_outcome is not None and path is not None:
+            policy, key, confidences, parents = self._tree_outcome
+            policy.record_tree(key, confidences, parents, path)
         self._outcome = self._tree_outcome = None
         if self._context.length > length - 1:
             self._context = self._context.crop(max(length - 1, 0))
@@ -185,6 +189,26 @@ class DFlashProposer:
         stats.drafter_calls += 1 + int(prefill)
         stats.drafter_time += end - start
         return draft
+
+    def propose_cut(
+        self,
+        sequence: list[int],
+        budget: int,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        eos: frozenset[int],
+        stats: DecodeStats,
+    ) -> Draft:
+        """The block :meth:`propose` drafts, its chain cut by ``fallback_length`` (the prefix that pays
+        under the measured costs, none where nothing does): what a gated fixed chain falls back on where
+        the whole chain has not paid (:class:`~train.decoding.proposers.gated_proposer.GatedProposer`)."""
+        if self.fallback_length is None:
+            raise RuntimeError("propose_cut needs a fallback_length (DFlashDecoder(fallback_cut=True))")
+        length, self.length = self.length, self.fallback_length
+        try:
+            return self.propose(sequence, budget, params, generator, eos, stats)
+        finally:
+            self.length = length
 
     def _synchronize(self) -> None:
         """Wait for the drafter's own device, so the clock measures its work."""
@@ -268,7 +292,7 @@ class DFlashProposer:
                 break
         n = len(tokens)
         if self.length is not None:  # what commit() tells the policy about these drafts
-            self._outcome = (key, confidences[:n], n, committed)
+            self._outcome = (self.length, key, confidences[:n], n, committed)
         if q is None:
             return Draft.chain(tokens)
         return Draft.chain(tokens, q[:n], support=self._targets, columns=columns[:n])
@@ -318,5 +342,5 @@ class DFlashProposer:
             for up in draft.parents:
                 depth.append(depth[up] + 1 if up >= 0 else 0)
             confidences = [probabilities[d][r] for d, r in zip(depth, draft.rank, strict=True)]
-            self._tree_outcome = (key, confidences, list(draft.parents))
+            self._tree_outcome = (policy, key, confidences, list(draft.parents))
         return draft
