@@ -429,7 +429,8 @@ def test_a_gated_fixed_chain_falls_back_on_its_cut(eagle3_verifiers):
     assert fallen.stats.verifier_calls < 0.6 * plain.stats.verifier_calls, (fallen.stats, plain.stats)
     assert fallen.stats.verifier_tokens / fallen.stats.verifier_calls < 3.5, fallen.stats
     for eos in reference[3:9]:
-        assert cut.generate(ids, 60, eos_token_id=eos).tokens.tolist() == reference[: reference.index(eos) + 1]
+        out = cut.generate(ids, 60, eos_token_id=eos).tokens.tolist()
+        assert out == reference[: reference.index(eos) + 1]
     for n in (1, 2, 5):
         assert cut.generate(ids, n).tokens.tolist() == reference[:n]
     for bad in (
@@ -566,8 +567,8 @@ def test_law_test_catches_a_tree_verified_as_if_sampled(eagle3_law_verifier, mon
     told they were drawn i.i.d. from a uniform q, so it accepts them far too often."""
     original = DFlashProposer._tree
 
-    def claimed_sampled(self, logits, params, eos):
-        draft = original(self, logits, params, eos)
+    def claimed_sampled(self, logits, params, eos, spent):
+        draft = original(self, logits, params, eos, spent)
         if len(draft):
             vocab = self.vocab_size
             draft.q = torch.full((len(draft), vocab), 1.0 / vocab)
