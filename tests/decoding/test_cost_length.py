@@ -92,8 +92,8 @@ def test_a_trees_outcomes_teach_the_calibration_every_tested_node():
     with pytest.raises(ValueError):
         policy.record_tree("greedy", [0.5], [-1, -1], [])
     # the cut: the best-first nodes that pay; the first node as a probe where none does
-    assert policy.cut_tree("greedy", [0.9, 0.8, 0.7], FLAT) == 3
-    assert policy.cut_tree("greedy", [], FLAT) == 0
+    assert policy.cut_tree([0.9, 0.8, 0.7], FLAT) == 3
+    assert policy.cut_tree([], FLAT) == 0
 
 
 def test_calibration_shrinks_towards_the_drafters_probability():

@@ -356,8 +356,8 @@ def test_a_cost_cut_tree_keeps_the_best_first_nodes_and_learns_from_them(eagle3_
     cuts: list[tuple[list[float], int]] = []
     cut_tree = CostAwareLength.cut_tree
 
-    def cut_spy(self, regime, chances, step_costs):
-        keep = cut_tree(self, regime, chances, step_costs)
+    def cut_spy(self, chances, step_costs):
+        keep = cut_tree(self, chances, step_costs)
         cuts.append((list(chances), keep))
         return keep
 

@@ -41,7 +41,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from train.decoding.costs import StepCosts, best_length, best_node_count, block_rate
+from train.decoding.costs import StepCosts, best_length, best_node_count, block_rate, survival
 from train.decoding.probes import Probes
 from train.decoding.sampling import SamplingParams
 
@@ -199,22 +199,19 @@ class CostAwareLength:
     def cut(self, regime: object, confidences: Sequence[float], costs: StepCosts) -> int:
         """How many of a block's drafts to verify when all of them came from one drafter forward already
         spent (DFlash): the prefix with the most expected tokens per second under ``costs``, by each
-        draft's calibrated acceptance; where none pays, none, or the first one as a probe."""
-        self._probing = False
-        keep = best_length(self.acceptances(regime, confidences), costs, 1)[0]
-        if confidences and self._first_draft(keep > 0):
-            return keep or 1  # the drafts that pay, or the first one as a probe
-        return 0
+        draft's calibrated acceptance; where none pays, none, or the first one as a probe (a chain is the
+        tree whose nodes' chances are its survivals, :meth:`cut_tree`)."""
+        return self.cut_tree(survival(self.acceptances(regime, confidences)), costs)
 
-    def cut_tree(self, regime: object, chances: Sequence[float], costs: StepCosts) -> int:
-        """How many of a tree's nodes, best first, to verify when one drafter forward already spent gave
-        them all (a DFlash tree): ``chances[i]`` is the calibrated chance that node i's path is accepted
-        (:func:`~train.decoding.costs.best_node_count`); where none pays, none, or the first one as a probe
-        (as :meth:`cut`)."""
+    def cut_tree(self, chances: Sequence[float], costs: StepCosts) -> int:
+        """How many of a draft's nodes, best first, to verify when one drafter forward already spent gave
+        them all (a DFlash chain or tree): ``chances[i]`` is the calibrated chance that node i's path is
+        accepted (:func:`~train.decoding.costs.best_node_count`); where none pays, none, or the first one
+        as a probe."""
         self._probing = False
         keep = best_node_count(chances, costs, 1)[0]
         if chances and self._first_draft(keep > 0):
-            return keep or 1
+            return keep or 1  # the nodes that pay, or the first one as a probe
         return 0
 
     def record_tree(

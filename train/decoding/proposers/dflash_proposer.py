@@ -328,19 +328,17 @@ class DFlashProposer:
                 paths.append(path)
                 kept.add(path)
         if policy is not None:
-            assert self.length is not None and self.length.costs is not None
+            assert policy.costs is not None
             # best first (a child is never likelier than its parent; ties: the shorter path), cut, then
             # parents first again as the uncut tree's paths are
             chance = {path: math.prod(chances[d][r] for d, r in enumerate(path)) for path in paths}
             best_first = sorted(paths, key=lambda path: (-chance[path], len(path)))
-            costs = replace(self.length.costs, draft=max(self._forward_time, spent))
-            keep = policy.cut_tree(key, [chance[path] for path in best_first], costs)
+            costs = replace(policy.costs, draft=max(self._forward_time, spent))
+            keep = policy.cut_tree([chance[path] for path in best_first], costs)
             paths = sorted(best_first[:keep], key=lambda path: (len(path), path))
         draft = choices_draft(candidates, paths)
         if policy is not None:  # what commit() tells the policy about these nodes
-            depth: list[int] = []
-            for up in draft.parents:
-                depth.append(depth[up] + 1 if up >= 0 else 0)
-            confidences = [probabilities[d][r] for d, r in zip(depth, draft.rank, strict=True)]
+            depths = draft.depths()
+            confidences = [probabilities[d - 1][r] for d, r in zip(depths, draft.rank, strict=True)]
             self._tree_outcome = (policy, key, confidences, list(draft.parents))
         return draft
