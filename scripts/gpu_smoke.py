@@ -55,7 +55,7 @@ MICRO_RUN = [
     "logger=csv",
     *MICRO_EVAL,
 ]
-METHODS = ("distillspec", "medusa", "medusa2", "steering", "eagle3")
+METHODS = ("distillspec", "medusa", "medusa2", "steering", "eagle3", "dflash", "dspark")
 TINY = {
     "distillspec": ["model=tiny", "data=stdlib", "method.prompt_len=64", "eval.prompt_len=64"],
     "steering": ["model=tiny", "data=stdlib", "method.prompt_len=64", "eval.prompt_len=64"],
@@ -87,6 +87,27 @@ TINY = {
         "method.feature_cache_gb=0.1",
         "trainer.max_steps=8",  # two epochs of 4 batches: the second from the feature cache
     ],
+    **{
+        m: [
+            "model=tiny",
+            "data=stdlib",
+            "eval.prompt_len=64",
+            "method.answers=null",
+            "method.sampled_answers=0",
+            "method.num_prompts=16",
+            "method.num_val_prompts=4",
+            "method.answer_tokens=8",
+            "method.prompt_len=32",
+            "method.max_len=96",
+            "method.draft_vocab_size=64",
+            "method.block_size=4",
+            "method.num_anchors=8",
+            "method.feature_cache_gb=0.1",
+            "method.feature_cache_dir=null",
+            "trainer.max_steps=8",  # two epochs of 4 batches: the second from the feature cache
+        ]
+        for m in ("dflash", "dspark")
+    },
 }
 """The experiments run on the real pair by default; the smoke run takes them on the micro tiny pair (Medusa's
 and EAGLE-3's answers generated from its corpus). Given after the shared overrides, so they win."""

@@ -233,6 +233,50 @@ def test_eagle3_on_any_devices_equals_cpu(eagle3_pair, placement):
             assert counts(runs[1].stats) == counts(runs[0].stats)
 
 
+# ------------------------------------------------------------------ DFlash on CUDA
+
+
+@pytest.fixture(scope="module", params=["full", "reduced-markov"])
+def dflash_pair(request):
+    """A 4-layer tiny Llama verifier and, float32, test_dflash_decoding's perturbed DFlash drafter: ``full``,
+    over the whole vocabulary; ``reduced-markov``, over every third id with DSpark's Markov head (d2t and
+    the bias table on the device)."""
+    from .test_dflash_decoding import drafter_for as dflash_drafter_for
+
+    verifier = build(tiny_config("llama", 32, layers=4), 1)
+    if request.param == "full":
+        return verifier, dflash_drafter_for(verifier, "full", block_size=4)
+    return verifier, dflash_drafter_for(verifier, "reduced", block_size=4, markov_rank=8)
+
+
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_dflash_on_any_devices_equals_cpu(dflash_pair, placement):
+    """The whole block and a tree of the slots' candidates at T = 0, and the sampled chain and tree at
+    T = 1 (a CPU generator), give the all-CPU run's tokens and counts with the verifier and the drafter
+    wherever they are (the context rows, the block's logits, d2t and the Markov walk cross devices)."""
+    from train.decoding import DFlashDecoder
+
+    verifier, drafter = placed(dflash_pair, placement)
+    for seed, prompt in enumerate(PROMPTS[:2]):
+        ids = torch.tensor([prompt])
+        for shape in ({}, {"tree_nodes": 6}):
+            greedy = [
+                DFlashDecoder(v, d, **shape).generate(ids, 24) for v, d in (dflash_pair, (verifier, drafter))
+            ]
+            assert (
+                greedy[1].tokens.tolist() == greedy[0].tokens.tolist() == hf_greedy(dflash_pair[0], ids, 24)
+            )
+            assert counts(greedy[1].stats) == counts(greedy[0].stats), (placement, shape)
+            runs = [
+                DFlashDecoder(v, d, **shape).generate(
+                    ids, 24, SAMPLING[0], generator=torch.Generator().manual_seed(seed)
+                )
+                for v, d in (dflash_pair, (verifier, drafter))
+            ]
+            assert runs[1].tokens.tolist() == runs[0].tokens.tolist(), (placement, seed, shape)
+            assert counts(runs[1].stats) == counts(runs[0].stats)
+
+
 # ------------------------------------------------------------------ the entry points on CUDA
 
 
