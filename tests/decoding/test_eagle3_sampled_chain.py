@@ -150,14 +150,18 @@ def test_a_chain_with_the_wrong_q_is_caught(eagle3_law_verifier, monkeypatch):
     the rule weighs the token by a distribution it was not drawn from. (Dropping q altogether would not be
     a bug: a candidate drawn independently of the verifier's randomness may be verified as a point mass,
     losslessly but with lower acceptance.)"""
-    sample_chain = Eagle3Proposer._sample_chain
+    sample_chain = Eagle3Proposer._chain_of
 
     def off_by_one(self, *args):
-        draft, forwards = sample_chain(self, *args)
+        draft, forwards, confidences = sample_chain(self, *args)
         q = torch.cat([draft.q[:1], draft.q[:-1]])
-        return Draft.chain(draft.tokens, q, support=draft.support, columns=draft.columns), forwards
+        return (
+            Draft.chain(draft.tokens, q, support=draft.support, columns=draft.columns),
+            forwards,
+            confidences,
+        )
 
-    monkeypatch.setattr(Eagle3Proposer, "_sample_chain", off_by_one)
+    monkeypatch.setattr(Eagle3Proposer, "_chain_of", off_by_one)
     stat, df, _ = law_statistic(eagle3_law_verifier, SamplingParams(1.0), sampled_chain=True)
     assert stat > chi2_critical(df), (stat, df)
 

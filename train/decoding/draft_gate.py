@@ -72,6 +72,7 @@ __all__ = [
     "PLAIN_STEPS",
     "SHAPE",
     "DraftGate",
+    "check_fallback_gamma",
     "drafting_pays",
     "hopeless",
     "plain_step_gate",
@@ -306,3 +307,17 @@ def plain_step_gate(plain_steps: str, costs: StepCosts | None = None) -> DraftGa
     if plain_steps not in PLAIN_STEPS:
         raise ValueError(f"plain_steps must be one of {PLAIN_STEPS}, got {plain_steps!r}")
     return DraftGate(costs) if plain_steps == "auto" else None
+
+
+def check_fallback_gamma(fallback_gamma: int, plain_steps: str) -> int:
+    """A gated tree's ``fallback_gamma`` (the longest chain of the same drafter it falls back on, its length
+    chosen by cost; 0: a plain step), checked: an integer >= 0, and only behind a gate
+    (``plain_steps="auto"``)."""
+    if isinstance(fallback_gamma, bool) or not isinstance(fallback_gamma, int) or fallback_gamma < 0:
+        raise ValueError(f"fallback_gamma must be an integer >= 0 (0 = a plain step), got {fallback_gamma!r}")
+    if fallback_gamma and plain_steps != "auto":
+        raise ValueError(
+            "fallback_gamma is the chain a gated tree falls back on: it needs plain_steps='auto', "
+            f"got plain_steps={plain_steps!r}"
+        )
+    return fallback_gamma

@@ -17,7 +17,8 @@ import torch
 
 from train.decoding.costs import StepCosts
 from train.decoding.decoders.base import DraftTreeDecoder, check_feature_drafter
-from train.decoding.draft_gate import plain_step_gate
+from train.decoding.draft_gate import check_fallback_gamma, plain_step_gate
+from train.decoding.length_policy import CostAwareLength
 from train.decoding.model_call import TimedModel
 from train.decoding.proposers.eagle3_proposer import Eagle3Proposer, Eagle3Tree
 from train.decoding.proposers.lookup_proposer import prompt_lookup
@@ -42,7 +43,12 @@ class Eagle3Decoder(DraftTreeDecoder):
     blocks where its drafts have paid for their measured cost so far, a plain verifier step elsewhere
     (:mod:`train.decoding.draft_gate`; lossless), under ``costs`` or the checks and drafter forward
     measured at the first call (:mod:`train.decoding.proposers.step_probe`); ``"never"`` (the default):
-    a draft every block, the method as published. Same ``generate`` as the other decoders."""
+    a draft every block, the method as published. ``fallback_gamma`` G > 0 (with ``"auto"``): where the
+    tree (or the sampled chain) has not paid, a chain of the same drafter instead of a plain step, up to G
+    drafts with its length chosen by cost (greedy at T = 0, drawn from the sampled chain's q at T > 0; a
+    plain step where no draft pays), the shape then weighed against that chain's measured rate
+    (:meth:`~train.decoding.draft_gate.DraftGate.choose`; lossless: which draft a block makes depends
+    only on earlier blocks). Same ``generate`` as the other decoders."""
 
     accepts: ClassVar[tuple[str, ...]] = ("eagle3",)
 
@@ -64,7 +70,9 @@ class Eagle3Decoder(DraftTreeDecoder):
         lookup_min_ngram: int = 2,
         plain_steps: str = "never",
         costs: StepCosts | None = None,
+        fallback_gamma: int = 0,
     ) -> None:
+        self.fallback_gamma = check_fallback_gamma(fallback_gamma, plain_steps)
         self.verifier = verifier
         self.drafter = drafter
         self._verifier = TimedModel(verifier)
@@ -77,24 +85,36 @@ class Eagle3Decoder(DraftTreeDecoder):
             sampled_chain=sampled_chain,
             draft_temperature=draft_temperature,
         )
-        self._proposer = Eagle3Proposer(drafter, self._verifier.vocab_size, tree)
+        #: The fallback chain's cost-aware length (None without a fallback).
+        self.length = CostAwareLength(costs) if fallback_gamma else None
+        self._proposer = Eagle3Proposer(drafter, self._verifier.vocab_size, tree, self.length)
         #: The draft's shape (:class:`~train.decoding.proposers.eagle3_proposer.Eagle3Tree`).
         self.tree = tree
         self.depth = tree.depth
         self._lookup = prompt_lookup(lookup_tokens, lookup_max_ngram, lookup_min_ngram)
         self._gate = plain_step_gate(plain_steps, costs)
+        self._fallback = self._proposer.propose_chain if fallback_gamma else None
+
+    @property
+    def draft_budget(self) -> int:
+        """The tree's depth, or the fallback chain's longest draft where that is longer."""
+        return max(self.depth, self.fallback_gamma)
 
     def measure_costs(self) -> StepCosts:
-        """Checks of 1 .. the tree's nodes + 1 tokens and the drafter's forward, measured once per machine,
-        setting and tree (:func:`~train.decoding.proposers.step_probe.proposer_costs`)."""
-        return proposer_costs(
+        """Checks of 1 .. the tree's nodes (or the fallback chain's drafts) + 1 tokens and the drafter's
+        forward, measured once per machine, setting and tree
+        (:func:`~train.decoding.proposers.step_probe.proposer_costs`); the fallback chain is cut by them."""
+        costs = proposer_costs(
             self._verifier,
             self._proposer,
             self.drafter,
-            self.tree.total_tokens + 1,
+            max(self.tree.total_tokens, self.fallback_gamma) + 1,
             self.depth,
             repr(self.tree),
         )
+        if self.length is not None:
+            self.length.costs = costs
+        return costs
 
     def models(self) -> tuple[torch.nn.Module, ...]:
         return (self.verifier,)

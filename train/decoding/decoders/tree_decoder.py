@@ -18,7 +18,7 @@ import torch
 from train.decoding.cost_probe import step_costs
 from train.decoding.costs import StepCosts
 from train.decoding.decoders.base import DraftTreeDecoder
-from train.decoding.draft_gate import plain_step_gate
+from train.decoding.draft_gate import check_fallback_gamma, plain_step_gate
 from train.decoding.length_policy import CostAwareLength
 from train.decoding.model_call import TimedModel
 from train.decoding.proposers.lookup_proposer import prompt_lookup
@@ -71,15 +71,7 @@ class TreeSpeculativeDecoder(DraftTreeDecoder):
         costs: StepCosts | None = None,
         fallback_gamma: int = 0,
     ) -> None:
-        if isinstance(fallback_gamma, bool) or not isinstance(fallback_gamma, int) or fallback_gamma < 0:
-            raise ValueError(
-                f"fallback_gamma must be an integer >= 0 (0 = a plain step), got {fallback_gamma!r}"
-            )
-        if fallback_gamma and plain_steps != "auto":
-            raise ValueError(
-                "fallback_gamma is the chain a gated tree falls back on: it needs plain_steps='auto', "
-                f"got plain_steps={plain_steps!r}"
-            )
+        check_fallback_gamma(fallback_gamma, plain_steps)
         if method not in TREE_METHODS:
             raise ValueError(f"method must be one of {sorted(TREE_METHODS)}, got {method!r}")
         if method == "rsd_s":

@@ -50,7 +50,9 @@ from transformers import DynamicCache
 
 from train.decoding.cache import buffered_cache, cache_length, crop_cache
 from train.decoding.draft import Draft
+from train.decoding.length_policy import CostAwareLength, regime
 from train.decoding.metrics import DecodeStats
+from train.decoding.proposers.model_proposer import draft_confidence
 from train.decoding.proposers.tree_proposers import gumbel_top_k
 from train.decoding.sampling import SamplingParams, draw_index, uniforms, warp
 from train.models.eagle3_drafter import Eagle3Drafter
@@ -129,13 +131,24 @@ class Eagle3Tree:
 
 
 class Eagle3Proposer:
-    """Deterministic EAGLE-2 draft trees from an EAGLE-3 drafter (see the module docstring)."""
+    """Deterministic EAGLE-2 draft trees from an EAGLE-3 drafter (see the module docstring); ``length``:
+    the cost-aware length of :meth:`propose_chain`, the chain a gated tree falls back on
+    (:class:`~train.decoding.proposers.gated_proposer.GatedProposer`); :meth:`propose` ignores it."""
 
-    def __init__(self, drafter: Eagle3Drafter, vocab_size: int, tree: Eagle3Tree | None = None) -> None:
+    def __init__(
+        self,
+        drafter: Eagle3Drafter,
+        vocab_size: int,
+        tree: Eagle3Tree | None = None,
+        length: CostAwareLength | None = None,
+    ) -> None:
         self.drafter = drafter
         self.vocab_size = vocab_size
         #: The draft's shape (:class:`Eagle3Tree`).
         self.tree = tree or Eagle3Tree()
+        self.length = length
+        #: (regime, confidences, sequence length, drafts) of the last chain cut by ``length``, to its commit.
+        self._chain: tuple[object, list[float], int, int] | None = None
         self.hidden_layers: tuple[int, ...] = tuple(int(i) for i in drafter.aux_layers)
         param = drafter.fc.weight
         self._device, self._dtype = param.device, param.dtype
@@ -149,6 +162,7 @@ class Eagle3Proposer:
         self._cache = None
         self._fed = 0
         self._pending = []
+        self._chain = None
 
     def observe(self, states: torch.Tensor) -> None:
         """The verifier's states (P, len(aux_layers), d) at the positions just committed, in order; kept
@@ -158,7 +172,12 @@ class Eagle3Proposer:
 
     def commit(self, length: int, path: Sequence[int] | None = None) -> None:
         """The first ``length`` tokens are final; the drafter's cache never holds more than
-        ``length`` (tree nodes are cropped after every draft), so this only guards that."""
+        ``length`` (tree nodes are cropped after every draft), so this only guards that. A chain cut by
+        cost teaches its length policy what the verifier accepted of it."""
+        if self._chain is not None and self.length is not None:
+            key, confidences, first, drafted = self._chain
+            self.length.record(key, confidences, drafted, min(drafted, max(0, length - first)))
+            self._chain = None
         if self._cache is not None and self._fed > length:
             crop_cache(self._cache, length, self._fed)
             self._fed = length
@@ -177,10 +196,63 @@ class Eagle3Proposer:
         eos: frozenset[int],
         stats: DecodeStats,
     ) -> Draft:
+        self._chain = None
+        root = self._catch_up(sequence, budget, stats)
+        if root is None:
+            return Draft()
+        logits, hidden, start = root
+        depth = min(self.tree.depth, budget)
+        if self.tree.sampled_tree and not params.greedy:
+            draft, forwards = self._sample_tree(
+                logits, hidden, self.tree.sampled_tree[:budget], params, generator, eos
+            )
+        elif self.tree.sampled_chain and not params.greedy:
+            draft, forwards, _ = self._chain_of(logits, hidden, depth, params, generator, eos)
+        else:
+            draft, forwards = self._grow(logits, hidden, depth)
+        return self._finish(draft, forwards, start, stats)
+
+    def propose_chain(
+        self,
+        sequence: list[int],
+        budget: int,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        eos: frozenset[int],
+        stats: DecodeStats,
+    ) -> Draft:
+        """A chain of the same drafter instead of the tree: at most ``budget`` drafts, the greedy ones at
+        T = 0, drawn from q with q at T > 0 (``sampled_chain``'s q), its length chosen draft by draft by
+        ``length`` under the pair's measured costs, on q alone before the draw
+        (:meth:`~train.decoding.length_policy.CostAwareLength.include`, ``extend``); no draft, and no
+        drafter forward, where none pays (``should_draft``: a plain verifier step)."""
+        self._chain = None
+        if self.length is None:
+            raise RuntimeError(
+                "Eagle3Proposer.propose_chain needs a length policy (the decoder's fallback_gamma)"
+            )
+        key = regime(params)
+        if not self.length.should_draft(key, budget):
+            return Draft()
+        root = self._catch_up(sequence, budget, stats)
+        if root is None:
+            return Draft()
+        logits, hidden, start = root
+        draft, forwards, confidences = self._chain_of(logits, hidden, budget, params, generator, eos, key)
+        if draft.tokens:
+            self._chain = (key, confidences, len(sequence), len(draft.tokens))
+        return self._finish(draft, forwards, start, stats)
+
+    def _catch_up(
+        self, sequence: list[int], budget: int, stats: DecodeStats
+    ) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        """Feed the pairs of the positions committed since the last draft (the catch-up forward): the
+        root's logits (N,) and hidden output (h,), and when the draft's clock started; None where there
+        is nothing to draft from (no features yet, or no budget)."""
         features = torch.cat(self._pending) if self._pending else None
         n_new = len(sequence) - 1 - self._fed  # positions whose pair the drafter has not read
         if features is None or n_new < 1 or budget < 1:
-            return Draft()
+            return None
         if features.shape[0] != n_new:
             raise RuntimeError(
                 f"{features.shape[0]} verifier features pending for {n_new} uncached positions: "
@@ -200,18 +272,12 @@ class Eagle3Proposer:
             self._synchronize()
             stats.drafter_prefill_calls += 1
             stats.drafter_prefill_time += time.perf_counter() - start
-        depth = min(self.tree.depth, budget)
-        if self.tree.sampled_tree and not params.greedy:
-            draft, forwards = self._sample_tree(
-                out.logits[0, -1], out.hidden[0, -1], self.tree.sampled_tree[:budget], params, generator, eos
-            )
-        elif self.tree.sampled_chain and not params.greedy:
-            draft, forwards = self._sample_chain(
-                out.logits[0, -1], out.hidden[0, -1], depth, params, generator, eos
-            )
-        else:
-            draft, forwards = self._grow(out.logits[0, -1], out.hidden[0, -1], depth)
-        crop_cache(self._cache, self._fed)  # the tree nodes leave the cache
+        return out.logits[0, -1], out.hidden[0, -1], start
+
+    def _finish(self, draft: Draft, forwards: int, start: float, stats: DecodeStats) -> Draft:
+        """The draft's nodes leave the drafter's cache; its forwards (the catch-up's and ``forwards``) and
+        time since ``start`` are counted."""
+        crop_cache(self._cache, self._fed)
         self._synchronize()
         stats.drafter_calls += 1 + forwards
         stats.drafter_time += time.perf_counter() - start
@@ -232,7 +298,7 @@ class Eagle3Proposer:
         q = torch.zeros(self.vocab_size, dtype=torch.float32, device=logits.device)
         return q.index_copy_(0, self._targets, self._compact_distribution(logits, params))
 
-    def _sample_chain(
+    def _chain_of(
         self,
         logits: torch.Tensor,
         hidden: torch.Tensor,
@@ -240,24 +306,41 @@ class Eagle3Proposer:
         params: SamplingParams,
         generator: torch.Generator | None,
         eos: frozenset[int],
-    ) -> tuple[Draft, int]:
-        """A chain of at most ``depth`` tokens drawn from the drafter (``sampled_chain``; it stops after an
-        eos), from the root's logits (N,) and hidden output (h,), with the q each was drawn from; and the
-        drafter forwards it took. The chain's nodes enter the drafter's cache after the committed
-        positions (cropped after the draft), so plain causal attention is the chain's."""
+        key: object = None,
+    ) -> tuple[Draft, int, list[float]]:
+        """A chain of at most ``depth`` tokens (it stops after an eos) from the root's logits (N,) and
+        hidden output (h,): drawn from the drafter's q with the q each was drawn from at T > 0
+        (``sampled_chain``), the greedy ones at T = 0; the drafter forwards it took; and, where ``key``
+        names a regime, each kept draft's confidence (the largest probability of its q), the chain cut by
+        ``length`` draft by draft before each draw. The chain's nodes enter the drafter's cache after the
+        committed positions (cropped after the draft), so plain causal attention is the chain's."""
+        greedy = params.greedy
+        cut = self.length if key is not None else None
         tokens: list[int] = []
         qs: list[torch.Tensor] = []
         columns: list[int] = []
+        confidences: list[float] = []
         forwards = 0
-        u = uniforms(depth, generator).tolist()
+        u = [] if greedy else uniforms(depth, generator).tolist()
         for d in range(depth):
-            q = self._compact_distribution(logits, params)  # kept compact in the draft (Draft.support)
-            column = draw_index(q, u[d])
+            q = (
+                logits if greedy else self._compact_distribution(logits, params)
+            )  # kept compact (Draft.support)
+            if cut is not None:  # decided on q alone, before the draw (length_policy.py)
+                confidences.append(draft_confidence(q, int(q.argmax()), greedy))
+                if not cut.include(key, confidences, depth):
+                    confidences.pop()
+                    break
+            column = int(q.argmax()) if greedy else draw_index(q, u[d])
             token = self._target_ids[column]
             tokens.append(token)
             qs.append(q)
             columns.append(column)
-            if d == depth - 1 or token in eos:
+            if (
+                d == depth - 1
+                or token in eos
+                or (cut is not None and not cut.extend(key, confidences, depth))
+            ):
                 break
             out = self.drafter(
                 torch.tensor([[token]], device=self._device),
@@ -267,7 +350,10 @@ class Eagle3Proposer:
             )
             logits, hidden = out.logits[0, -1], out.hidden[0, -1]
             forwards += 1
-        return Draft.chain(tokens, torch.stack(qs), support=self._targets, columns=columns), forwards
+        if greedy or not tokens:
+            return Draft.chain(tokens), forwards, confidences
+        draft = Draft.chain(tokens, torch.stack(qs), support=self._targets, columns=columns)
+        return draft, forwards, confidences
 
     def _sample_tree(
         self,
