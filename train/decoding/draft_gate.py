@@ -41,7 +41,8 @@ about 4% of a 512-token run (about six probes of four blocks at 1.9 steps for 1.
 DFlash chain of 8 at T = 1, 0.92x of plain decoding); two-block probes half of that.
 
 **A fallback shape.** A decoder may give a cheaper draft of the same drafter to fall back on where its
-shape does not pay (a tree's chain, its length chosen by cost: ``fallback_gamma`` of the tree decoders).
+shape does not pay (a tree's chain, its length chosen by cost: ``fallback_gamma`` of the tree and EAGLE-3
+decoders; a DFlash block's cut, ``fallback_cut``).
 :meth:`DraftGate.choose` then picks one of three per block: the shape, the fallback or a plain step
 (which the fallback's own length policy may still choose). The shape must beat the better of a plain
 step and the fallback's rate (tokens its blocks committed over their cost, decayed like the shape's, a
