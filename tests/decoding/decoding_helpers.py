@@ -117,3 +117,24 @@ def overlapped(verifier: torch.nn.Module, drafter: torch.nn.Module, **kwargs):
     from train.decoding import AsyncSpeculativeDecoder
 
     return AsyncSpeculativeDecoder(verifier, drafter, overlap="always", **kwargs)
+
+
+def count_shapes(monkeypatch, proposer: type) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    """Count ``proposer``'s shapes (``propose``: its tree) and its fallback chains (``propose_chain``,
+    drafted or not) from here on, for a decoder built after this call (it binds the chain's propose)."""
+    counts = {"tree": 0, "chain": 0, "chain_drafted": 0}
+    tree, chain = proposer.propose, proposer.propose_chain
+
+    def count_tree(self, *args):  # type: ignore[no-untyped-def]
+        counts["tree"] += 1
+        return tree(self, *args)
+
+    def count_chain(self, *args):  # type: ignore[no-untyped-def]
+        draft = chain(self, *args)
+        counts["chain"] += 1
+        counts["chain_drafted"] += bool(draft.tokens)
+        return draft
+
+    monkeypatch.setattr(proposer, "propose", count_tree)
+    monkeypatch.setattr(proposer, "propose_chain", count_chain)
+    return counts

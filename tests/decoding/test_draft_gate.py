@@ -30,7 +30,7 @@ from train.decoding.proposers.gated_proposer import GatedProposer
 from train.decoding.proposers.model_proposer import ModelProposer
 from train.decoding.proposers.tree_proposers import TreeProposer
 
-from .decoding_helpers import hf_greedy
+from .decoding_helpers import count_shapes, hf_greedy
 from .spec_reference import chi2_critical, chi_square, run_many, table_next, verifier_joint
 from .test_tree import EOS, METHODS, PROMPT, fake_pair
 
@@ -348,26 +348,6 @@ def test_the_gate_chooses_between_a_shape_its_fallback_and_a_plain_step():
     assert plain.choose("greedy", False) is None and plain.rival("greedy") is None
 
 
-def _counting(monkeypatch) -> dict[str, int]:  # type: ignore[no-untyped-def]
-    """Count the tree proposer's trees and chains (drafted or not) from here on."""
-    counts = {"tree": 0, "chain": 0, "chain_drafted": 0}
-    tree, chain = TreeProposer.propose, TreeProposer.propose_chain
-
-    def count_tree(self, *args):  # type: ignore[no-untyped-def]
-        counts["tree"] += 1
-        return tree(self, *args)
-
-    def count_chain(self, *args):  # type: ignore[no-untyped-def]
-        draft = chain(self, *args)
-        counts["chain"] += 1
-        counts["chain_drafted"] += bool(draft.tokens)
-        return draft
-
-    monkeypatch.setattr(TreeProposer, "propose", count_tree)
-    monkeypatch.setattr(TreeProposer, "propose_chain", count_chain)
-    return counts
-
-
 @pytest.mark.parametrize("method", list(METHODS))
 def test_a_tree_that_pays_less_than_its_chain_falls_back_on_the_chain(method, tiny_pairs, monkeypatch):
     """Checks steep past 7 tokens and a drafter close to the verifier: a tree of 10 nodes commits at most
@@ -381,7 +361,7 @@ def test_a_tree_that_pays_less_than_its_chain_falls_back_on_the_chain(method, ti
     close = _close_drafter(verifier)
     ids = torch.tensor([[0, 5, 9, 3, 7]])
     ref = hf_greedy(verifier, ids, 60)
-    counts = _counting(monkeypatch)  # before the decoders, which bind the chain's propose
+    counts = count_shapes(monkeypatch, TreeProposer)  # before the decoders, which bind the chain's propose
     plain = TreeSpeculativeDecoder(verifier, close, **METHODS[method], plain_steps="auto", costs=KNEE)
     chain = TreeSpeculativeDecoder(
         verifier, close, **METHODS[method], plain_steps="auto", costs=KNEE, fallback_gamma=6
@@ -432,7 +412,7 @@ def test_the_output_law_is_the_verifiers_while_a_tree_falls_back_on_its_chain(br
     0.5 (seven chains in ten): chi-square 145 (3,000 decodes read it at 80 against 78, too close)."""
     if broken:
         monkeypatch.setattr(TreeProposer, "propose_chain", _chain_decided_after_the_draw)
-    counts = _counting(monkeypatch)  # before the decoder, which binds the chain's propose
+    counts = count_shapes(monkeypatch, TreeProposer)  # before the decoder, which binds the chain's propose
     verifier, drafter, table = fake_pair("generic")
     costs = StepCosts(verify=tuple(1.0 + 0.16 * i for i in range(12)), draft=0.05)
     dec = TreeSpeculativeDecoder(
@@ -447,3 +427,110 @@ def test_the_output_law_is_the_verifiers_while_a_tree_falls_back_on_its_chain(br
         return
     assert stat < chi2_critical(df), (stat, df)
     assert counts["tree"] > 600 and counts["chain_drafted"] > 1000, counts  # both shapes drafted
+
+
+# ----------------------------------------------------------------------------- a gated chain's cut
+
+
+def _count_cuts(monkeypatch) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    """Count the model proposer's whole chains and its cut chains (drafted or not) from here on."""
+    counts = {"whole": 0, "cut": 0, "cut_drafted": 0}
+    whole, cut = ModelProposer.propose, ModelProposer.propose_cut
+
+    def count_whole(self, *args):  # type: ignore[no-untyped-def]
+        counts["whole"] += self.length is None  # (the cut calls propose with its policy set)
+        return whole(self, *args)
+
+    def count_cut(self, *args):  # type: ignore[no-untyped-def]
+        draft = cut(self, *args)
+        counts["cut"] += 1
+        counts["cut_drafted"] += bool(draft.tokens)
+        return draft
+
+    monkeypatch.setattr(ModelProposer, "propose", count_whole)
+    monkeypatch.setattr(ModelProposer, "propose_cut", count_cut)
+    return counts
+
+
+#: checks cheap up to 3 tokens and steep past them, a cheap drafter
+NARROW = StepCosts(verify=(1.0, 1.05, 1.1, 2.5, 2.8, 3.1, 3.4, 3.7, 4.0), draft=0.05)
+
+
+def test_a_gated_fixed_chain_falls_back_on_its_cut(tiny_pairs, monkeypatch):
+    """A drafter near the verifier (about half its drafts accepted) on checks steep past 3 tokens: its whole
+    chain of 6 costs 3.7 steps to check, more than it commits, so gated alone it takes plain steps (about 1.5
+    tokens checked a call); its chain cut by cost checks the first drafts, which pay. With ``fallback_cut``
+    the gate gives the blocks to the cut after its warm-up (the whole chain only in its probes): under 0.7
+    of the verifier calls of the chain gated alone, the greedy output Hugging Face's, EOS and every short
+    limit. A random drafter on steep checks: the cut's own length policy takes plain steps. Broken by hand:
+    without the fallback (``behind_gate(..., None)``) the count of cuts fails."""
+    verifier, drafter = tiny_pairs["llama"]
+    ids = torch.tensor([[0, 5, 9, 3, 7]])
+    ref = hf_greedy(verifier, ids, 60)
+    counts = _count_cuts(monkeypatch)
+    close = _close_drafter(verifier)
+    cut = SpeculativeDecoder(verifier, close, gamma=6, plain_steps="auto", costs=NARROW, fallback_cut=True)
+    whole = SpeculativeDecoder(verifier, close, gamma=6, plain_steps="auto", costs=NARROW)
+    for dec in (cut, whole):
+        assert dec.generate(ids, 60).tokens.tolist() == ref  # the warm-ups
+    counts.update(whole=0, cut=0, cut_drafted=0)
+    res = cut.generate(ids, 60)
+    assert res.tokens.tolist() == ref
+    assert counts["cut_drafted"] > 2 * counts["whole"], counts  # the whole chain only in its probes
+    alone = whole.generate(ids, 60)
+    assert alone.tokens.tolist() == ref
+    assert res.stats.verifier_calls < 0.7 * alone.stats.verifier_calls, (res.stats, alone.stats)
+    for eos in ref[1:10]:
+        assert cut.generate(ids, 60, eos_token_id=eos).tokens.tolist() == ref[: ref.index(eos) + 1]
+    for n in (0, 1, 2, 5):
+        assert cut.generate(ids, n).tokens.tolist() == ref[:n]
+    random = SpeculativeDecoder(
+        verifier, drafter, gamma=4, plain_steps="auto", costs=STEEP, fallback_cut=True
+    )
+    assert random.generate(ids, 60).tokens.tolist() == ref
+    res = random.generate(ids, 60)
+    assert res.tokens.tolist() == ref
+    assert res.stats.verifier_calls > 45 and res.stats.drafter_calls < 12, res.stats
+    for bad in (
+        {"fallback_cut": True},
+        {"fallback_cut": True, "plain_steps": "auto", "confidence_threshold": 0.3},
+        {"fallback_cut": 1, "plain_steps": "auto"},
+    ):
+        with pytest.raises(ValueError, match="fallback_cut"):
+            SpeculativeDecoder(verifier, drafter, **bad)  # type: ignore[arg-type]
+
+
+def _cut_decided_after_the_draw(self, sequence, budget, params, generator, eos, stats):  # type: ignore[no-untyped-def]
+    """Broken on purpose: the cut chain is dropped for a plain step when the drafter gave its first draft
+    more than 0.5 (a decision that depends on this block's draw)."""
+    draft = _PROPOSE_CUT(self, sequence, budget, params, generator, eos, stats)
+    if draft.tokens and draft.q is not None and float(draft.q[0, draft.tokens[0]]) > 0.5:
+        self._pending = None
+        return Draft()
+    return draft
+
+
+_PROPOSE_CUT = ModelProposer.propose_cut
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["fallback", "broken_on_purpose"])
+def test_the_output_law_is_the_verifiers_while_a_chain_falls_back_on_its_cut(broken, monkeypatch):
+    """6,000 sampled decodes of the table pair (a generic drafter, EOS in play) through a gated chain of 3
+    that falls back on its cut, on checks where the two pay about alike: runs mix whole chains, cut chains
+    and plain steps; chi-square (alpha 1e-4) against the verifier's enumerated law. Broken on purpose: a cut
+    chain dropped for a plain step when its first draft was likely."""
+    if broken:
+        monkeypatch.setattr(ModelProposer, "propose_cut", _cut_decided_after_the_draw)
+    counts = _count_cuts(monkeypatch)
+    verifier, drafter, table = fake_pair("generic")
+    costs = StepCosts(verify=tuple(1.0 + 0.16 * i for i in range(12)), draft=0.05)
+    dec = SpeculativeDecoder(verifier, drafter, gamma=3, plain_steps="auto", costs=costs, fallback_cut=True)
+    n, max_new = 6000, 4
+    runs = run_many(dec, PROMPT, max_new, T1, n, seed=0, eos=EOS)
+    law = verifier_joint(table_next(table, T1), PROMPT, max_new, (EOS,))
+    stat, df = chi_square(runs.counts, law, n)
+    if broken:
+        assert stat > chi2_critical(df), (stat, df, counts)
+        return
+    assert stat < chi2_critical(df), (stat, df)
+    assert counts["whole"] > 300 and counts["cut_drafted"] > 1000, counts  # both drafted

@@ -16,7 +16,7 @@ from train.decoding.length_policy import regime
 from train.decoding.proposers.eagle3_proposer import Eagle3Proposer
 from train.decoding.sampling import warp
 
-from .decoding_helpers import hf_greedy
+from .decoding_helpers import count_shapes, hf_greedy
 from .spec_reference import chi2_critical, chi_square, run_many
 from .test_eagle3_decoding import (
     LAW_PROMPT,
@@ -35,26 +35,6 @@ KNEE = StepCosts(verify=(1.0, 1.05, 1.1, 1.15, 1.2, 2.4, 2.6, 2.8, 3.0, 3.2), dr
 FLAT = StepCosts(verify=(1.0, 1.02, 1.04, 1.06, 1.08, 1.1, 1.12, 1.14, 1.16, 1.18), draft=0.02)
 #: checks twice a step from two tokens on, a dear drafter
 STEEP = StepCosts(verify=(1.0, 2.0, 2.1, 2.2, 2.3, 2.4, 2.5, 2.6, 2.7, 2.8), draft=0.3)
-
-
-def counting(monkeypatch) -> dict[str, int]:
-    """Count the proposer's trees and its chains (drafted or not) from here on."""
-    counts = {"tree": 0, "chain": 0, "chain_drafted": 0}
-    tree, chain = Eagle3Proposer.propose, Eagle3Proposer.propose_chain
-
-    def count_tree(self, *args):  # type: ignore[no-untyped-def]
-        counts["tree"] += 1
-        return tree(self, *args)
-
-    def count_chain(self, *args):  # type: ignore[no-untyped-def]
-        draft = chain(self, *args)
-        counts["chain"] += 1
-        counts["chain_drafted"] += bool(draft.tokens)
-        return draft
-
-    monkeypatch.setattr(Eagle3Proposer, "propose", count_tree)
-    monkeypatch.setattr(Eagle3Proposer, "propose_chain", count_chain)
-    return counts
 
 
 def oracle(verifier, n: int = 80) -> tuple[OracleDrafter, torch.Tensor, list[int]]:
@@ -80,7 +60,7 @@ def test_a_tree_that_pays_less_than_its_chain_falls_back_on_the_chain(eagle3_ver
     fallback never used (``fallback=None`` in ``behind_gate``) fails the count of chains."""
     verifier = eagle3_verifiers["llama"]
     drafter, ids, reference = oracle(verifier)
-    counts = counting(monkeypatch)  # before the decoders, which bind the chain's propose
+    counts = count_shapes(monkeypatch, Eagle3Proposer)  # before the decoders, which bind the chain's propose
     chain = gated(verifier, drafter, KNEE)
     trees = gated(verifier, drafter, KNEE, fallback_gamma=0)
     for dec in (chain, trees):
@@ -225,7 +205,7 @@ def test_the_output_law_is_the_verifiers_while_the_tree_falls_back_on_its_chain(
     dropped for a plain step when its first token was likely under q."""
     if broken:
         monkeypatch.setattr(Eagle3Proposer, "propose_chain", _chain_decided_after_the_draw)
-    counts = counting(monkeypatch)
+    counts = count_shapes(monkeypatch, Eagle3Proposer)
     params = SamplingParams(1.0)
     law = tokens_2_and_3(eagle3_law_verifier, params)
     dec = Eagle3Decoder(

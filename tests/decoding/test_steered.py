@@ -75,6 +75,30 @@ class RecordingProposer(SteeredProposer):
         super().commit(length, path)
 
 
+def test_a_gated_steered_chain_falls_back_on_its_cut(tiny_pairs):
+    """The steered drafter behind the gate with ``fallback_cut`` (as ``sd`` runs a steered drafter): the cut
+    chain is steered too (the hook sits on the proposer both drafts go through), the greedy output Hugging
+    Face's."""
+    from train.decoding.costs import StepCosts
+
+    verifier, drafter = tiny_pairs["llama"]
+    costs = StepCosts(verify=(1.0, 1.05, 1.1, 2.5, 2.8, 3.1), draft=0.05)
+    decoder = SpeculativeDecoder(
+        verifier,
+        drafter,
+        gamma=4,
+        steering=random_steering(verifier, drafter),
+        plain_steps="auto",
+        costs=costs,
+        fallback_cut=True,
+    )
+    for prompt, n in (([0, 5, 9, 3, 7], 40), ([0, 44], 5), ([0, 5, 9, 3, 7], 40)):
+        p = torch.tensor([prompt])
+        result = decoder.generate(p, n)
+        assert result.tokens.tolist() == hf_greedy(verifier, p, n)
+    assert result.stats.guide_time > 0
+
+
 @pytest.mark.parametrize("lookup", [0, 4])
 def test_decode_time_guides_are_the_training_guides(monkeypatch, lookup):
     """Which verifier position's state steered each drafter position during real steered decoding equals

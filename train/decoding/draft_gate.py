@@ -73,6 +73,7 @@ __all__ = [
     "PLAIN_STEPS",
     "SHAPE",
     "DraftGate",
+    "check_fallback_cut",
     "check_fallback_gamma",
     "drafting_pays",
     "hopeless",
@@ -322,3 +323,18 @@ def check_fallback_gamma(fallback_gamma: int, plain_steps: str) -> int:
             f"got plain_steps={plain_steps!r}"
         )
     return fallback_gamma
+
+
+def check_fallback_cut(fallback_cut: bool, plain_steps: str, draft_length: str, **excluded: object) -> None:
+    """A gated fixed chain's ``fallback_cut`` (where its whole chain has not paid, the same drafter's chain
+    cut by cost instead of a plain step), checked: true or false, and only for a fixed chain behind a gate,
+    none of the ``excluded`` settings on (a DFlash tree, a confidence stop)."""
+    if not isinstance(fallback_cut, bool):
+        raise ValueError(f"fallback_cut must be true or false, got {fallback_cut!r}")
+    if fallback_cut and (plain_steps != "auto" or draft_length != "fixed" or any(excluded.values())):
+        given = "".join(f", {name}={value!r}" for name, value in excluded.items())
+        raise ValueError(
+            "fallback_cut is what a gated fixed chain falls back on: it needs plain_steps='auto', "
+            f"draft_length='fixed' and none of {', '.join(excluded)}, got plain_steps={plain_steps!r}, "
+            f"draft_length={draft_length!r}{given}"
+        )

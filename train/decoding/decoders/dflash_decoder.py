@@ -17,7 +17,7 @@ import torch
 from train.decoding.cost_probe import step_costs
 from train.decoding.costs import StepCosts
 from train.decoding.decoders.base import DraftTreeDecoder, check_feature_drafter
-from train.decoding.draft_gate import plain_step_gate
+from train.decoding.draft_gate import check_fallback_cut, plain_step_gate
 from train.decoding.length_policy import CostAwareLength
 from train.decoding.metrics import DecodeResult
 from train.decoding.model_call import TimedModel
@@ -74,14 +74,7 @@ class DFlashDecoder(DraftTreeDecoder):
     ) -> None:
         if draft_length not in ("fixed", "cost"):
             raise ValueError(f"draft_length must be 'fixed' or 'cost', got {draft_length!r}")
-        if not isinstance(fallback_cut, bool):
-            raise ValueError(f"fallback_cut must be true or false, got {fallback_cut!r}")
-        if fallback_cut and (plain_steps != "auto" or draft_length != "fixed" or tree_nodes):
-            raise ValueError(
-                "fallback_cut is what a gated fixed chain falls back on: it needs plain_steps='auto', "
-                f"draft_length='fixed' and no tree, got plain_steps={plain_steps!r}, "
-                f"draft_length={draft_length!r}, tree_nodes={tree_nodes!r}"
-            )
+        check_fallback_cut(fallback_cut, plain_steps, draft_length, tree_nodes=tree_nodes)
         self.verifier = verifier
         self.drafter = drafter
         self._verifier = TimedModel(verifier)

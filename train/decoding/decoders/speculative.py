@@ -17,7 +17,7 @@ import torch
 from train.decoding.cost_probe import step_costs
 from train.decoding.costs import StepCosts
 from train.decoding.decoders.base import Decoder
-from train.decoding.draft_gate import plain_step_gate
+from train.decoding.draft_gate import check_fallback_cut, plain_step_gate
 from train.decoding.length_policy import CostAwareLength
 from train.decoding.loop import run_synchronous
 from train.decoding.metrics import DecodeResult
@@ -83,6 +83,7 @@ class SpeculativeDecoder(Decoder):
         draft_length: str = "fixed",
         costs: StepCosts | None = None,
         plain_steps: str = "never",
+        fallback_cut: bool = False,
     ) -> None:
         if getattr(drafter, "drafter_kind", "model") == "steered":
             if steering is not None:
@@ -106,9 +107,13 @@ class SpeculativeDecoder(Decoder):
                 "plain_steps='auto' is for draft_length='fixed': a length chosen by cost takes plain steps"
             )
         self._gate = plain_step_gate(plain_steps, costs)
+        check_fallback_cut(fallback_cut, plain_steps, draft_length, confidence_threshold=confidence_threshold)
         self._proposer = ModelProposer(
             TimedModel(drafter), self._verifier.vocab_size, confidence_threshold, self.length
         )
+        self.fallback_cut = fallback_cut
+        if fallback_cut:
+            self._proposer.fallback_length = CostAwareLength(costs)
         self.confidence_threshold = self._proposer.confidence_threshold
         self._lookup = prompt_lookup(lookup_tokens, lookup_max_ngram, lookup_min_ngram)
         if self._lookup is not None:
@@ -149,13 +154,15 @@ class SpeculativeDecoder(Decoder):
         eos: frozenset[int],
         generator: torch.Generator | None,
     ) -> DecodeResult:
-        if self.length is not None and self.length.costs is None:
-            self.length.costs = self.measure_costs()
+        for policy in (self.length, self._proposer.fallback_length):
+            if policy is not None and policy.costs is None:
+                policy.costs = self.measure_costs()
         # SD^2: hooks on the drafter for the duration of this call only (the drafter stays plain)
         attached = self.steering.attach(self.drafter) if self.steering is not None else nullcontext(None)
         with attached as handle:
             steered = SteeredProposer(self._proposer, self.steering, handle) if handle is not None else None
-            drafting = behind_gate(steered or self._proposer, self._gate, self.measure_costs)
+            fallback = self._proposer.propose_cut if self.fallback_cut else None  # steered too: its hook
+            drafting = behind_gate(steered or self._proposer, self._gate, self.measure_costs, fallback)
             proposer, max_draft = lookup_first(drafting, self.gamma, self._lookup)
             result = run_synchronous(
                 self._verifier,

@@ -82,8 +82,11 @@ class ModelProposer:
             raise ValueError("a cost-chosen draft length and a confidence_threshold exclude each other")
         #: The cost-aware draft length (None: ``gamma`` drafts, or the confidence stop).
         self.length = length
-        #: The last block's chain awaiting its verdict: (regime, confidences, first position, drafts).
-        self._pending: tuple[object, list[float], int, int] | None = None
+        #: The cut a gated fixed chain falls back on (:meth:`propose_cut`; None: none).
+        self.fallback_length: CostAwareLength | None = None
+        #: The last block's chain awaiting its verdict: (the policy that cut it, regime, confidences, first
+        #: position, drafts).
+        self._pending: tuple[CostAwareLength, object, list[float], int, int] | None = None
         self.drafter = drafter
         self.vocab_size = vocab_size
         #: Stop the chain after a draft the drafter gives less than this probability (0: never).
@@ -200,7 +203,7 @@ class ModelProposer:
                 break  # another drafter step cannot pay (decided on the q's so far, not on x)
             feed = self._embeddable([x])
         if length is not None and tokens:
-            self._pending = (key, confidences, len(sequence), len(tokens))
+            self._pending = (length, key, confidences, len(sequence), len(tokens))
         if not tokens:
             return Draft()
         if not qs:
@@ -210,13 +213,34 @@ class ModelProposer:
         # q over the draft ids, kept compact: the chain rule reads it as zero on every other id
         return Draft.chain(tokens, torch.stack(qs), support=self.drafter.support, columns=columns)
 
+    def propose_cut(
+        self,
+        sequence: list[int],
+        budget: int,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        eos: frozenset[int],
+        stats: DecodeStats,
+    ) -> Draft:
+        """The chain :meth:`propose` drafts, its length chosen by ``fallback_length`` (the drafts that pay
+        under the measured costs, none where nothing does): what a gated fixed chain falls back on where
+        its ``gamma`` drafts have not paid
+        (:class:`~train.decoding.proposers.gated_proposer.GatedProposer`)."""
+        if self.fallback_length is None:
+            raise RuntimeError("propose_cut needs a fallback_length (SpeculativeDecoder(fallback_cut=True))")
+        length, self.length = self.length, self.fallback_length
+        try:
+            return self.propose(sequence, budget, params, generator, eos, stats)
+        finally:
+            self.length = length
+
     def observe(self, states: torch.Tensor) -> None:
         """Never called: ``hidden_layers`` is None."""
 
     def commit(self, length: int, path: Sequence[int] | None = None) -> None:
-        if self._pending is not None and self.length is not None:
-            key, confidences, first, drafted = self._pending
-            self.length.record(key, confidences, drafted, min(drafted, max(0, length - first)))
+        if self._pending is not None:
+            policy, key, confidences, first, drafted = self._pending
+            policy.record(key, confidences, drafted, min(drafted, max(0, length - first)))
             self._pending = None
         if self._length > length:
             crop_cache(self._cache, length, self._length)
