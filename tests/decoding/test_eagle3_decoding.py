@@ -13,7 +13,8 @@ import torch
 import train.decoding.proposers.eagle3_proposer as proposer_module
 import train.decoding.rules.rejection as rejection_rule
 from train.decoding import Draft, Eagle3Decoder, SamplingParams
-from train.decoding.proposers.eagle3_proposer import Eagle3Proposer, select_nodes
+from train.decoding.proposers.eagle3_proposer import Eagle3Proposer
+from train.decoding.proposers.eagle3_tree import select_nodes
 from train.decoding.rules.tree_walk import verify_tree
 from train.models.eagle3_drafter import Eagle3Drafter
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from train.decoding import Eagle3Decoder
-from train.decoding.proposers.eagle3_proposer import Eagle3Proposer, node_mask
+from train.decoding.proposers.eagle3_proposer import Eagle3Proposer
+from train.decoding.proposers.eagle3_tree import node_mask
 from train.models.eagle3_ttt import ttt_loss
 
 from .test_eagle3_decoding import PROMPTS, drafter_for

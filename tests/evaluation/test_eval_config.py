@@ -47,6 +47,7 @@ def test_defaults_fit_the_main_job():
             "lookup_max_ngram": 3,
             "lookup_min_ngram": 2,
             "plain_steps": "auto",
+            "fallback_cut": True,
         }
     }
     assert not hasattr(cfg, "lenience") and not hasattr(cfg, "eps")
@@ -167,7 +168,14 @@ def test_the_eval_group_composes_in_both_entry_configs():
     assert list(build_eval_config(train.eval).decoder_configs) == ["sd@g1", "sd@g2", "sd_g2@g1", "sd_g2@g2"]
     ev = _compose("eval", ["decoding=sd_g2", "decoding.eps=0.5", "decoding.lenience=linear"])
     (settings,) = build_eval_config(ev.eval).decoder_configs.values()
-    assert settings == {"_target_": SD, "gamma": 2, "lenience": "linear", "eps": 0.5, "plain_steps": "auto"}
+    assert settings == {
+        "_target_": SD,
+        "gamma": 2,
+        "lenience": "linear",
+        "eps": 0.5,
+        "plain_steps": "auto",
+        "fallback_cut": True,
+    }
     assert _compose("eval", ["gammas=[1,2,4,8]"]).eval.gammas == [1, 2, 4, 8]
 
 

@@ -39,7 +39,7 @@ def _cfg(**kw) -> EvalConfig:
 def test_perfect_drafter_accepts_everything(verifier, prompts, tmp_path):
     # a gamma-4 chain every block: a drafter that costs what the verifier costs never pays for its drafts,
     # so sd's plain-step gate (plain_steps: auto) would rightly decode it as plain steps
-    sd = {**load_decoder_config("sd"), "plain_steps": "never"}
+    sd = {**load_decoder_config("sd"), "plain_steps": "never", "fallback_cut": False}
     results = evaluate_drafters(
         verifier,
         {"copy": copy.deepcopy(verifier)},
@@ -60,6 +60,7 @@ def test_perfect_drafter_accepts_everything(verifier, prompts, tmp_path):
         "lookup_max_ngram": 3,
         "lookup_min_ngram": 2,
         "plain_steps": "never",
+        "fallback_cut": False,
     }
     assert m["acceptance_rate"]["mean"] == 1.0
     assert m["block_efficiency"] == {"mean": GAMMA + 1, "std": 0.0, "n": 2}

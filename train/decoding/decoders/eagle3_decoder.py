@@ -20,7 +20,8 @@ from train.decoding.decoders.base import DraftTreeDecoder, check_feature_drafter
 from train.decoding.draft_gate import check_fallback_gamma, plain_step_gate
 from train.decoding.length_policy import CostAwareLength
 from train.decoding.model_call import TimedModel
-from train.decoding.proposers.eagle3_proposer import Eagle3Proposer, Eagle3Tree
+from train.decoding.proposers.eagle3_proposer import Eagle3Proposer
+from train.decoding.proposers.eagle3_tree import Eagle3Tree
 from train.decoding.proposers.lookup_proposer import prompt_lookup
 from train.decoding.proposers.step_probe import proposer_costs
 from train.models.eagle3_drafter import Eagle3Drafter
@@ -88,7 +89,7 @@ class Eagle3Decoder(DraftTreeDecoder):
         #: The fallback chain's cost-aware length (None without a fallback).
         self.length = CostAwareLength(costs) if fallback_gamma else None
         self._proposer = Eagle3Proposer(drafter, self._verifier.vocab_size, tree, self.length)
-        #: The draft's shape (:class:`~train.decoding.proposers.eagle3_proposer.Eagle3Tree`).
+        #: The draft's shape (:class:`~train.decoding.proposers.eagle3_tree.Eagle3Tree`).
         self.tree = tree
         self.depth = tree.depth
         self._lookup = prompt_lookup(lookup_tokens, lookup_max_ngram, lookup_min_ngram)

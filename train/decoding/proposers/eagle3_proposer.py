@@ -8,19 +8,15 @@ cache always holds one entry per committed position but the last one: before dra
 newly committed positions are fed (the catch-up forward), and the output at the last of them is the root
 of the tree.
 
-The tree (EAGLE-2, Li et al. 2024): the root's ``branching`` best draft tokens are the first level; a
-node's score is its path's cumulative log-probability under the drafter; at every further level the
-``branching`` best nodes of the level are expanded in one batched drafter forward (each node's token at its
-parent's position + 1, its feature the parent's ``hidden`` output, a tree attention mask over the cache and
-the node's ancestors), their ``branching`` best children each forming the next level (EAGLE-2's code calls
-this width ``top_k``). Finally the ``total_tokens`` best nodes overall (ties: the older node) form the
-draft; a child never scores above its parent, so a kept node's ancestors are kept. Tree nodes never stay
-in the drafter's cache: it is cropped back to the committed positions after every draft.
-
-``depth`` is the tree's maximum depth (the most draft tokens one block can accept; ``depth - 1``
-batched forwards after the catch-up). The authors' code counts its ``depth`` in forwards, one less
-than the tree's depth. The candidates are deterministic (``q = None``; ranks by score among siblings),
-so :func:`~train.decoding.rules.tree_walk.verify_tree` verifies them losslessly at every temperature.
+The tree (EAGLE-2, Li et al. 2024; its shape :class:`~train.decoding.proposers.eagle3_tree.Eagle3Tree`):
+the root's ``branching`` best draft tokens are the first level, a node scored by its path's cumulative
+log-probability; each further level expands the ``branching`` best nodes of the last one in one batched
+forward (a node's token at its parent's position + 1, its feature the parent's ``hidden`` output, a tree
+mask over the cache and its ancestors), each keeping its ``branching`` best children (EAGLE-2's ``top_k``);
+the ``total_tokens`` best nodes overall (ties: the older) form the draft, closed under ancestors. Nodes
+never stay in the drafter's cache. ``depth`` is the tree's depth (``depth - 1`` batched forwards after the
+catch-up; the authors count forwards). The candidates are deterministic (``q = None``), so
+:func:`~train.decoding.rules.tree_walk.verify_tree` verifies them losslessly at every temperature.
 
 ``sampled_chain``: at T > 0, instead of the tree, a chain of ``depth`` tokens each drawn from the
 drafter's distribution warped like the verifier's (temperature, top-k, top-p; zero outside the draft
@@ -35,6 +31,8 @@ accepted more often (docs/eagle3.md); any value stays lossless, since q is what 
 (the same warped, ``draft_temperature``-scaled distribution) without replacement, as RSD-C draws them
 (Jeon et al. 2024); the recursive rule without replacement verifies them, so two or three distinct first
 tokens each get their chance where a chain offers one.
+
+:meth:`Eagle3Proposer.propose_chain`: the chain a gated tree falls back on, its length chosen by cost.
 """
 
 from __future__ import annotations
@@ -42,8 +40,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 from transformers import DynamicCache
@@ -52,82 +48,13 @@ from train.decoding.cache import buffered_cache, cache_length, crop_cache
 from train.decoding.draft import Draft
 from train.decoding.length_policy import CostAwareLength, regime
 from train.decoding.metrics import DecodeStats
+from train.decoding.proposers.eagle3_tree import Eagle3Tree, node_mask, select_nodes
 from train.decoding.proposers.model_proposer import draft_confidence
 from train.decoding.proposers.tree_proposers import gumbel_top_k
 from train.decoding.sampling import SamplingParams, draw_index, uniforms, warp
 from train.models.eagle3_drafter import Eagle3Drafter
-from train.renames import renamed_keywords
 
-__all__ = ["Eagle3Proposer", "node_mask", "select_nodes"]
-
-
-def select_nodes(scores: Sequence[float], parents: Sequence[int], total: int) -> list[int]:
-    """The ``total`` best nodes by score (ties: the lower index), closed under ancestors, in index
-    order. Nodes are numbered parents first (``parents[i] < i``, -1 for the root's children)."""
-    order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
-    kept: set[int] = set()
-    for i in order:
-        if len(kept) >= total:
-            break
-        if parents[i] < 0 or parents[i] in kept:
-            kept.add(i)
-    return sorted(kept)
-
-
-def node_mask(cached: int, width: int, seen: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
-    """Boolean (1, 1, n, cached + width) mask of n tree nodes fed after ``cached`` committed positions
-    and the tree's ``width`` expanded slots (these n included, last): node r sees every committed
-    position and the slots ``seen[r]`` (its ancestors and itself), nothing else (True: attend)."""
-    rows = [row for row, slots in enumerate(seen) for _ in slots]
-    columns = [cached + j for slots in seen for j in slots]
-    mask = torch.zeros(1, 1, len(seen), cached + width, dtype=torch.bool)
-    mask[..., :cached] = True
-    mask[0, 0, rows, columns] = True
-    return mask.to(device)  # built on the host, one copy: not a device write per row
-
-
-@renamed_keywords(top_k="branching")
-@dataclass(frozen=True)
-class Eagle3Tree:
-    """The shape of an EAGLE-3 draft, shared by :class:`Eagle3Proposer` and the decoder that holds it
-    (validated here): trees of at most ``total_tokens`` nodes and ``depth`` levels, each expanded level
-    its ``branching`` best nodes, each node its ``branching`` best children (``branching=1``: a chain);
-    ``sampled_chain``: at T > 0 a chain of ``depth`` tokens sampled from the drafter's logits divided by
-    ``draft_temperature``; ``sampled_tree``: children per depth of a tree sampled at T > 0 without
-    replacement (empty: not sampled)."""
-
-    depth: int = 5
-    branching: int = 8
-    total_tokens: int = 32
-    sampled_chain: bool = False
-    draft_temperature: float = 1.0
-    sampled_tree: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        for name in ("depth", "branching", "total_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        sampled = self.sampled_tree
-        if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sampled):
-            raise ValueError(f"sampled_tree must be a non-empty list of integers >= 1, got {sampled!r}")
-        object.__setattr__(self, "sampled_tree", tuple(sampled))
-        if sampled and self.sampled_chain:
-            raise ValueError(
-                "sampled_chain and sampled_tree exclude each other (a chain is sampled_tree [1, 1, ...])"
-            )
-        if isinstance(self.draft_temperature, bool) or not self.draft_temperature > 0:
-            raise ValueError(f"draft_temperature must be > 0, got {self.draft_temperature!r}")
-        object.__setattr__(self, "sampled_chain", bool(self.sampled_chain))
-        object.__setattr__(self, "draft_temperature", float(self.draft_temperature))
-
-    @classmethod
-    def of(cls, sampled_tree: Sequence[int] | None, **settings: Any) -> Eagle3Tree:
-        """The settings as a decoder config gives them (``sampled_tree`` None: not sampled; an empty
-        list is refused)."""
-        if sampled_tree is not None and not list(sampled_tree):
-            raise ValueError(f"sampled_tree must be a non-empty list of integers >= 1, got {sampled_tree!r}")
-        return cls(sampled_tree=tuple(sampled_tree or ()), **settings)
+__all__ = ["Eagle3Proposer"]
 
 
 class Eagle3Proposer:
@@ -275,8 +202,7 @@ class Eagle3Proposer:
         return out.logits[0, -1], out.hidden[0, -1], start
 
     def _finish(self, draft: Draft, forwards: int, start: float, stats: DecodeStats) -> Draft:
-        """The draft's nodes leave the drafter's cache; its forwards (the catch-up's and ``forwards``) and
-        time since ``start`` are counted."""
+        """The draft's nodes leave the drafter's cache; its forwards and time since ``start`` are counted."""
         crop_cache(self._cache, self._fed)
         self._synchronize()
         stats.drafter_calls += 1 + forwards
@@ -308,12 +234,10 @@ class Eagle3Proposer:
         eos: frozenset[int],
         key: object = None,
     ) -> tuple[Draft, int, list[float]]:
-        """A chain of at most ``depth`` tokens (it stops after an eos) from the root's logits (N,) and
-        hidden output (h,): drawn from the drafter's q with the q each was drawn from at T > 0
-        (``sampled_chain``), the greedy ones at T = 0; the drafter forwards it took; and, where ``key``
-        names a regime, each kept draft's confidence (the largest probability of its q), the chain cut by
-        ``length`` draft by draft before each draw. The chain's nodes enter the drafter's cache after the
-        committed positions (cropped after the draft), so plain causal attention is the chain's."""
+        """A chain of at most ``depth`` tokens (it stops after an eos) from the root's logits (N,) and hidden
+        output (h,): drawn from q with q at T > 0, greedy at T = 0; its drafter forwards; and where ``key``
+        names a regime, each kept draft's confidence, the chain cut by ``length`` before each draw. Its
+        nodes enter the drafter's cache after the committed positions (cropped after the draft)."""
         greedy = params.greedy
         cut = self.length if key is not None else None
         tokens: list[int] = []
