@@ -33,6 +33,7 @@ def test_decoding_choice_labels_the_default_entry():
             "lenience": "squared",
             "eps": 0.5,
             "plain_steps": "auto",
+            "fallback_cut": True,
         }
     }
 
