@@ -45,7 +45,14 @@ from train.decoding.costs import StepCosts, best_length, best_node_count, block_
 from train.decoding.probes import Probes
 from train.decoding.sampling import SamplingParams
 
-__all__ = ["AcceptanceCalibration", "CostAwareLength", "PositionAcceptance", "chain_outcomes", "regime"]
+__all__ = [
+    "AcceptanceCalibration",
+    "ChainOutcome",
+    "CostAwareLength",
+    "PositionAcceptance",
+    "chain_outcomes",
+    "regime",
+]
 
 
 def regime(params: SamplingParams) -> object:
@@ -269,3 +276,21 @@ class CostAwareLength:
         copies = self._copies.setdefault(regime, PositionAcceptance())
         for i, ok in chain_outcomes(tested, accepted):
             copies.record(i, ok)
+
+
+@dataclass(frozen=True)
+class ChainOutcome:
+    """A drafted chain awaiting the verifier's verdict: the ``policy`` that chose its length, its
+    ``regime``, the ``confidences`` of its ``drafted`` drafts, and the sequence length ``first`` it
+    continued. :meth:`record` teaches the policy once the loop commits."""
+
+    policy: CostAwareLength
+    regime: object
+    confidences: list[float]
+    drafted: int
+    first: int
+
+    def record(self, committed: int) -> None:
+        """The loop committed the first ``committed`` tokens: the drafts up to there were accepted."""
+        accepted = min(self.drafted, max(0, committed - self.first))
+        self.policy.record(self.regime, self.confidences, self.drafted, accepted)

@@ -144,7 +144,10 @@ class SpeculativeDecoder(Decoder):
         machine and setting (:func:`~train.decoding.cost_probe.step_costs`); a steered drafter's step is
         timed steered."""
         most = max(self.gamma, self._lookup.num_tokens if self._lookup is not None else 0) + 1
-        return step_costs(self._verifier, self._proposer.drafter, most, self.steering)
+        costs = step_costs(self._verifier, self._proposer.drafter, most, self.steering)
+        if self._proposer.fallback_length is not None:  # the gate's fallback cut by the same costs
+            self._proposer.fallback_length.costs = costs
+        return costs
 
     def decode(
         self,
@@ -154,9 +157,8 @@ class SpeculativeDecoder(Decoder):
         eos: frozenset[int],
         generator: torch.Generator | None,
     ) -> DecodeResult:
-        for policy in (self.length, self._proposer.fallback_length):
-            if policy is not None and policy.costs is None:
-                policy.costs = self.measure_costs()
+        if self.length is not None and self.length.costs is None:
+            self.length.costs = self.measure_costs()
         # SD^2: hooks on the drafter for the duration of this call only (the drafter stays plain)
         attached = self.steering.attach(self.drafter) if self.steering is not None else nullcontext(None)
         with attached as handle:

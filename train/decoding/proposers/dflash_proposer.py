@@ -39,7 +39,7 @@ from dataclasses import replace
 import torch
 
 from train.decoding.draft import Draft
-from train.decoding.length_policy import CostAwareLength, regime
+from train.decoding.length_policy import ChainOutcome, CostAwareLength, regime
 from train.decoding.metrics import DecodeStats
 from train.decoding.proposers.heads_proposer import choices_draft, tree_from_accuracies
 from train.decoding.sampling import SamplingParams, draw_index, uniforms, warp
@@ -99,10 +99,9 @@ class DFlashProposer:
         self._forwards = 0
         #: The cut a gated fixed chain falls back on (:meth:`propose_cut`; None: none).
         self.fallback_length: CostAwareLength | None = None
-        #: What commit() tells the cost policy that cut the last draft: a chain's (policy, regime,
-        #: confidences, drafted, first position) or a tree's (policy, regime, each node's probability,
-        #: parents).
-        self._outcome: tuple[CostAwareLength, object, list[float], int, int] | None = None
+        #: What commit() tells the cost policy that cut the last draft: a chain's outcome or a tree's
+        #: (policy, regime, each node's probability, parents).
+        self._outcome: ChainOutcome | None = None
         self._tree_outcome: tuple[CostAwareLength, object, list[float], list[int]] | None = None
 
     def start(self) -> None:
@@ -119,8 +118,7 @@ class DFlashProposer:
         the cost-aware cut), and no context row past ``length - 1`` stays (none is ever added, since
         ``observe`` brings committed positions only)."""
         if self._outcome is not None:
-            policy, key, confidences, drafted, first = self._outcome
-            policy.record(key, confidences, drafted, min(drafted, max(0, length - first)))
+            self._outcome.record(length)
         if self._tree_outcome is not None and path is not None:
             policy, key, confidences, parents = self._tree_outcome
             policy.record_tree(key, confidences, parents, path)
@@ -292,7 +290,7 @@ class DFlashProposer:
                 break
         n = len(tokens)
         if self.length is not None:  # what commit() tells the policy about these drafts
-            self._outcome = (self.length, key, confidences[:n], n, committed)
+            self._outcome = ChainOutcome(self.length, key, confidences[:n], n, committed)
         if q is None:
             return Draft.chain(tokens)
         return Draft.chain(tokens, q[:n], support=self._targets, columns=columns[:n])

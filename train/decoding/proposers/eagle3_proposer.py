@@ -46,7 +46,7 @@ from transformers import DynamicCache
 
 from train.decoding.cache import buffered_cache, cache_length, crop_cache
 from train.decoding.draft import Draft
-from train.decoding.length_policy import CostAwareLength, regime
+from train.decoding.length_policy import ChainOutcome, CostAwareLength, regime
 from train.decoding.metrics import DecodeStats
 from train.decoding.proposers.eagle3_tree import Eagle3Tree, node_mask, select_nodes
 from train.decoding.proposers.model_proposer import draft_confidence
@@ -74,8 +74,8 @@ class Eagle3Proposer:
         #: The draft's shape (:class:`Eagle3Tree`).
         self.tree = tree or Eagle3Tree()
         self.length = length
-        #: (regime, confidences, sequence length, drafts) of the last chain cut by ``length``, to its commit.
-        self._chain: tuple[object, list[float], int, int] | None = None
+        #: The last chain cut by ``length``, awaiting its verdict.
+        self._chain: ChainOutcome | None = None
         self.hidden_layers: tuple[int, ...] = tuple(int(i) for i in drafter.aux_layers)
         param = drafter.fc.weight
         self._device, self._dtype = param.device, param.dtype
@@ -101,9 +101,8 @@ class Eagle3Proposer:
         """The first ``length`` tokens are final; the drafter's cache never holds more than
         ``length`` (tree nodes are cropped after every draft), so this only guards that. A chain cut by
         cost teaches its length policy what the verifier accepted of it."""
-        if self._chain is not None and self.length is not None:
-            key, confidences, first, drafted = self._chain
-            self.length.record(key, confidences, drafted, min(drafted, max(0, length - first)))
+        if self._chain is not None:
+            self._chain.record(length)
             self._chain = None
         if self._cache is not None and self._fed > length:
             crop_cache(self._cache, length, self._fed)
@@ -167,7 +166,7 @@ class Eagle3Proposer:
         logits, hidden, start = root
         draft, forwards, confidences = self._chain_of(logits, hidden, budget, params, generator, eos, key)
         if draft.tokens:
-            self._chain = (key, confidences, len(sequence), len(draft.tokens))
+            self._chain = ChainOutcome(self.length, key, confidences, len(draft.tokens), len(sequence))
         return self._finish(draft, forwards, start, stats)
 
     def _catch_up(
@@ -247,9 +246,8 @@ class Eagle3Proposer:
         forwards = 0
         u = [] if greedy else uniforms(depth, generator).tolist()
         for d in range(depth):
-            q = (
-                logits if greedy else self._compact_distribution(logits, params)
-            )  # kept compact (Draft.support)
+            # greedy: the logits; else q over the draft vocabulary, kept compact (Draft.support)
+            q = logits if greedy else self._compact_distribution(logits, params)
             if cut is not None:  # decided on q alone, before the draw (length_policy.py)
                 confidences.append(draft_confidence(q, int(q.argmax()), greedy))
                 if not cut.include(key, confidences, depth):

@@ -45,7 +45,7 @@ import torch
 
 from train.decoding.cache import crop_cache
 from train.decoding.draft import Draft
-from train.decoding.length_policy import CostAwareLength, regime
+from train.decoding.length_policy import ChainOutcome, CostAwareLength, regime
 from train.decoding.metrics import DecodeStats
 from train.decoding.model_call import CallResult, TimedModel
 from train.decoding.sampling import SamplingParams, draw_index, greedy_ids, uniforms, warp
@@ -84,9 +84,8 @@ class ModelProposer:
         self.length = length
         #: The cut a gated fixed chain falls back on (:meth:`propose_cut`; None: none).
         self.fallback_length: CostAwareLength | None = None
-        #: The last block's chain awaiting its verdict: (the policy that cut it, regime, confidences, first
-        #: position, drafts).
-        self._pending: tuple[CostAwareLength, object, list[float], int, int] | None = None
+        #: The last block's chain awaiting its verdict.
+        self._pending: ChainOutcome | None = None
         self.drafter = drafter
         self.vocab_size = vocab_size
         #: Stop the chain after a draft the drafter gives less than this probability (0: never).
@@ -203,7 +202,7 @@ class ModelProposer:
                 break  # another drafter step cannot pay (decided on the q's so far, not on x)
             feed = self._embeddable([x])
         if length is not None and tokens:
-            self._pending = (length, key, confidences, len(sequence), len(tokens))
+            self._pending = ChainOutcome(length, key, confidences, len(tokens), len(sequence))
         if not tokens:
             return Draft()
         if not qs:
@@ -239,8 +238,7 @@ class ModelProposer:
 
     def commit(self, length: int, path: Sequence[int] | None = None) -> None:
         if self._pending is not None:
-            policy, key, confidences, first, drafted = self._pending
-            policy.record(key, confidences, drafted, min(drafted, max(0, length - first)))
+            self._pending.record(length)
             self._pending = None
         if self._length > length:
             crop_cache(self._cache, length, self._length)
