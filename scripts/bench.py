@@ -28,6 +28,10 @@ SUBCOMMANDS = {
     "eagle3-step": ("eagle3_step", "an EAGLE-3 training step: online, grouped, cached features"),
     "lookup": ("lookup", "prompt lookup against the drafter on the verifier's greedy answers"),
     "verify-cost": ("verify_cost", "what checking k tokens costs: F.linear against the streamed product"),
+    "linear-products": (
+        "linear_products",
+        "the verifier's linear products alone per row count: library, streamed, fused, other layouts",
+    ),
     "overhead": ("overhead", "loop overhead of this engine vs an older copy, interleaved"),
     "steering-overhead": ("steering_overhead", "SD^2 steering's cost per block against a drafter step"),
 }

@@ -352,6 +352,7 @@ BENCH_MICRO = {
     "async": "--pairs tiny --gammas 2 --prompts 1 --tokens 8 --repeats 1 --threads 1 --min-ahead 1",
     "steering-overhead": "--prompts 1 --tokens 8",
     "verify-cost": "--pair random --max-tokens 3 --rounds 1 --threads 1 --dtype float32",
+    "linear-products": "--pair random --rows 1 4 --rounds 1 --threads 1",
 }
 OUTPUT_FLAGS = ("--out", "--json", "--plot")
 IN_SUBPROCESS = {("scripts/bench.py", "async")}

@@ -10,6 +10,7 @@ the drafter where the context offers nothing to copy.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
@@ -48,9 +49,12 @@ class DFlashDecoder(DraftTreeDecoder):
     ``draft_length="cost"`` the two work together: the cut chooses how many drafts a block checks once the
     forward is spent, the gate whether to spend it (a cut to nothing still paid for the forward);
     ``"never"`` (the default): the drafter runs every block. ``fallback_cut`` (with ``"auto"``, a fixed
-    chain): where the whole chain has not paid, the same forward's chain cut by cost instead of a plain
-    step (the gate weighs the two and a plain step, :meth:`~train.decoding.draft_gate.DraftGate.choose`).
-    Same ``generate`` as the other decoders."""
+    chain or a sampled tree): where the whole chain (or the sampled tree) has not paid, the same forward's
+    chain cut by cost instead of a plain step (the gate weighs the two and a plain step,
+    :meth:`~train.decoding.draft_gate.DraftGate.choose`). ``sampled_tree`` (children per depth, e.g.
+    ``[4, 1, 1]``): at T > 0, instead of the chain (or the tree), a tree whose siblings are drawn from the
+    slots' distributions without replacement (RSD-C), verified by the recursive rule; T = 0 keeps the
+    chain or ``tree_nodes``' tree. Same ``generate`` as the other decoders."""
 
     accepts: ClassVar[tuple[str, ...]] = ("dflash",)
     _proposer: DFlashProposer
@@ -71,6 +75,7 @@ class DFlashDecoder(DraftTreeDecoder):
         tree_nodes: int = 0,
         plain_steps: str = "never",
         fallback_cut: bool = False,
+        sampled_tree: Sequence[int] | None = None,
     ) -> None:
         if draft_length not in ("fixed", "cost"):
             raise ValueError(f"draft_length must be 'fixed' or 'cost', got {draft_length!r}")
@@ -83,8 +88,16 @@ class DFlashDecoder(DraftTreeDecoder):
         self.length = CostAwareLength(costs) if draft_length == "cost" else None
         self.draft_length = draft_length
         self._proposer = DFlashProposer(
-            drafter, self._verifier.vocab_size, gamma, draft_temperature, self.length, tree_nodes
+            drafter,
+            self._verifier.vocab_size,
+            gamma,
+            draft_temperature,
+            self.length,
+            tree_nodes,
+            sampled_tree,
         )
+        #: At T > 0, children per depth of the tree sampled from the block (None: none).
+        self.sampled_tree = self._proposer.sampled_tree
         self.depth = self._proposer.gamma
         self.fallback_cut = fallback_cut
         if fallback_cut:
@@ -102,8 +115,10 @@ class DFlashDecoder(DraftTreeDecoder):
     def measure_costs(self) -> StepCosts:
         """Checks of 1 .. the draft's tokens + 1 and the drafter's forward over a block, measured once per
         machine, setting and block (:func:`~train.decoding.proposers.step_probe.proposer_costs`)."""
-        nodes = self._proposer.tree_nodes or self.depth
+        nodes = max(self._proposer.tree_nodes or self.depth, self._proposer.sampled_nodes)
         shape = f"dflash block {self.drafter.block_size} gamma {self.depth} tree {self._proposer.tree_nodes}"
+        if self.sampled_tree is not None:
+            shape += f" sampled {list(self.sampled_tree)}"
         length, self._proposer.length = self._proposer.length, None  # the probe's blocks teach it nothing
         try:
             return proposer_costs(self._verifier, self._proposer, self.drafter, nodes + 1, self.depth, shape)
@@ -126,7 +141,7 @@ class DFlashDecoder(DraftTreeDecoder):
         for policy in (self.length, self._proposer.fallback_length):
             if policy is not None and policy.costs is None:
                 lookup = self._lookup.num_tokens if self._lookup is not None else 0
-                most = max(self.depth, self._proposer.tree_nodes, lookup) + 1
+                most = max(self.depth, self._proposer.tree_nodes, self._proposer.sampled_nodes, lookup) + 1
                 policy.costs = step_costs(self._verifier, None, most)
         return super().decode(prompt, max_new_tokens, params, eos, generator)
 

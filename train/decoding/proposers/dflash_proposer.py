@@ -42,6 +42,7 @@ from train.decoding.draft import Draft
 from train.decoding.length_policy import ChainOutcome, CostAwareLength, regime
 from train.decoding.metrics import DecodeStats
 from train.decoding.proposers.heads_proposer import choices_draft, tree_from_accuracies
+from train.decoding.proposers.tree_proposers import check_sampled_tree, gumbel_top_k
 from train.decoding.sampling import SamplingParams, draw_index, uniforms, warp
 from train.models.dflash_drafter import ContextKV, DFlashDrafter, block_inputs
 
@@ -60,6 +61,7 @@ class DFlashProposer:
         draft_temperature: float = 1.0,
         length: CostAwareLength | None = None,
         tree_nodes: int = 0,
+        sampled_tree: Sequence[int] | None = None,
     ) -> None:
         slots = drafter.block_size - 1
         if gamma is not None and (isinstance(gamma, bool) or not 1 <= int(gamma) <= slots):
@@ -76,6 +78,8 @@ class DFlashProposer:
         self.length = length
         #: Nodes of the tree drafted from the slots' top candidates (0: a chain).
         self.tree_nodes = tree_nodes
+        #: At T > 0, children per depth of a tree sampled from the slots without replacement (None: none).
+        self.sampled_tree = check_sampled_tree(sampled_tree, slots)
         self.hidden_layers: tuple[int, ...] = tuple(int(i) for i in drafter.aux_layers)
         param = drafter.fc.weight
         self._device, self._dtype = param.device, param.dtype
@@ -127,6 +131,15 @@ class DFlashProposer:
             self._context = self._context.crop(max(length - 1, 0))
 
     @property
+    def sampled_nodes(self) -> int:
+        """The most nodes the sampled tree can have (0: none)."""
+        widths, nodes, total = self.sampled_tree or (), 1, 0
+        for width in widths:
+            nodes *= width
+            total += nodes
+        return total
+
+    @property
     def context_length(self) -> int:
         """Positions whose context rows the proposer holds."""
         return self._context.length
@@ -150,6 +163,41 @@ class DFlashProposer:
         eos: frozenset[int],
         stats: DecodeStats,
     ) -> Draft:
+        """The block's draft: the sampled tree at T > 0 (``sampled_tree``), else the tree (``tree_nodes``),
+        else the chain; cut by ``length`` where it is set (the sampled tree is never cut)."""
+        return self._block(sequence, budget, params, generator, eos, stats, self.length, shaped=True)
+
+    def propose_cut(
+        self,
+        sequence: list[int],
+        budget: int,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        eos: frozenset[int],
+        stats: DecodeStats,
+    ) -> Draft:
+        """The block's chain cut by ``fallback_length`` (the prefix that pays under the measured costs, none
+        where nothing does), whatever shape :meth:`propose` drafts: what a gated whole block or sampled tree
+        falls back on where it has not paid
+        (:class:`~train.decoding.proposers.gated_proposer.GatedProposer`)."""
+        if self.fallback_length is None:
+            raise RuntimeError("propose_cut needs a fallback_length (DFlashDecoder(fallback_cut=True))")
+        cut = self.fallback_length
+        return self._block(sequence, budget, params, generator, eos, stats, cut, shaped=False)
+
+    def _block(
+        self,
+        sequence: list[int],
+        budget: int,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        eos: frozenset[int],
+        stats: DecodeStats,
+        policy: CostAwareLength | None,
+        shaped: bool,
+    ) -> Draft:
+        """One drafter forward and the draft from it: the configured tree where ``shaped`` (else the
+        chain), cut by ``policy`` (None: uncut)."""
         if budget < 1 or (not self._pending and self._context.length == 0):
             return Draft()
         start = time.perf_counter()
@@ -176,10 +224,12 @@ class DFlashProposer:
         # the logits of the slots the chain can use only (not the anchor's, nor any past the budget)
         logits = self.drafter(ids, positions, self._context, slots=slice(1, 1 + count))[0].float()
         spent = time.perf_counter() - block_start
-        if self.tree_nodes:
-            draft = self._tree(self._along_argmax(logits, sequence[-1]), params, eos, spent)
+        if shaped and self.sampled_tree is not None and not params.greedy:
+            draft = self._sample_tree(logits, sequence[-1], params, generator, eos)
+        elif shaped and self.tree_nodes:
+            draft = self._tree(self._along_argmax(logits, sequence[-1]), params, eos, spent, policy)
         else:
-            draft = self._chain(logits, sequence[-1], params, generator, eos, spent, len(sequence))
+            draft = self._chain(logits, sequence[-1], params, generator, eos, spent, len(sequence), policy)
         self._synchronize()
         end = time.perf_counter()
         self._forwards += 1  # the drafter's time per block, which the cost-aware cut weighs as spent
@@ -187,26 +237,6 @@ class DFlashProposer:
         stats.drafter_calls += 1 + int(prefill)
         stats.drafter_time += end - start
         return draft
-
-    def propose_cut(
-        self,
-        sequence: list[int],
-        budget: int,
-        params: SamplingParams,
-        generator: torch.Generator | None,
-        eos: frozenset[int],
-        stats: DecodeStats,
-    ) -> Draft:
-        """The block :meth:`propose` drafts, its chain cut by ``fallback_length`` (the prefix that pays
-        under the measured costs, none where nothing does): what a gated fixed chain falls back on where
-        the whole chain has not paid (:class:`~train.decoding.proposers.gated_proposer.GatedProposer`)."""
-        if self.fallback_length is None:
-            raise RuntimeError("propose_cut needs a fallback_length (DFlashDecoder(fallback_cut=True))")
-        length, self.length = self.length, self.fallback_length
-        try:
-            return self.propose(sequence, budget, params, generator, eos, stats)
-        finally:
-            self.length = length
 
     def _synchronize(self) -> None:
         """Wait for the drafter's own device, so the clock measures its work."""
@@ -255,9 +285,10 @@ class DFlashProposer:
         eos: frozenset[int],
         spent: float,
         committed: int,
+        policy: CostAwareLength | None,
     ) -> Draft:
         """The chain from the block's logits (n, N) after the ``anchor`` token: greedy or sampled, cut by
-        the cost policy, stopped after an eos.
+        the cost ``policy`` (None: uncut), stopped after an eos.
 
         With a Markov head each slot's distribution depends on the token drawn before it, so at T > 0 the
         cut reads the confidences of the slots' distributions without the bias: a cut that read slot 2's
@@ -276,26 +307,97 @@ class DFlashProposer:
             else:
                 columns, q = self._sampled_walk(logits, anchor, params, u)
                 # only the cut reads them (the rows before the bias: see above)
-                unbiased = warp(logits / self.draft_temperature, params) if self.length is not None else q
+                unbiased = warp(logits / self.draft_temperature, params) if policy is not None else q
                 confidences = unbiased.max(-1).values.tolist()
         keep = len(columns)
         key = regime(params)
-        if self.length is not None and self.length.costs is not None:
-            spent_costs = replace(self.length.costs, draft=max(self._forward_time, spent))
-            keep = self.length.cut(key, confidences, spent_costs)
+        if policy is not None and policy.costs is not None:
+            spent_costs = replace(policy.costs, draft=max(self._forward_time, spent))
+            keep = policy.cut(key, confidences, spent_costs)
         tokens: list[int] = []
         for column in columns[:keep]:
             tokens.append(self._target_ids[column])
             if tokens[-1] in eos:
                 break
         n = len(tokens)
-        if self.length is not None:  # what commit() tells the policy about these drafts
-            self._outcome = ChainOutcome(self.length, key, confidences[:n], n, committed)
+        if policy is not None:  # what commit() tells the policy about these drafts
+            self._outcome = ChainOutcome(policy, key, confidences[:n], n, committed)
         if q is None:
             return Draft.chain(tokens)
         return Draft.chain(tokens, q[:n], support=self._targets, columns=columns[:n])
 
-    def _tree(self, logits: torch.Tensor, params: SamplingParams, eos: frozenset[int], spent: float) -> Draft:
+    def _slot_rows(self, row: torch.Tensor, previous: list[int], params: SamplingParams) -> torch.Tensor:
+        """A slot's q (k, N) after each of the ``previous`` tokens: its logits (N,) divided by
+        ``draft_temperature`` and warped, with the Markov head's bias of each predecessor where there is
+        a head; without one every row is the same distribution, computed once."""
+        if self._markov is None:
+            return warp(row[None] / self.draft_temperature, params).expand(len(previous), -1)
+        biased = torch.stack([self._biased(row, token) for token in previous])
+        return warp(biased / self.draft_temperature, params)
+
+    def _sample_tree(
+        self,
+        logits: torch.Tensor,
+        anchor: int,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        eos: frozenset[int],
+    ) -> Draft:
+        """A tree sampled from the block at T > 0 (``sampled_tree``, children per depth; RSD-C's tree, Jeon
+        et al. 2024): every node at depth d (the anchor's children at depth 1) gets ``sampled_tree[d]``
+        children drawn *without replacement* (Gumbel-top-k over the draft vocabulary; fewer where q has
+        fewer tokens) from slot d + 1's q after that node's token (the same q for every node without a
+        Markov head, whose slots do not read the tokens before them), in draw order, each handed that q;
+        no node after an eos, no depth past the block's slots (``logits``: (n, N)). Verified by the
+        recursive rule without replacement: lossless for any q, since every sibling set is a
+        without-replacement sample of the q it carries, made from the committed sequence and the node's
+        path alone."""
+        assert self.sampled_tree is not None
+        tokens: list[int] = []
+        parents: list[int] = []
+        ranks: list[int] = []
+        columns: list[int] = []
+        rows: list[torch.Tensor] = []
+        frontier: list[tuple[int, int]] = [(-1, anchor)]  # (node, its token) to expand
+        for depth, width in enumerate(self.sampled_tree[: logits.shape[0]]):
+            q = self._slot_rows(logits[depth], [token for _, token in frontier], params)  # (k, N)
+            drawn, scores = gumbel_top_k(torch.log(q), width, uniforms(tuple(q.shape), generator, q.device))
+            expand: list[tuple[int, int]] = []
+            for row, ((parent, _), picks, marks) in enumerate(
+                zip(frontier, drawn.tolist(), scores.tolist(), strict=True)
+            ):
+                for rank, (column, score) in enumerate(zip(picks, marks, strict=True)):
+                    if score == -math.inf:  # q has fewer tokens than the width
+                        break
+                    token = self._target_ids[column]
+                    if token not in eos:
+                        expand.append((len(tokens), token))
+                    tokens.append(token)
+                    parents.append(parent)
+                    ranks.append(rank)
+                    columns.append(column)
+                    rows.append(q[row])
+            frontier = expand
+            if not frontier:
+                break
+        return Draft(
+            tokens,
+            parents,
+            torch.stack(rows),
+            ranks,
+            kind="without_replacement",
+            support=self._targets,
+            columns=columns,
+        )
+
+    def _tree(
+        self,
+        logits: torch.Tensor,
+        params: SamplingParams,
+        eos: frozenset[int],
+        spent: float,
+        length: CostAwareLength | None,
+    ) -> Draft:
         """A tree of up to ``tree_nodes`` deterministic candidates from the block's logits (n, N): each slot's
         top candidates (the drafter's distribution, warped at T > 0 as for a chain), the paths chosen by
         :func:`~train.decoding.proposers.heads_proposer.tree_from_accuracies` with each candidate's chance
@@ -309,7 +411,7 @@ class DFlashProposer:
         top = q.topk(min(self.tree_nodes, q.shape[-1]), dim=-1)
         probabilities = top.values.clamp(0.0, 1.0).tolist()
         key = regime(params)
-        policy = self.length if self.length is not None and self.length.costs is not None else None
+        policy = length if length is not None and length.costs is not None else None
         chances = (
             [policy.acceptances(key, row) for row in probabilities] if policy is not None else probabilities
         )

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from train.decoding.proposers.tree_proposers import check_sampled_tree
 from train.renames import renamed_keywords
 
 __all__ = ["Eagle3Tree", "node_mask", "select_nodes"]
@@ -63,10 +64,8 @@ class Eagle3Tree:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        sampled = self.sampled_tree
-        if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sampled):
-            raise ValueError(f"sampled_tree must be a non-empty list of integers >= 1, got {sampled!r}")
-        object.__setattr__(self, "sampled_tree", tuple(sampled))
+        sampled = check_sampled_tree(self.sampled_tree) if self.sampled_tree else ()
+        object.__setattr__(self, "sampled_tree", sampled)
         if sampled and self.sampled_chain:
             raise ValueError(
                 "sampled_chain and sampled_tree exclude each other (a chain is sampled_tree [1, 1, ...])"
@@ -80,6 +79,4 @@ class Eagle3Tree:
     def of(cls, sampled_tree: Sequence[int] | None, **settings: Any) -> Eagle3Tree:
         """The settings as a decoder config gives them (``sampled_tree`` None: not sampled; an empty
         list is refused)."""
-        if sampled_tree is not None and not list(sampled_tree):
-            raise ValueError(f"sampled_tree must be a non-empty list of integers >= 1, got {sampled_tree!r}")
-        return cls(sampled_tree=tuple(sampled_tree or ()), **settings)
+        return cls(sampled_tree=check_sampled_tree(sampled_tree) or (), **settings)

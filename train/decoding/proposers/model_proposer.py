@@ -160,13 +160,45 @@ class ModelProposer:
         eos: frozenset[int],
         stats: DecodeStats,
     ) -> Draft:
+        """The block's chain: ``gamma`` drafts (the loop's budget), the confidence stop, or the length
+        ``length`` chooses by cost."""
+        return self._chain(sequence, budget, params, generator, eos, stats, self.length)
+
+    def propose_cut(
+        self,
+        sequence: list[int],
+        budget: int,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        eos: frozenset[int],
+        stats: DecodeStats,
+    ) -> Draft:
+        """The chain :meth:`propose` drafts, its length chosen by ``fallback_length`` (the drafts that pay
+        under the measured costs, none where nothing does): what a gated fixed chain falls back on where
+        its ``gamma`` drafts have not paid
+        (:class:`~train.decoding.proposers.gated_proposer.GatedProposer`)."""
+        if self.fallback_length is None:
+            raise RuntimeError("propose_cut needs a fallback_length (SpeculativeDecoder(fallback_cut=True))")
+        return self._chain(sequence, budget, params, generator, eos, stats, self.fallback_length)
+
+    def _chain(
+        self,
+        sequence: list[int],
+        budget: int,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        eos: frozenset[int],
+        stats: DecodeStats,
+        length: CostAwareLength | None,
+    ) -> Draft:
+        """The chain, its length chosen by ``length`` (None: the budget, or the confidence stop)."""
         tokens: list[int] = []
         qs: list[torch.Tensor] = []
         columns: list[int] = []
         confidences: list[float] = []
         greedy = params.greedy
         ids = self._support_ids
-        length, key = self.length, regime(params)
+        key = regime(params)
         if length is not None and not length.should_draft(key, budget):
             return Draft()  # a plain verifier step: no drafted token can pay for its check
         u = [] if greedy else uniforms(budget, generator).tolist()
@@ -211,27 +243,6 @@ class ModelProposer:
             return Draft.chain(tokens, torch.stack(qs))
         # q over the draft ids, kept compact: the chain rule reads it as zero on every other id
         return Draft.chain(tokens, torch.stack(qs), support=self.drafter.support, columns=columns)
-
-    def propose_cut(
-        self,
-        sequence: list[int],
-        budget: int,
-        params: SamplingParams,
-        generator: torch.Generator | None,
-        eos: frozenset[int],
-        stats: DecodeStats,
-    ) -> Draft:
-        """The chain :meth:`propose` drafts, its length chosen by ``fallback_length`` (the drafts that pay
-        under the measured costs, none where nothing does): what a gated fixed chain falls back on where
-        its ``gamma`` drafts have not paid
-        (:class:`~train.decoding.proposers.gated_proposer.GatedProposer`)."""
-        if self.fallback_length is None:
-            raise RuntimeError("propose_cut needs a fallback_length (SpeculativeDecoder(fallback_cut=True))")
-        length, self.length = self.length, self.fallback_length
-        try:
-            return self.propose(sequence, budget, params, generator, eos, stats)
-        finally:
-            self.length = length
 
     def observe(self, states: torch.Tensor) -> None:
         """Never called: ``hidden_layers`` is None."""

@@ -36,7 +36,15 @@ from train.decoding.proposers.model_proposer import ModelProposer
 from train.decoding.sampling import SamplingParams, sample_with_uniform, uniforms
 from train.decoding.tree_attention import ancestors
 
-__all__ = ["TREE_METHODS", "TreeProposer", "gumbel_scores", "gumbel_top_k", "sbs_scores", "sbs_top"]
+__all__ = [
+    "TREE_METHODS",
+    "TreeProposer",
+    "check_sampled_tree",
+    "gumbel_scores",
+    "gumbel_top_k",
+    "sbs_scores",
+    "sbs_top",
+]
 
 #: Tree builders and the candidate kind their verification uses at T > 0.
 TREE_METHODS: dict[str, str] = {
@@ -57,6 +65,22 @@ def gumbel_top_k(log_q: torch.Tensor, k: int, u: torch.Tensor) -> tuple[torch.Te
     tokens have q > 0). log_q, u: (*, V); returns (*, k) tokens and scores."""
     scores, tokens = gumbel_scores(log_q, u).topk(min(k, log_q.shape[-1]), dim=-1)
     return tokens, scores
+
+
+def check_sampled_tree(
+    sampled_tree: Sequence[int] | None, max_depth: int | None = None
+) -> tuple[int, ...] | None:
+    """A sampled tree's children per depth as a decoder config gives them (``sampled_tree: [4, 1]``): None
+    stays None (no sampled tree); anything but a non-empty list of integers >= 1, or more depths than
+    ``max_depth``, is refused with the setting's name."""
+    if sampled_tree is None:
+        return None
+    branching = list(sampled_tree)
+    if not branching or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in branching):
+        raise ValueError(f"sampled_tree must be a non-empty list of integers >= 1, got {sampled_tree!r}")
+    if max_depth is not None and len(branching) > max_depth:
+        raise ValueError(f"sampled_tree has {len(branching)} depths; at most {max_depth} can be drafted")
+    return tuple(branching)
 
 
 def on_support(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
