@@ -120,9 +120,14 @@ def test_decoder_configs_build_as_partials(tmp_path):
         by_kind = {"heads": heads, "eagle3": eagle3, "dflash": dflash}
         second = next((by_kind[k] for k in kinds if k in by_kind), drafter)
         assert factory(verifier, second).verifier is verifier, name
-    assert {"eagle3", "dflash", "dflash_cost", "dflash_tree", "dflash_lookup", "dflash_tree_lookup"} <= set(
-        known_decoder_configs()
-    )
+    dflash_configs = {
+        "dflash_cost",
+        "dflash_tree",
+        "dflash_lookup",
+        "dflash_tree_lookup",
+        "dflash_sampled_tree_lookup",
+    }
+    assert {"eagle3", "dflash", *dflash_configs} <= set(known_decoder_configs())
 
 
 @pytest.mark.parametrize(
