@@ -14,6 +14,7 @@ import torch
 from train.decoding import DFlashDecoder, Draft, SamplingParams
 from train.decoding.costs import StepCosts
 from train.decoding.proposers.dflash_proposer import DFlashProposer
+from train.decoding.proposers.dflash_slots import BlockSlots
 from train.models import markov_head
 from train.models.dflash_drafter import DFlashDrafter, block_inputs
 from train.models.markov_head import bias_table
@@ -536,13 +537,13 @@ def test_law_test_catches_a_q_without_the_markov_bias(eagle3_law_verifier, monke
     rows without the bias (what a decoder that forgot the sequential stage would hand it)."""
     from train.decoding.sampling import warp
 
-    original = DFlashProposer._sampled_walk
+    original = BlockSlots.sampled_walk
 
     def unbiased_q(self, logits, anchor, params, u):
         columns, _ = original(self, logits, anchor, params, u)
         return columns, warp(logits / self.draft_temperature, params)
 
-    monkeypatch.setattr(DFlashProposer, "_sampled_walk", unbiased_q)
+    monkeypatch.setattr(BlockSlots, "sampled_walk", unbiased_q)
     stat, df, _ = law_statistic(eagle3_law_verifier, SamplingParams(1.0), markov_rank=8)
     assert stat > chi2_critical(df), (stat, df)
 

@@ -11,7 +11,8 @@ import torch
 
 from train.decoding import DFlashDecoder, SamplingParams
 from train.decoding.costs import StepCosts
-from train.decoding.proposers.dflash_proposer import DFlashProposer
+from train.decoding.proposers import dflash_proposer
+from train.decoding.proposers.dflash_slots import BlockSlots, sample_tree
 from train.decoding.sampling import warp
 from train.models import markov_head
 
@@ -82,18 +83,18 @@ def test_no_node_grows_under_an_eos_and_the_tree_stops_at_the_last_slot(eagle3_v
     a tree deeper than the logits it is given stops at their last row."""
     verifier = eagle3_verifiers["llama"]
     drafter = drafter_for(verifier, "full", seed=2, block_size=4)
-    proposer = DFlashProposer(drafter, verifier.config.vocab_size, sampled_tree=[3, 1, 1])
+    slots = BlockSlots(drafter, drafter.draft_ids, 1.0)
     n = drafter.draft_ids.shape[0]
     logits = torch.zeros(3, n)
     logits[0, 5] = 8.0  # the first depth draws id 5 first, almost surely
     generator = torch.Generator().manual_seed(0)
-    draft = proposer._sample_tree(logits, 1, SamplingParams(1.0), generator, frozenset({5}))
+    draft = sample_tree(slots, logits, 1, [3, 1, 1], SamplingParams(1.0), generator, frozenset({5}))
     depths = draft.depths()
     eos_nodes = [i for i, t in enumerate(draft.tokens) if t == 5 and depths[i] == 1]
     assert eos_nodes and not draft.children(eos_nodes[0])
     others = [i for i in draft.children(-1) if draft.tokens[i] != 5]
     assert len(others) == 2 and all(len(draft.children(i)) == 1 for i in others)
-    shallow = proposer._sample_tree(logits[:1], 1, SamplingParams(1.0), generator, frozenset())
+    shallow = sample_tree(slots, logits[:1], 1, [3, 1, 1], SamplingParams(1.0), generator, frozenset())
     assert len(shallow) == 3 and max(shallow.depths()) == 1
 
 
@@ -150,15 +151,15 @@ def test_a_sampled_trees_output_law_is_the_verifiers(eagle3_law_verifier, decode
 def test_law_test_catches_a_sampled_tree_handed_a_flattened_q(eagle3_law_verifier, monkeypatch):
     """Broken on purpose: the siblings are drawn from the slot's q, the rule is handed q**0.5,
     renormalised."""
-    original = DFlashProposer._sample_tree
+    original = dflash_proposer.sample_tree
 
-    def flattened_q(self, *args):
-        draft = original(self, *args)
+    def flattened_q(*args):
+        draft = original(*args)
         if draft.q is not None:
             flat = draft.q.sqrt()
             draft.q = flat / flat.sum(-1, keepdim=True)
         return draft
 
-    monkeypatch.setattr(DFlashProposer, "_sample_tree", flattened_q)
+    monkeypatch.setattr(dflash_proposer, "sample_tree", flattened_q)
     stat, df, _ = law_statistic(eagle3_law_verifier, SamplingParams(1.0), sampled_tree=[3, 2])
     assert stat > chi2_critical(df), (stat, df)

@@ -41,9 +41,10 @@ import torch
 from train.decoding.draft import Draft
 from train.decoding.length_policy import ChainOutcome, CostAwareLength, regime
 from train.decoding.metrics import DecodeStats
+from train.decoding.proposers.dflash_slots import BlockSlots, sample_tree
 from train.decoding.proposers.heads_proposer import choices_draft, tree_from_accuracies
-from train.decoding.proposers.tree_proposers import check_sampled_tree, gumbel_top_k
-from train.decoding.sampling import SamplingParams, draw_index, uniforms, warp
+from train.decoding.proposers.tree_proposers import check_sampled_tree
+from train.decoding.sampling import SamplingParams, draw_index, uniforms
 from train.models.dflash_drafter import ContextKV, DFlashDrafter, block_inputs
 
 __all__ = ["DFlashProposer"]
@@ -84,19 +85,9 @@ class DFlashProposer:
         param = drafter.fc.weight
         self._device, self._dtype = param.device, param.dtype
         self._targets = drafter.draft_ids.to(self._device)
-        self._target_ids: list[int] = self._targets.tolist()
-        head = drafter.markov_head
-        #: The Markov head's float32 factors and bias table, shared with the drafter's other decoders
-        #: (:meth:`~train.models.markov_head.MarkovHead.walk_weights`): a slot whose predecessor is a draft
-        #: token (every slot after the first, and the first where the anchor is one) reads its row of the
-        #: table instead of an N x r product (about a tenth of a DSpark block on a CPU). None: no head.
-        self._markov = head.walk_weights(self._targets) if head is not None else None
-        #: Draft-vocabulary column of each target id, where the walk has a table to read.
-        self._columns = (
-            {target: column for column, target in enumerate(self._target_ids)}
-            if self._markov is not None and self._markov.table is not None
-            else {}
-        )
+        #: The slots' distributions: the warp, DSpark's Markov bias (dflash_slots.py).
+        self._slots = BlockSlots(drafter, self._targets, self.draft_temperature)
+        self._target_ids = self._slots.target_ids
         self._context = ContextKV([])
         self._pending: list[torch.Tensor] = []
         self._forward_time = 0.0  # mean of the drafter's forwards so far (the cut weighs it as spent)
@@ -225,9 +216,9 @@ class DFlashProposer:
         logits = self.drafter(ids, positions, self._context, slots=slice(1, 1 + count))[0].float()
         spent = time.perf_counter() - block_start
         if shaped and self.sampled_tree is not None and not params.greedy:
-            draft = self._sample_tree(logits, sequence[-1], params, generator, eos)
+            draft = sample_tree(self._slots, logits, sequence[-1], self.sampled_tree, params, generator, eos)
         elif shaped and self.tree_nodes:
-            draft = self._tree(self._along_argmax(logits, sequence[-1]), params, eos, spent, policy)
+            draft = self._tree(self._slots.along_argmax(logits, sequence[-1]), params, eos, spent, policy)
         else:
             draft = self._chain(logits, sequence[-1], params, generator, eos, spent, len(sequence), policy)
         self._synchronize()
@@ -242,39 +233,6 @@ class DFlashProposer:
         """Wait for the drafter's own device, so the clock measures its work."""
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
-
-    def _along_argmax(self, logits: torch.Tensor, anchor: int) -> torch.Tensor:
-        """The block's logits (n, N) with the Markov head's bias of each slot's predecessor on the argmax
-        path (slot 1's: the anchor's); unchanged without a Markov head."""
-        if self._markov is None:
-            return logits
-        rows, previous = [], anchor
-        for row in logits:
-            rows.append(self._biased(row, previous))
-            previous = self._target_ids[int(rows[-1].argmax())]
-        return torch.stack(rows)
-
-    def _biased(self, row: torch.Tensor, previous: int) -> torch.Tensor:
-        """A slot's (N,) float logits plus the Markov head's bias after the target id ``previous``: the
-        table's row where ``previous`` is a draft token and the table is kept, else computed."""
-        walk = self._markov
-        assert walk is not None
-        column = self._columns.get(previous)
-        if column is not None and walk.table is not None:
-            return row + walk.table[column]
-        return torch.addmv(row, walk.w2, walk.w1[previous])
-
-    def _sampled_walk(
-        self, logits: torch.Tensor, anchor: int, params: SamplingParams, u: list[float]
-    ) -> tuple[list[int], torch.Tensor]:
-        """DSpark's sequential stage at T > 0: slot by slot, the block's logits plus the bias of the token
-        just drawn, warped, then drawn from with ``u``; the columns and the rows they were drawn from."""
-        rows, columns, previous = [], [], anchor
-        for i, row in enumerate(logits):
-            rows.append(warp(self._biased(row, previous)[None] / self.draft_temperature, params)[0])
-            columns.append(draw_index(rows[-1], u[i]))
-            previous = self._target_ids[columns[-1]]
-        return columns, torch.stack(rows)
 
     def _chain(
         self,
@@ -296,18 +254,18 @@ class DFlashProposer:
         longer be plain draws from their q. At T = 0 nothing is drawn, and the biased rows are read."""
         if params.greedy:
             q = None
-            top = self._along_argmax(logits, anchor).softmax(-1).max(-1)
+            top = self._slots.along_argmax(logits, anchor).softmax(-1).max(-1)
             columns, confidences = top.indices.tolist(), top.values.tolist()
         else:
             u = uniforms(logits.shape[0], generator).tolist()
-            if self._markov is None:
-                q = warp(logits / self.draft_temperature, params)
+            if self._slots.markov is None:
+                q = self._slots.warped(logits, params)
                 columns = [draw_index(q[i], u[i]) for i in range(q.shape[0])]
                 confidences = q.max(-1).values.tolist()
             else:
-                columns, q = self._sampled_walk(logits, anchor, params, u)
+                columns, q = self._slots.sampled_walk(logits, anchor, params, u)
                 # only the cut reads them (the rows before the bias: see above)
-                unbiased = warp(logits / self.draft_temperature, params) if policy is not None else q
+                unbiased = self._slots.warped(logits, params) if policy is not None else q
                 confidences = unbiased.max(-1).values.tolist()
         keep = len(columns)
         key = regime(params)
@@ -326,70 +284,6 @@ class DFlashProposer:
             return Draft.chain(tokens)
         return Draft.chain(tokens, q[:n], support=self._targets, columns=columns[:n])
 
-    def _slot_rows(self, row: torch.Tensor, previous: list[int], params: SamplingParams) -> torch.Tensor:
-        """A slot's q (k, N) after each of the ``previous`` tokens: its logits (N,) divided by
-        ``draft_temperature`` and warped, with the Markov head's bias of each predecessor where there is
-        a head; without one every row is the same distribution, computed once."""
-        if self._markov is None:
-            return warp(row[None] / self.draft_temperature, params).expand(len(previous), -1)
-        biased = torch.stack([self._biased(row, token) for token in previous])
-        return warp(biased / self.draft_temperature, params)
-
-    def _sample_tree(
-        self,
-        logits: torch.Tensor,
-        anchor: int,
-        params: SamplingParams,
-        generator: torch.Generator | None,
-        eos: frozenset[int],
-    ) -> Draft:
-        """A tree sampled from the block at T > 0 (``sampled_tree``, children per depth; RSD-C's tree, Jeon
-        et al. 2024): every node at depth d (the anchor's children at depth 1) gets ``sampled_tree[d]``
-        children drawn *without replacement* (Gumbel-top-k over the draft vocabulary; fewer where q has
-        fewer tokens) from slot d + 1's q after that node's token (the same q for every node without a
-        Markov head, whose slots do not read the tokens before them), in draw order, each handed that q;
-        no node after an eos, no depth past the block's slots (``logits``: (n, N)). Verified by the
-        recursive rule without replacement: lossless for any q, since every sibling set is a
-        without-replacement sample of the q it carries, made from the committed sequence and the node's
-        path alone."""
-        assert self.sampled_tree is not None
-        tokens: list[int] = []
-        parents: list[int] = []
-        ranks: list[int] = []
-        columns: list[int] = []
-        rows: list[torch.Tensor] = []
-        frontier: list[tuple[int, int]] = [(-1, anchor)]  # (node, its token) to expand
-        for depth, width in enumerate(self.sampled_tree[: logits.shape[0]]):
-            q = self._slot_rows(logits[depth], [token for _, token in frontier], params)  # (k, N)
-            drawn, scores = gumbel_top_k(torch.log(q), width, uniforms(tuple(q.shape), generator, q.device))
-            expand: list[tuple[int, int]] = []
-            for row, ((parent, _), picks, marks) in enumerate(
-                zip(frontier, drawn.tolist(), scores.tolist(), strict=True)
-            ):
-                for rank, (column, score) in enumerate(zip(picks, marks, strict=True)):
-                    if score == -math.inf:  # q has fewer tokens than the width
-                        break
-                    token = self._target_ids[column]
-                    if token not in eos:
-                        expand.append((len(tokens), token))
-                    tokens.append(token)
-                    parents.append(parent)
-                    ranks.append(rank)
-                    columns.append(column)
-                    rows.append(q[row])
-            frontier = expand
-            if not frontier:
-                break
-        return Draft(
-            tokens,
-            parents,
-            torch.stack(rows),
-            ranks,
-            kind="without_replacement",
-            support=self._targets,
-            columns=columns,
-        )
-
     def _tree(
         self,
         logits: torch.Tensor,
@@ -407,7 +301,7 @@ class DFlashProposer:
         (:meth:`~train.decoding.length_policy.CostAwareLength.cut_tree`): a tree as large as the checks
         afford, none where nothing pays. The size depends on the distributions alone and the candidates
         are deterministic, so the walk's verdict stays lossless."""
-        q = logits.softmax(-1) if params.greedy else warp(logits / self.draft_temperature, params)
+        q = logits.softmax(-1) if params.greedy else self._slots.warped(logits, params)
         top = q.topk(min(self.tree_nodes, q.shape[-1]), dim=-1)
         probabilities = top.values.clamp(0.0, 1.0).tolist()
         key = regime(params)
