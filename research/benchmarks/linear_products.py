@@ -11,7 +11,7 @@ them, for each way of computing a product:
 
 - ``library``: ``F.linear``, as torch ships it;
 - ``streamed``: ``weight @ rows.T`` (:func:`train.models.streamed_linear.streamed_linear`);
-- ``fused``: ``F.linear`` with q/k/v and gate/up concatenated (5 products a layer where there were 7:
+- ``fused``: ``F.linear`` with q/k/v and gate/up concatenated (4 products a layer where there were 7:
   fewer, larger calls, the same bytes);
 - ``transposed``: ``rows @ weight_t``, the weight stored transposed once (MKL's other operand layout);
 - ``vectors``: one matrix-vector product per row (each row reads the weight again, from cache if it fits);

@@ -14,21 +14,13 @@ from train.decoding.costs import StepCosts
 from train.decoding.proposers import dflash_proposer
 from train.decoding.proposers.dflash_slots import BlockSlots, sample_tree
 from train.decoding.sampling import warp
+from train.decoding.tree_attention import ancestors
 from train.models import markov_head
 
 from .decoding_helpers import hf_greedy
 from .spec_reference import chi2_critical
 from .test_dflash_decoding import Spy, drafter_for, law_statistic, reference_block_logits, walked
 from .test_eagle3_decoding import PROMPTS
-
-
-def ancestors(parents: list[int], node: int) -> list[int]:
-    """The nodes from the root's child down to ``node``'s parent."""
-    path: list[int] = []
-    while parents[node] >= 0:
-        node = parents[node]
-        path.append(node)
-    return path[::-1]
 
 
 @pytest.mark.parametrize(
@@ -68,8 +60,9 @@ def test_every_node_carries_the_q_its_siblings_were_drawn_from(
             assert len(kids) == (widths[depth] if depth < deepest else 0), (node, depth)
             assert len({draft.tokens[k] for k in kids}) == len(kids)
             assert [draft.rank[k] for k in kids] == list(range(len(kids)))
+        lineage = ancestors(draft.parents)
         for i, token in enumerate(draft.tokens):
-            path = [draft.tokens[a] for a in ancestors(draft.parents, i)]
+            path = [draft.tokens[a] for a in lineage[i]]
             row = walked(drafter, block, sequence[-1], path)[depths[i] - 1]
             want = warp(row.float()[None] / 0.8, params)[0]
             assert draft.q is not None and draft.columns is not None

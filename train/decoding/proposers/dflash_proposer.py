@@ -290,7 +290,7 @@ class DFlashProposer:
         params: SamplingParams,
         eos: frozenset[int],
         spent: float,
-        length: CostAwareLength | None,
+        policy: CostAwareLength | None,
     ) -> Draft:
         """A tree of up to ``tree_nodes`` deterministic candidates from the block's logits (n, N): each slot's
         top candidates (the drafter's distribution, warped at T > 0 as for a chain), the paths chosen by
@@ -305,7 +305,8 @@ class DFlashProposer:
         top = q.topk(min(self.tree_nodes, q.shape[-1]), dim=-1)
         probabilities = top.values.clamp(0.0, 1.0).tolist()
         key = regime(params)
-        policy = length if length is not None and length.costs is not None else None
+        if policy is not None and policy.costs is None:
+            policy = None  # not measured yet: an uncut tree
         chances = (
             [policy.acceptances(key, row) for row in probabilities] if policy is not None else probabilities
         )
