@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from train.decoding import SamplingParams, SpeculativeDecoder
+from train.decoding.costs import StepCosts
 from train.decoding.metrics import DecodeStats
 from train.decoding.proposers.fallback_proposer import FallbackProposer
 from train.decoding.proposers.lookup_proposer import PromptLookupProposer, lookup_continuation
@@ -158,6 +159,36 @@ def test_lookup_with_eos_and_a_short_limit_matches_hf(llama_pair):
         dec = SpeculativeDecoder(verifier, drafter, gamma=2, lookup_tokens=6, lookup_min_ngram=1)
         res = dec.generate(ids, n, eos_token_id=eos)
         assert res.tokens.tolist() == ref[:n], n
+
+
+def test_a_gated_decoder_cuts_its_copies_by_cost(llama_pair):
+    """Behind a plain-step gate with no cost-chosen length, copies are cut by a cost-aware length of their
+    own under the gate's costs: where checking n tokens costs n steps no copy pays, so the blocks check
+    one token (bar the probes) and the output stays Hugging Face's greedy one; where checks are flat the
+    copies are checked whole. Broken on purpose (by hand): ``prompt_lookup`` ignoring ``gated`` (the
+    copies uncut, as before) checks 4.05 tokens a call on the dear checks (1.66 cut) and fails."""
+    verifier, drafter = llama_pair
+    ids = _repetitive_prompt(0)
+    ref = hf_greedy(verifier, ids, 40, eos=None)
+    checked = {}
+    for name, verify in (("flat", (1.0,) * 9), ("dear", tuple(float(n) for n in range(1, 10)))):
+        dec = SpeculativeDecoder(
+            verifier,
+            drafter,
+            gamma=2,
+            lookup_tokens=6,
+            lookup_min_ngram=1,
+            plain_steps="auto",
+            costs=StepCosts(verify, 0.01),
+        )
+        assert dec._lookup is not None and dec._lookup.length is not None
+        res = dec.generate(ids, 40)
+        assert res.tokens.tolist() == ref, name
+        assert dec._lookup.length.costs == dec.step_costs
+        checked[name] = res.stats.verifier_tokens / res.stats.verifier_calls
+    assert checked["dear"] < 2.0 < 4.0 < checked["flat"], checked
+    ungated = SpeculativeDecoder(verifier, drafter, gamma=2, lookup_tokens=6)
+    assert ungated._lookup is not None and ungated._lookup.length is None  # copies uncut, as configured
 
 
 def test_bad_lookup_settings_raise(llama_pair):

@@ -9,7 +9,9 @@ three questions per block:
    acceptance of first drafts as the guess for every draft: if no length beats a plain verifier step,
    the block is a plain step (no drafter call). After ``probe_every`` such blocks in a row one drafts anyway,
    so the estimate can recover when the text changes; the interval doubles after each probe that does not
-   pay, up to ``probe_longest`` (:class:`~train.decoding.probes.Probes`).
+   pay, up to ``probe_longest`` (:class:`~train.decoding.probes.Probes`). A drafter that gives the whole
+   block from one forward (DFlash) asks the same before that forward
+   (:meth:`CostAwareLength.should_spend_forward`), its forward counted once.
 2. **Verify this draft?** (:meth:`CostAwareLength.include`) Each time the drafter gives its distribution
    for the next position: with the calibrated acceptance of the drafts kept so far and of this one (the
    last also the guess for those to come), keep it (and draft on) while some chain through it promises
@@ -147,6 +149,8 @@ class CostAwareLength:
         self._first_probes = Probes(probe_every, probe_longest)
         #: This block verifies its first draft as a probe (its plain steps before it were many enough).
         self._probing = False
+        #: The last :meth:`should_spend_forward` granted its forward as a probe (read once, by the cut).
+        self._forward_probe = False
         self._copy_probes = Probes(probe_every, probe_longest)
 
     def _costs(self) -> StepCosts:
@@ -165,13 +169,27 @@ class CostAwareLength:
         return [cal.estimate(c) for c in confidences]
 
     def should_draft(self, regime: object, budget: int) -> bool:
-        """Whether a chain of up to ``budget`` drafts, each accepted like first drafts so far, can beat a
-        plain step (with probes, :class:`~train.decoding.probes.Probes`)."""
-        costs = self._costs()
+        """Whether a chain of up to ``budget`` drafts, each accepted like first drafts so far and each
+        costing a drafter step, can beat a plain step (with probes,
+        :class:`~train.decoding.probes.Probes`)."""
+        return self._worth_drafting(regime, budget, self._costs(), None)
+
+    def should_spend_forward(self, regime: object, budget: int, costs: StepCosts) -> bool:
+        """Whether one drafter forward that gives every draft of the block at once (DFlash), ``costs.draft``
+        seconds, can pay: some chain of up to ``budget`` drafts, each accepted like first drafts so far,
+        beats a plain step under ``costs`` (with probes, as :meth:`should_draft`). Asked before the forward,
+        so a block where nothing can pay costs a plain step and not a forward cut to nothing; the block's
+        :meth:`cut` then keeps its first draft where this call probed."""
+        spend = self._worth_drafting(regime, budget, costs, 1)
+        self._forward_probe = self._probing
+        return spend
+
+    def _worth_drafting(self, regime: object, budget: int, costs: StepCosts, forwards: int | None) -> bool:
+        """:meth:`should_draft` with ``forwards`` drafter steps a block (None: one per draft)."""
         guess = self._first.setdefault(regime, PositionAcceptance()).estimate(0)
         plain = 1.0 / costs.check(1)
         self._probing = False
-        if any(block_rate([guess] * n, costs, n) > plain for n in range(1, budget + 1)):
+        if any(block_rate([guess] * n, costs, forwards or n) > plain for n in range(1, budget + 1)):
             return True
         self._probing = self._first_probes.refused()
         return self._probing
@@ -214,8 +232,9 @@ class CostAwareLength:
         """How many of a draft's nodes, best first, to verify when one drafter forward already spent gave
         them all (a DFlash chain or tree): ``chances[i]`` is the calibrated chance that node i's path is
         accepted (:func:`~train.decoding.costs.best_node_count`); where none pays, none, or the first one
-        as a probe."""
-        self._probing = False
+        as a probe (the block's :meth:`should_spend_forward`, asked before the forward, says whether this
+        block probes; a cut without it never does)."""
+        self._probing, self._forward_probe = self._forward_probe, False
         keep = best_node_count(chances, costs, 1)[0]
         if chances and self._first_draft(keep > 0):
             return keep or 1  # the nodes that pay, or the first one as a probe

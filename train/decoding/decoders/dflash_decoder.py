@@ -104,10 +104,9 @@ class DFlashDecoder(DraftTreeDecoder):
             self._proposer.fallback_length = CostAwareLength(costs)
             self._fallback = self._proposer.propose_cut
         self.draft_temperature = self._proposer.draft_temperature
-        self._lookup = prompt_lookup(lookup_tokens, lookup_max_ngram, lookup_min_ngram)
-        if self._lookup is not None:
-            self._lookup.length = self.length
         self._gate = plain_step_gate(plain_steps, costs)
+        gated = self._gate is not None
+        self._lookup = prompt_lookup(lookup_tokens, lookup_max_ngram, lookup_min_ngram, self.length, gated)
 
     def models(self) -> tuple[torch.nn.Module, ...]:
         return (self.verifier,)

@@ -92,8 +92,9 @@ class Eagle3Decoder(DraftTreeDecoder):
         #: The draft's shape (:class:`~train.decoding.proposers.eagle3_tree.Eagle3Tree`).
         self.tree = tree
         self.depth = tree.depth
-        self._lookup = prompt_lookup(lookup_tokens, lookup_max_ngram, lookup_min_ngram)
         self._gate = plain_step_gate(plain_steps, costs)
+        gated = self._gate is not None
+        self._lookup = prompt_lookup(lookup_tokens, lookup_max_ngram, lookup_min_ngram, self.length, gated)
         self._fallback = self._proposer.propose_chain if fallback_gamma else None
 
     @property

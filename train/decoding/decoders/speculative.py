@@ -115,9 +115,8 @@ class SpeculativeDecoder(Decoder):
         if fallback_cut:
             self._proposer.fallback_length = CostAwareLength(costs)
         self.confidence_threshold = self._proposer.confidence_threshold
-        self._lookup = prompt_lookup(lookup_tokens, lookup_max_ngram, lookup_min_ngram)
-        if self._lookup is not None:
-            self._lookup.length = self.length
+        gated = self._gate is not None
+        self._lookup = prompt_lookup(lookup_tokens, lookup_max_ngram, lookup_min_ngram, self.length, gated)
         self.vocab_size = self._verifier.vocab_size
         self.steering = steering
         if steering is not None and hasattr(steering, "check_pair"):
@@ -165,7 +164,8 @@ class SpeculativeDecoder(Decoder):
             steered = SteeredProposer(self._proposer, self.steering, handle) if handle is not None else None
             fallback = self._proposer.propose_cut if self.fallback_cut else None  # steered too: its hook
             drafting = behind_gate(steered or self._proposer, self._gate, self.measure_costs, fallback)
-            proposer, max_draft = lookup_first(drafting, self.gamma, self._lookup)
+            gate_costs = self._gate.costs if self._gate is not None else None
+            proposer, max_draft = lookup_first(drafting, self.gamma, self._lookup, gate_costs)
             result = run_synchronous(
                 self._verifier,
                 proposer,

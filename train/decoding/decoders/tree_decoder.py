@@ -96,7 +96,6 @@ class TreeSpeculativeDecoder(DraftTreeDecoder):
         self.method = method
         self.beam_width = beam_width
         self._verifier = TimedModel(verifier)
-        self._lookup = prompt_lookup(lookup_tokens, lookup_max_ngram, lookup_min_ngram)
         self.fallback_gamma = fallback_gamma
         #: The fallback chain's cost-aware length (None without a fallback).
         self.length = CostAwareLength(costs) if fallback_gamma else None
@@ -111,6 +110,8 @@ class TreeSpeculativeDecoder(DraftTreeDecoder):
         )
         self.vocab_size = self._verifier.vocab_size
         self._gate = plain_step_gate(plain_steps, costs)
+        gated = self._gate is not None
+        self._lookup = prompt_lookup(lookup_tokens, lookup_max_ngram, lookup_min_ngram, self.length, gated)
         self._fallback = self._proposer.propose_chain if fallback_gamma else None
 
     @property

@@ -191,6 +191,8 @@ class DFlashProposer:
         chain), cut by ``policy`` (None: uncut)."""
         if budget < 1 or (not self._pending and self._context.length == 0):
             return Draft()
+        if policy is not None and not self._forward_pays(policy, min(self.gamma, budget), params):
+            return Draft()  # a plain verifier step: no cut of this forward can pay for it and its check
         start = time.perf_counter()
         prefill = self._context.length == 0
         self._catch_up()
@@ -228,6 +230,15 @@ class DFlashProposer:
         stats.drafter_calls += 1 + int(prefill)
         stats.drafter_time += end - start
         return draft
+
+    def _forward_pays(self, policy: CostAwareLength, count: int, params: SamplingParams) -> bool:
+        """Whether ``policy`` spends this block's forward (its mean time so far) on up to ``count`` drafts
+        (:meth:`~train.decoding.length_policy.CostAwareLength.should_spend_forward`); True until its
+        costs are known."""
+        if policy.costs is None:
+            return True
+        costs = replace(policy.costs, draft=self._forward_time)
+        return policy.should_spend_forward(regime(params), count, costs)
 
     def _synchronize(self) -> None:
         """Wait for the drafter's own device, so the clock measures its work."""

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
+from train.decoding.costs import StepCosts
 from train.decoding.draft import Draft
 from train.decoding.length_policy import CostAwareLength, regime
 from train.decoding.metrics import DecodeStats
@@ -111,17 +112,36 @@ class PromptLookupProposer:
 
 
 def lookup_first(
-    proposer: Proposer, budget: int, lookup: PromptLookupProposer | None
+    proposer: Proposer, budget: int, lookup: PromptLookupProposer | None, costs: StepCosts | None = None
 ) -> tuple[Proposer, int]:
     """``proposer`` behind prompt lookup (its drafts capped at ``budget`` tokens), or itself when
-    ``lookup`` is None; with the most tokens a block may then draft (the loop's ``max_draft``)."""
+    ``lookup`` is None; with the most tokens a block may then draft (the loop's ``max_draft``).
+    ``costs`` (a gated decoder's measured ones): what the copies are cut by where their cost-aware length
+    has no costs yet."""
     if lookup is None:
         return proposer, budget
+    if lookup.length is not None and lookup.length.costs is None:
+        lookup.length.costs = costs
     return FallbackProposer(lookup, proposer, budget), max(budget, lookup.num_tokens)
 
 
-def prompt_lookup(num_tokens: int, max_ngram: int, min_ngram: int) -> PromptLookupProposer | None:
-    """A decoder's ``lookup_tokens`` (0: off), checked, as a proposer (None when off)."""
+def prompt_lookup(
+    num_tokens: int,
+    max_ngram: int,
+    min_ngram: int,
+    length: CostAwareLength | None = None,
+    gated: bool = False,
+) -> PromptLookupProposer | None:
+    """A decoder's ``lookup_tokens`` (0: off), checked, as a proposer (None when off), its copies cut by
+    ``length`` (the decoder's cost-chosen draft length), or where the decoder is ``gated`` (behind a
+    plain-step gate, :mod:`train.decoding.draft_gate`) and has no such length, by a cost-aware length of
+    their own, under the gate's costs (:func:`lookup_first`). A gate weighs the drafter's blocks only:
+    uncut, six copies checked where checking seven tokens costs 1.9 steps lose time wherever copies are
+    accepted less than they were in the text they came from (float32 on a CPU at T = 1, docs/dflash.md)."""
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
         raise ValueError(f"lookup_tokens must be an integer >= 0 (0 = off), got {num_tokens!r}")
-    return PromptLookupProposer(num_tokens, max_ngram, min_ngram) if num_tokens else None
+    if not num_tokens:
+        return None
+    lookup = PromptLookupProposer(num_tokens, max_ngram, min_ngram)
+    lookup.length = length if length is not None or not gated else CostAwareLength()
+    return lookup
