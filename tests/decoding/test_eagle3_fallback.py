@@ -228,3 +228,26 @@ def test_the_output_law_is_the_verifiers_while_the_tree_falls_back_on_its_chain(
         return
     assert stat < chi2_critical(df), (stat, df)
     assert counts["tree"] > 300 and counts["chain_drafted"] > 1000, counts
+
+
+def test_the_fallback_chain_is_never_longer_than_fallback_gamma(eagle3_verifiers, monkeypatch):
+    """The loop's budget is the longer of the tree's depth (4) and the fallback chain's; a chain of
+    ``fallback_gamma`` = 2 is handed 2 whatever the budget (``gated_proposer.capped``), so no fallback draft
+    is longer, and the greedy output stays Hugging Face's. Broken on purpose (by hand): the chain's own
+    ``propose_chain`` as the fallback (uncapped, as before) is handed the tree's depth and fails."""
+    verifier = eagle3_verifiers["llama"]
+    drafter = drafter_for(verifier, "reduced")
+    budgets: list[int] = []
+    propose_chain = Eagle3Proposer.propose_chain
+
+    def spy(self, sequence, budget, *args):  # type: ignore[no-untyped-def]
+        budgets.append(budget)
+        return propose_chain(self, sequence, budget, *args)
+
+    monkeypatch.setattr(Eagle3Proposer, "propose_chain", spy)
+    dec = gated(verifier, drafter, STEEP, fallback_gamma=2)
+    ids = torch.tensor([PROMPTS[0]])
+    reference = hf_greedy(verifier, ids, 40)
+    for _ in range(3):
+        assert dec.generate(ids, 40).tokens.tolist() == reference
+    assert budgets and max(budgets) == 2, budgets

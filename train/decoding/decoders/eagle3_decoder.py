@@ -22,6 +22,7 @@ from train.decoding.length_policy import CostAwareLength
 from train.decoding.model_call import TimedModel
 from train.decoding.proposers.eagle3_proposer import Eagle3Proposer
 from train.decoding.proposers.eagle3_tree import Eagle3Tree
+from train.decoding.proposers.gated_proposer import capped
 from train.decoding.proposers.lookup_proposer import prompt_lookup
 from train.decoding.proposers.step_probe import proposer_costs
 from train.models.eagle3_drafter import Eagle3Drafter
@@ -95,7 +96,7 @@ class Eagle3Decoder(DraftTreeDecoder):
         self._gate = plain_step_gate(plain_steps, costs)
         gated = self._gate is not None
         self._lookup = prompt_lookup(lookup_tokens, lookup_max_ngram, lookup_min_ngram, self.length, gated)
-        self._fallback = self._proposer.propose_chain if fallback_gamma else None
+        self._fallback = capped(self._proposer.propose_chain, fallback_gamma) if fallback_gamma else None
 
     @property
     def draft_budget(self) -> int:

@@ -21,6 +21,7 @@ from train.decoding.decoders.base import DraftTreeDecoder
 from train.decoding.draft_gate import check_fallback_gamma, plain_step_gate
 from train.decoding.length_policy import CostAwareLength
 from train.decoding.model_call import TimedModel
+from train.decoding.proposers.gated_proposer import capped
 from train.decoding.proposers.lookup_proposer import prompt_lookup
 from train.decoding.proposers.tree_proposers import TREE_METHODS, TreeProposer
 
@@ -112,7 +113,7 @@ class TreeSpeculativeDecoder(DraftTreeDecoder):
         self._gate = plain_step_gate(plain_steps, costs)
         gated = self._gate is not None
         self._lookup = prompt_lookup(lookup_tokens, lookup_max_ngram, lookup_min_ngram, self.length, gated)
-        self._fallback = self._proposer.propose_chain if fallback_gamma else None
+        self._fallback = capped(self._proposer.propose_chain, fallback_gamma) if fallback_gamma else None
 
     @property
     def draft_budget(self) -> int:

@@ -31,7 +31,7 @@ from train.decoding.metrics import DecodeStats
 from train.decoding.proposers.protocol import Proposer
 from train.decoding.sampling import SamplingParams
 
-__all__ = ["GatedProposer", "behind_gate"]
+__all__ = ["GatedProposer", "behind_gate", "capped"]
 
 _EMPTY = Draft()
 
@@ -110,3 +110,20 @@ def behind_gate(
     if gate.costs is None:
         gate.costs = measure_costs()
     return GatedProposer(proposer, gate, fallback)
+
+
+def capped(propose: Propose, most: int) -> Propose:
+    """``propose`` drafting at most ``most`` tokens whatever the block's budget: a tree's fallback chain of
+    ``fallback_gamma`` drafts, where the loop's budget is the longer of the tree's depth and that chain."""
+
+    def propose_capped(
+        sequence: list[int],
+        budget: int,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        eos: frozenset[int],
+        stats: DecodeStats,
+    ) -> Draft:
+        return propose(sequence, min(budget, most), params, generator, eos, stats)
+
+    return propose_capped
