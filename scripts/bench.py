@@ -25,6 +25,7 @@ SUBCOMMANDS = {
         "an EAGLE-3 drafter's first-token acceptance per draft temperature",
     ),
     "draft-vocab": ("draft_vocab", "a drafter's output head: full vs reduced vocabulary"),
+    "gate-blocks": ("gate_blocks", "where a gated DFlash decoder's blocks go: shape, fallback, plain, copy"),
     "eagle3-step": ("eagle3_step", "an EAGLE-3 training step: online, grouped, cached features"),
     "lookup": ("lookup", "prompt lookup against the drafter on the verifier's greedy answers"),
     "verify-cost": ("verify_cost", "what checking k tokens costs: F.linear against the streamed product"),
