@@ -353,6 +353,7 @@ BENCH_MICRO = {
     "steering-overhead": "--prompts 1 --tokens 8",
     "verify-cost": "--pair random --max-tokens 3 --rounds 1 --threads 1 --dtype float32",
     "linear-products": "--pair random --rows 1 4 --rounds 1 --threads 1",
+    "gate-blocks": "--dflash random --prompts 1 --tokens 6 --decoders dflash dflash_lookup --threads 1",
 }
 OUTPUT_FLAGS = ("--out", "--json", "--plot")
 IN_SUBPROCESS = {("scripts/bench.py", "async")}
@@ -451,6 +452,8 @@ class Workspace:
                 args[args.index("--pair") + 1] = str(pair)
                 if "--drafter" in args:  # another drafter folder (a run's drafter/): the pair's own
                     args[args.index("--drafter") + 1] = str(pair / "drafter")
+            if sub == "gate-blocks":
+                extra += ["--pair", str(self.answered_tiny_pair())]
             if sub == "draft-temperature":
                 pair = self.answered_tiny_pair()
                 extra += ["--pair", str(pair), "--drafter", str(self.tiny_eagle3_drafter(pair))]

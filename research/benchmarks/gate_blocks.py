@@ -45,7 +45,11 @@ LETTERS = {SHAPE: "S", FALLBACK: "f", None: "."}
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pair", default="checkpoints/smollm2", help="the real pair's folder")
-    parser.add_argument("--dflash", default=None, help="a DFlash drafter folder (default: the newest DSpark)")
+    parser.add_argument(
+        "--dflash",
+        default=None,
+        help="a DFlash drafter folder (default: the newest DSpark); 'random': a fresh one (a dry run)",
+    )
     parser.add_argument(
         "--decoders", nargs="+", default=["dflash", "dflash_sampled_tree_lookup"], help="conf/decoding names"
     )
@@ -101,7 +105,10 @@ def main(args: argparse.Namespace) -> list[dict[str, Any]]:
     folder = args.dflash or newest_artifact(checkpoints(), "dspark", None, "dflash")
     if folder is None:
         raise SystemExit("no finished experiment=dspark run under checkpoints/dspark/: pass --dflash")
-    drafter = DFlashDrafter.from_pretrained(folder).to(pair.dtype).eval()
+    if folder == "random":
+        drafter = DFlashDrafter.from_verifier(pair.verifier, block_size=4).eval()
+    else:
+        drafter = DFlashDrafter.from_pretrained(folder).to(pair.dtype).eval()
     decoders = {"plain": AutoregressiveDecoder(pair.verifier)}
     decoders.update({name: build(name, pair.verifier, drafter) for name in args.decoders})
     prompts = setup.prompts(pair.tokenizer, args.prompts, split="test")
