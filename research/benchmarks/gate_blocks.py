@@ -33,7 +33,6 @@ from research.pairs import checkpoints, load_pair, pair_setup
 from train.decoding import AutoregressiveDecoder, SamplingParams
 from train.decoding.draft import Draft
 from train.decoding.draft_gate import FALLBACK, SHAPE, DraftGate
-from train.decoding.metrics import DecodeStats
 from train.decoding.proposers.lookup_proposer import PromptLookupProposer
 from train.models.dflash_drafter import DFlashDrafter
 from train.paths import PROJECT_ROOT
@@ -70,27 +69,19 @@ def recorded(letters: list[str]) -> Iterator[None]:
         letters.append(LETTERS[choice])
         return choice
 
-    def copy_logged(
-        self: PromptLookupProposer,
-        sequence: list[int],
-        budget: int,
-        params: SamplingParams,
-        generator: torch.Generator | None,
-        eos: frozenset[int],
-        stats: DecodeStats,
-    ) -> Draft:
-        draft = copy(self, sequence, budget, params, generator, eos, stats)
+    def copy_logged(self: PromptLookupProposer, *args: Any) -> Draft:
+        draft = copy(self, *args)
         if len(draft):
             letters.append("c")
         return draft
 
-    DraftGate.choose = choose_logged  # type: ignore[method-assign]
-    PromptLookupProposer.propose = copy_logged  # type: ignore[method-assign]
+    setattr(DraftGate, "choose", choose_logged)  # noqa: B010 (a method replaced while recording)
+    setattr(PromptLookupProposer, "propose", copy_logged)  # noqa: B010
     try:
         yield
     finally:
-        DraftGate.choose = choose  # type: ignore[method-assign]
-        PromptLookupProposer.propose = copy  # type: ignore[method-assign]
+        setattr(DraftGate, "choose", choose)  # noqa: B010
+        setattr(PromptLookupProposer, "propose", copy)  # noqa: B010
 
 
 def build(name: str, verifier: torch.nn.Module, drafter: DFlashDrafter) -> Any:

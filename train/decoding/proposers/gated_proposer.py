@@ -20,6 +20,7 @@ generation is never committed, so it is not recorded.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -116,14 +117,7 @@ def capped(propose: Propose, most: int) -> Propose:
     """``propose`` drafting at most ``most`` tokens whatever the block's budget: a tree's fallback chain of
     ``fallback_gamma`` drafts, where the loop's budget is the longer of the tree's depth and that chain."""
 
-    def propose_capped(
-        sequence: list[int],
-        budget: int,
-        params: SamplingParams,
-        generator: torch.Generator | None,
-        eos: frozenset[int],
-        stats: DecodeStats,
-    ) -> Draft:
-        return propose(sequence, min(budget, most), params, generator, eos, stats)
+    def propose_capped(sequence: list[int], budget: int, *rest: Any) -> Draft:
+        return propose(sequence, min(budget, most), *rest)
 
     return propose_capped
