@@ -175,8 +175,7 @@ class DraftTreeDecoder(Decoder):
         generator: torch.Generator | None,
     ) -> DecodeResult:
         drafting = behind_gate(self._proposer, self._gate, self.measure_costs, self._fallback)
-        gate_costs = self._gate.costs if self._gate is not None else None
-        proposer, max_draft = lookup_first(drafting, self.draft_budget, self._lookup, gate_costs)
+        proposer, max_draft = lookup_first(drafting, self.draft_budget, self._lookup, self._gate)
         return run_synchronous(
             self._verifier,
             proposer,

@@ -164,8 +164,7 @@ class SpeculativeDecoder(Decoder):
             steered = SteeredProposer(self._proposer, self.steering, handle) if handle is not None else None
             fallback = self._proposer.propose_cut if self.fallback_cut else None  # steered too: its hook
             drafting = behind_gate(steered or self._proposer, self._gate, self.measure_costs, fallback)
-            gate_costs = self._gate.costs if self._gate is not None else None
-            proposer, max_draft = lookup_first(drafting, self.gamma, self._lookup, gate_costs)
+            proposer, max_draft = lookup_first(drafting, self.gamma, self._lookup, self._gate)
             result = run_synchronous(
                 self._verifier,
                 proposer,

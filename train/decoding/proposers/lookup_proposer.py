@@ -21,8 +21,8 @@ from collections.abc import Sequence
 
 import torch
 
-from train.decoding.costs import StepCosts
 from train.decoding.draft import Draft
+from train.decoding.draft_gate import DraftGate
 from train.decoding.length_policy import CostAwareLength, regime
 from train.decoding.metrics import DecodeStats
 from train.decoding.proposers.fallback_proposer import FallbackProposer
@@ -112,16 +112,16 @@ class PromptLookupProposer:
 
 
 def lookup_first(
-    proposer: Proposer, budget: int, lookup: PromptLookupProposer | None, costs: StepCosts | None = None
+    proposer: Proposer, budget: int, lookup: PromptLookupProposer | None, gate: DraftGate | None = None
 ) -> tuple[Proposer, int]:
     """``proposer`` behind prompt lookup (its drafts capped at ``budget`` tokens), or itself when
     ``lookup`` is None; with the most tokens a block may then draft (the loop's ``max_draft``).
-    ``costs`` (a gated decoder's measured ones): what the copies are cut by where their cost-aware length
-    has no costs yet."""
+    ``gate`` (a gated decoder's, its costs measured): its costs are what the copies are cut by where their
+    cost-aware length has none yet."""
     if lookup is None:
         return proposer, budget
-    if lookup.length is not None and lookup.length.costs is None:
-        lookup.length.costs = costs
+    if lookup.length is not None and lookup.length.costs is None and gate is not None:
+        lookup.length.costs = gate.costs
     return FallbackProposer(lookup, proposer, budget), max(budget, lookup.num_tokens)
 
 
@@ -143,5 +143,7 @@ def prompt_lookup(
     if not num_tokens:
         return None
     lookup = PromptLookupProposer(num_tokens, max_ngram, min_ngram)
-    lookup.length = length if length is not None or not gated else CostAwareLength()
+    if length is None and gated:
+        length = CostAwareLength()  # its costs: the gate's (lookup_first)
+    lookup.length = length
     return lookup
